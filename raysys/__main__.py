@@ -1,0 +1,5 @@
+import sys
+
+from raysys.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""``python -m raysys.bench <workload>``: the naive and optimized paths, measured in one process.
+
+The seeds' speedups were mostly guesses. This runs both paths on the same data on this machine,
+prints the ratio, and writes the figures as JSON (``--json``) with at least: workload, device,
+naive.throughput, optimized.throughput, speedup, naive.quality, optimized.quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+from raysys import workload as registry
+from raysys.config import ConfigError
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def format_table(res: dict) -> str:
+    unit = res.get("throughput_unit", "samples/s")
+    qname = res.get("quality_metric", "quality")
+    lines = [f"workload {res['workload']} | device {res['device']}",
+             f"{'path':<11}{'throughput (' + unit + ')':>30}{qname:>16}"]
+    for path in ("naive", "optimized"):
+        r = res[path]
+        q = r.get("quality")
+        lines.append(f"{path:<11}{r['throughput']:>30.1f}{(f'{q:.4f}' if isinstance(q, (int, float)) else str(q)):>16}")
+    lines.append(f"speedup    {res['speedup']:.2f}x")
+    for k, v in res.get("extra", {}).items():
+        lines.append(f"{k}: {v}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raysys.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workload", help="workload name (see `python -m raysys list`)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and a short quality run (a minute or two)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    try:
+        wl = registry.get(args.workload)
+    except ConfigError as e:
+        print(f"raysys.bench: {e}", file=sys.stderr)
+        return 2
+    res = wl.bench(quick=args.quick)
+    res.setdefault("workload", wl.name)
+    res.setdefault("device", device_name())
+    print(format_table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Atomic, safe-to-load checkpoints in a run folder.
+
+Layout: ``<storage>/<run>/checkpoints/step_000001234/{state.pt, meta.json}``. A checkpoint is
+written to a hidden temporary folder and renamed into place, so a crash mid-write never leaves a
+half checkpoint that looks complete; older checkpoints are pruned only after a newer one is in
+place. Loading uses ``torch.load(weights_only=True)`` (no arbitrary unpickling), and a checkpoint
+written by another workload or an incompatible config is refused with a message naming the
+difference. A corrupt checkpoint is reported, never deleted or overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from raysys.config import flatten
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (corrupt, foreign workload, incompatible config)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class CheckpointStore:
+    def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2):
+        """``identity``: the config subset a checkpoint must match to be resumed (model shape, data)."""
+        self.root = Path(run_dir) / "checkpoints"
+        # through JSON once, so tuples compare equal to the lists a saved meta.json holds
+        self.workload, self.identity, self.keep = workload, json.loads(json.dumps(identity, default=str)), keep
+
+    def complete(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        done = [p for p in self.root.glob("step_*") if (p / "meta.json").is_file()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+    def latest(self) -> Optional[Path]:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, state: dict, step: int, extra_meta: Optional[dict] = None) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"step_{step:09d}"
+        tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        with open(tmp / "state.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {"workload": self.workload, "identity": self.identity, "step": step, "time": time.time(),
+                "torch": torch.__version__, **(extra_meta or {})}
+        # meta.json is written last: its presence marks the checkpoint complete.
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        _fsync_dir(tmp)
+        if final.exists():  # same step saved again after a restart: keep the old one until the swap
+            old = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        for stale in self.complete()[:-self.keep]:
+            shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+    def load(self, path: Optional[Path] = None) -> tuple[dict, dict]:
+        """Load (state, meta) from ``path`` or the latest checkpoint; raise CheckpointError if unusable."""
+        path = path or self.latest()
+        if path is None:
+            raise CheckpointError(f"no checkpoint in {self.root}")
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path} is corrupt: unreadable meta.json ({e}). It was left untouched.") from None
+        if meta.get("workload") != self.workload:
+            raise CheckpointError(
+                f"checkpoint {path} belongs to workload '{meta.get('workload')}', not '{self.workload}'; "
+                "refusing to resume from it")
+        diff = _diff(meta.get("identity", {}), self.identity)
+        if diff:
+            raise CheckpointError(f"checkpoint {path} was written with a different config: {'; '.join(diff)}. "
+                                  "Resume with the same settings, or start a new run (another --name).")
+        try:
+            state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt or unsafe to load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                "It was left untouched; move it aside to resume from an earlier one.") from None
+        return state, meta
+
+
+def _diff(saved: dict, current: dict) -> list[str]:
+    a, b = flatten(saved), flatten(current)
+    return [f"{k}: checkpoint={a.get(k)!r} now={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]

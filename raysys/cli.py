@@ -1,0 +1,139 @@
+"""``python -m raysys``: train a workload, list workloads, show a config.
+
+Works unchanged as the entrypoint of ``ray job submit ... -- python -m raysys train ...``: inside
+a job, $RAY_ADDRESS points at the cluster and the run joins it instead of starting Ray locally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Optional
+
+import yaml
+
+from raysys import workload as registry
+from raysys.config import ConfigError, apply_overrides, load_yaml, parse_set_args, to_dict
+
+EPILOG = """examples:
+  python -m raysys train deep_gpcm                              # embedded defaults: local Ray, ./mlflow.db
+  python -m raysys train deep_gpcm --preset quick --workers 0   # in-process, no Ray actors
+  python -m raysys train deep_gpcm --set train.precision=bf16 --set train.batch_size=64 --workers 2
+  python -m raysys train deep_gpcm --name my-run --resume       # continue an interrupted run
+  python -m raysys show deep_gpcm --preset parity               # print the resolved config as YAML
+  python -m raysys.bench deep_gpcm --quick                      # naive vs optimized, measured
+  python -m raysys.tune --space tune_spaces/deep_gpcm.yaml      # speed/quality sweep
+"""
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="workload name (see `python -m raysys list`)")
+    p.add_argument("--preset", default="default", help="named config preset of the workload (default: %(default)s)")
+    p.add_argument("--config", metavar="YAML", help="YAML file of config keys, nested or dotted, applied after the preset")
+    p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
+                   help="override one config key by dotted path, e.g. train.lr=3e-4 (repeatable; applied last)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m raysys", description=(
+        "raysys: run training workloads on Ray with their slow (naive) and fast (optimized) paths, "
+        "tracked in MLflow. Every knob is a config key: see `show`."),
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a workload", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train a workload under Ray Train (or in-process with --workers 0).", epilog=EPILOG)
+    _config_args(t)
+    t.add_argument("--workers", type=int, help="data-parallel Ray Train workers; 0 = in this process (launch.workers)")
+    t.add_argument("--gpus-per-worker", type=float, help="GPUs per worker; >0 uses CUDA + NCCL (launch.gpus_per_worker)")
+    t.add_argument("--address", help="Ray cluster address, e.g. auto or ray://head:10001; default: $RAY_ADDRESS or "
+                                     "a Ray instance started in this process (launch.address)")
+    t.add_argument("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
+    t.add_argument("--experiment", help="MLflow experiment name (default raysys-<workload>)")
+    t.add_argument("--name", help="run name: folder under --storage-path and MLflow run name")
+    t.add_argument("--storage-path", help="folder for checkpoints and run state (shared by all nodes on a cluster)")
+    t.add_argument("--resume", action="store_true", help="continue run --name (or the newest run of this workload) "
+                                                          "from its last checkpoint, without repeating finished steps")
+    t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures)")
+
+    s = sub.add_parser("show", help="print a workload's resolved config as YAML")
+    _config_args(s)
+    sub.add_parser("list", help="list the workloads and their presets")
+    return parser
+
+
+LAUNCH_FLAGS = {"workers": "workers", "gpus_per_worker": "gpus_per_worker", "address": "address",
+                "tracking_uri": "tracking_uri", "experiment": "experiment", "name": "name",
+                "storage_path": "storage_path", "max_failures": "max_failures"}
+
+
+def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
+    wl = registry.get(args.workload)
+    cfg = wl.config(args.preset)
+    if args.config:
+        cfg = apply_overrides(cfg, load_yaml(args.config))
+    cfg = apply_overrides(cfg, parse_set_args(args.sets))
+    launch = {f"launch.{key}": getattr(args, flag) for flag, key in LAUNCH_FLAGS.items()
+              if getattr(args, flag, None) is not None}
+    if getattr(args, "resume", False):
+        launch["launch.resume"] = True
+    return wl, apply_overrides(cfg, launch)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            for name in registry.available():
+                wl = registry.get(name)
+                print(f"{name:16s} {wl.description}\n{'':16s} presets: {', '.join(wl.presets)}")
+            return 0
+        wl, cfg = build_config(args)
+        if args.command == "show":
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
+        if wl.task is not None:
+            from raysys.train.launcher import run_training
+
+            result = run_training(wl.name, cfg)
+        else:
+            from raysys.session import run_custom
+
+            result = run_custom(wl, cfg)
+        quality = result.metrics.get("eval/quality")
+        print(f"[raysys] done: run '{result.name}' quality={quality} | {result.run_dir}")
+        return 0
+    except ConfigError as e:
+        print(f"raysys: config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from raysys.checkpoint import CheckpointError
+
+        root = _root_cause(e)
+        if isinstance(root, (CheckpointError, ConfigError)):
+            print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """Ray wraps worker exceptions (possibly several levels); find ours for a one-line message."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        from raysys.checkpoint import CheckpointError
+
+        if isinstance(e, (CheckpointError, ConfigError)):
+            return e
+        inner = getattr(e, "worker_failures", None)
+        if isinstance(inner, dict) and inner:
+            e = next(iter(inner.values()))
+            continue
+        e = e.__cause__ or e.__context__
+    return e
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Typed configuration: nested dataclasses, YAML files and dotted ``--set`` overrides.
+
+Every workload's config is a tree of dataclasses. Users change it three ways, applied in order:
+a preset (Python function), a YAML file, and ``--set key.path=value`` overrides. Whatever the
+source, a key that does not exist or a value of the wrong type fails *before anything starts*,
+with a message naming the key and the allowed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix (unknown key, wrong type, bad YAML)."""
+
+
+def to_dict(cfg: Any) -> dict:
+    """Nested plain dict of a dataclass config (JSON/YAML-safe)."""
+    return dataclasses.asdict(cfg)
+
+
+def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def allowed_keys(cfg_or_cls: Any, prefix: str = "") -> list[str]:
+    """Every dotted leaf path of a config class, for error messages and tune-space validation."""
+    cls = cfg_or_cls if isinstance(cfg_or_cls, type) else type(cfg_or_cls)
+    keys = []
+    for name, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            keys += allowed_keys(tp, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert ``value`` (often a string from the command line) to type ``tp`` or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        for a in allowed:
+            if value == a or (isinstance(value, str) and str(a) == value):
+                return a
+        raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        items = [coerce(v.strip() if isinstance(v, str) else v, item_tp, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported config type {tp}")
+
+
+def apply_overrides(cfg: Any, overrides: Mapping[str, Any]) -> Any:
+    """Return a copy of ``cfg`` with dotted-path ``overrides`` applied and type-checked."""
+    cfg = _deepcopy(cfg)
+    for key, value in overrides.items():
+        node, parts = cfg, key.split(".")
+        for i, part in enumerate(parts):
+            types_here = _field_types(type(node))
+            if part not in types_here:
+                where = ".".join(parts[:i]) or "the top level"
+                allowed = sorted(types_here)
+                raise ConfigError(
+                    f"unknown config key '{key}' ('{part}' is not a field of {where}); "
+                    f"allowed there: {', '.join(allowed)}"
+                )
+            tp = types_here[part]
+            if i < len(parts) - 1:
+                if not dataclasses.is_dataclass(tp):
+                    raise ConfigError(f"unknown config key '{key}': '{'.'.join(parts[:i + 1])}' is a value, not a section")
+                node = getattr(node, part)
+            elif dataclasses.is_dataclass(tp):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"config key '{key}' is a section; set its fields, e.g. {key}.{allowed_keys(tp)[0].split('.')[0]}=...")
+                apply_in_place(getattr(node, part), flatten(value))
+            else:
+                setattr(node, part, coerce(value, tp, key))
+    _validate(cfg)
+    return cfg
+
+
+def apply_in_place(node: Any, overrides: Mapping[str, Any]) -> None:
+    new = apply_overrides(node, overrides)
+    for f in dataclasses.fields(node):
+        setattr(node, f.name, getattr(new, f.name))
+
+
+def _deepcopy(cfg: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(cfg)
+
+
+def _validate(cfg: Any) -> None:
+    """Run ``validate()`` hooks bottom-up so sections can check cross-field constraints."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            _validate(v)
+    hook = getattr(cfg, "validate", None)
+    if callable(hook):
+        hook()
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into dotted overrides; a clear ConfigError on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"bad YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys, got {type(data).__name__}")
+    return flatten(data)
+
+
+def parse_set_args(items: list[str] | None) -> dict[str, str]:
+    """['train.lr=1e-3', ...] -> {'train.lr': '1e-3'}; values stay strings until coerced."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key.path=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()  # typed later by coerce(), against the field's annotation
+    return out
+
+
+def from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+    """Rebuild a config from ``to_dict`` output (e.g. inside a Ray worker or from a checkpoint)."""
+    return apply_overrides(cls(), flatten(data))
+
+
+def fingerprint(d: Mapping[str, Any]) -> str:
+    """Short stable hash of a (sub)config, stored in checkpoints to refuse mismatched resumes."""
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,161 @@
+"""Measured step-time breakdown, throughput, and stability signals, shared by every loop.
+
+Seed 002 could only *estimate* where a step's time goes. ``PhaseTimer`` measures it: wall time of
+data wait, host->device copy, forward, backward, optimizer and the rest, per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict, deque
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "other")
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase over timed steps.
+
+    On CUDA, kernels run asynchronously, so a phase's wall time is only meaningful if the device
+    is drained at its boundaries: ``sync`` (e.g. torch.cuda.synchronize) is called then. That sync
+    costs overlap, so only every k-th step is timed (``every``); the others run free.
+    """
+
+    def __init__(self, sync: Optional[Callable[[], None]] = None, every: int = 1):
+        self.sync, self.every = sync, every
+        self.totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.active = False
+        self._step_start = 0.0
+        self._named_at_start = 0.0
+
+    def start_step(self, step: int) -> None:
+        self.active = step % self.every == 0
+        if self.active:
+            if self.sync:
+                self.sync()
+            self._named_at_start = self._named_total()
+            self._step_start = time.perf_counter()
+
+    def _named_total(self) -> float:
+        return sum(self.totals[p] for p in PHASES if p != "other")
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        if self.sync:
+            self.sync()  # this is a CPU-GPU sync point, paid only on timed steps
+        self.totals[name] += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        if not self.active:
+            return
+        if self.sync:
+            self.sync()
+        total = time.perf_counter() - self._step_start
+        named = self._named_total() - self._named_at_start
+        self.totals["other"] += max(0.0, total - named)
+        self.totals["step"] += total
+        self.steps += 1
+
+    def summary(self) -> dict[str, float]:
+        """Mean milliseconds per step for each phase, and the total."""
+        n = max(self.steps, 1)
+        return {f"{p}_ms": 1000 * self.totals[p] / n for p in (*PHASES, "step")}
+
+    def table(self) -> str:
+        """A markdown table of the breakdown (ms/step and share of the step)."""
+        s = self.summary()
+        step = s["step_ms"] or 1.0
+        rows = ["| phase | ms/step | share |", "|---|---:|---:|"]
+        rows += [f"| {p} | {s[p + '_ms']:.2f} | {100 * s[p + '_ms'] / step:.1f}% |" for p in PHASES]
+        rows.append(f"| **step** | {step:.2f} | 100% |")
+        return "\n".join(rows) + f"\n\n{self.steps} timed steps\n"
+
+    def state_dict(self) -> dict:
+        return {"totals": dict(self.totals), "steps": self.steps}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.totals = defaultdict(float, d["totals"])
+        self.steps = d["steps"]
+
+
+class StabilityMonitor:
+    """Non-finite loss/grad counts, loss spikes against a running median, grad-norm statistics."""
+
+    def __init__(self, spike_factor: float = 4.0, window: int = 50):
+        self.spike_factor = spike_factor
+        self.recent: deque[float] = deque(maxlen=window)
+        self.nonfinite_loss = 0
+        self.nonfinite_grad = 0
+        self.spikes = 0
+        self.grad_norms: list[float] = []
+
+    def observe(self, loss: float, grad_norm: Optional[float]) -> None:
+        if not math.isfinite(loss):
+            self.nonfinite_loss += 1
+        else:
+            if len(self.recent) >= 10:
+                med = sorted(self.recent)[len(self.recent) // 2]
+                if loss > self.spike_factor * max(med, 1e-8):
+                    self.spikes += 1
+            self.recent.append(loss)
+        if grad_norm is not None:
+            if math.isfinite(grad_norm):
+                self.grad_norms.append(grad_norm)
+            else:
+                self.nonfinite_grad += 1
+
+    def metrics(self) -> dict[str, float]:
+        g = self.grad_norms[-200:]
+        out = {
+            "stability/nonfinite_loss": float(self.nonfinite_loss),
+            "stability/nonfinite_grad": float(self.nonfinite_grad),
+            "stability/loss_spikes": float(self.spikes),
+        }
+        if g:
+            out["stability/grad_norm_mean"] = sum(g) / len(g)
+            out["stability/grad_norm_max"] = max(g)
+        return out
+
+    @property
+    def diverged(self) -> bool:
+        return self.nonfinite_loss > 0
+
+    def state_dict(self) -> dict:
+        return {"recent": list(self.recent), "nonfinite_loss": self.nonfinite_loss, "nonfinite_grad": self.nonfinite_grad,
+                "spikes": self.spikes, "grad_norms": self.grad_norms[-200:]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.recent.extend(d["recent"])
+        self.nonfinite_loss, self.nonfinite_grad = d["nonfinite_loss"], d["nonfinite_grad"]
+        self.spikes, self.grad_norms = d["spikes"], list(d["grad_norms"])
+
+
+class Throughput:
+    """Samples/s and tokens/s over a sliding window of steps (and over the whole run)."""
+
+    def __init__(self, window: int = 20):
+        self.window: deque[tuple[float, int, int]] = deque(maxlen=window)
+        self.total_samples = 0
+        self.total_tokens = 0
+        self.total_time = 0.0
+
+    def update(self, seconds: float, samples: int, tokens: int) -> None:
+        self.window.append((seconds, samples, tokens))
+        self.total_samples += samples
+        self.total_tokens += tokens
+        self.total_time += seconds
+
+    def rates(self, world_size: int = 1) -> dict[str, float]:
+        t = sum(w[0] for w in self.window) or 1e-9
+        return {
+            "perf/samples_per_s": world_size * sum(w[1] for w in self.window) / t,
+            "perf/tokens_per_s": world_size * sum(w[2] for w in self.window) / t,
+        }

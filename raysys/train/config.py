@@ -1,0 +1,137 @@
+"""Config sections shared by every workload: how to optimise, load data, and launch on Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from raysys.config import ConfigError
+
+Precision = Literal["fp32", "fp16", "bf16"]
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule and gradient clipping."""
+
+    name: Literal["adam", "adamw"] = "adam"
+    """Adam (the originals) or AdamW (decoupled weight decay)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """L2 (adam) or decoupled (adamw) weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    schedule: Literal["constant", "cosine", "cosine_warm_restarts", "linear"] = "constant"
+    """LR schedule after warmup: constant, cosine decay to lr*min_lr_ratio, cosine with warm restarts
+    (SGDR; period ``restart_period`` optimizer steps, doubling by ``restart_mult``), or linear decay."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 over this many optimizer steps."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decaying schedules as a fraction of ``lr``."""
+    restart_period: int = 500
+    """First period of cosine_warm_restarts, in optimizer steps."""
+    restart_mult: int = 1
+    """Period multiplier after each warm restart."""
+    clip_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value (None disables clipping)."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.restart_period < 1 or self.restart_mult < 1:
+            raise ConfigError("optim.warmup_steps >= 0, optim.restart_period >= 1 and optim.restart_mult >= 1 are required")
+
+
+@dataclass
+class LoaderConfig:
+    """torch DataLoader knobs (the seeds argue about each of these)."""
+
+    num_workers: int = 0
+    """Background loader processes (0 = load in the training process)."""
+    pin_memory: bool = False
+    """Page-locked host buffers, for faster and asynchronous host->GPU copies (CUDA only)."""
+    prefetch_factor: Optional[int] = None
+    """Batches each loader worker prepares ahead (needs num_workers > 0)."""
+    persistent_workers: bool = False
+    """Keep loader workers alive between epochs (needs num_workers > 0)."""
+
+    def validate(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"loader.num_workers must be >= 0, got {self.num_workers}")
+        if self.num_workers == 0 and (self.prefetch_factor is not None or self.persistent_workers):
+            raise ConfigError("loader.prefetch_factor and loader.persistent_workers need loader.num_workers > 0")
+
+
+@dataclass
+class TrainConfig:
+    """The shared PyTorch training loop (raysys.train.loop)."""
+
+    epochs: int = 10
+    """Passes over the training set."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (overrides epochs when reached first)."""
+    batch_size: int = 32
+    """Micro-batch size per worker."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; DDP gradient sync happens only on the last one."""
+    precision: Precision = "fp32"
+    """fp32, fp16 (autocast + GradScaler) or bf16 (autocast, no scaler)."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    cudnn_benchmark: bool = False
+    """Let cuDNN pick the fastest kernels for fixed shapes (CUDA only)."""
+    seed: int = 0
+    """Seed of model init, data order and dropout."""
+    log_every_steps: int = 10
+    """Progress line and step metrics every this many optimizer steps."""
+    eval_every_epochs: int = 1
+    """Evaluate quality every this many epochs (and always after the last)."""
+    checkpoint_every_steps: Optional[int] = None
+    """Checkpoint every this many optimizer steps (None: only at epoch ends)."""
+    checkpoint_every_minutes: Optional[float] = None
+    """Also checkpoint when this many minutes passed since the last one."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk; older ones are deleted only after a newer one is complete."""
+    breakdown_every_steps: int = 1
+    """Time the phases of every k-th step (on CUDA each timed phase costs a device sync)."""
+    spike_factor: float = 4.0
+    """A loss above this multiple of the running median counts as a spike."""
+
+    def validate(self) -> None:
+        for name in ("epochs", "batch_size", "grad_accum", "log_every_steps", "eval_every_epochs", "keep_checkpoints",
+                     "breakdown_every_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class LaunchConfig:
+    """Where and how a run executes: Ray cluster, workers, tracking and storage."""
+
+    workers: int = 1
+    """Ray Train workers (data-parallel ranks). 0 runs the loop in this process, without Ray actors."""
+    gpus_per_worker: float = 0.0
+    """GPUs per worker; > 0 selects CUDA and NCCL, else CPU and gloo."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker."""
+    address: Optional[str] = None
+    """Ray cluster address (e.g. 'auto', 'ray://host:10001'); None starts Ray in-process unless RAY_ADDRESS is set."""
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI; None uses $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db."""
+    experiment: Optional[str] = None
+    """MLflow experiment name (default: raysys-<workload>)."""
+    name: Optional[str] = None
+    """Run name: the run's folder under storage_path and its MLflow run name. Default: <workload>-<time>."""
+    storage_path: str = "raysys_runs"
+    """Folder (shared by all nodes on a cluster) for checkpoints and run state."""
+    resume: bool = False
+    """Continue the run called ``name`` (or the newest run of this workload) from its last checkpoint."""
+    max_failures: int = 2
+    """Worker-group restarts (from the last checkpoint) before the run fails."""
+
+    def validate(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"launch.workers must be >= 0, got {self.workers}")
+        if self.gpus_per_worker < 0 or self.max_failures < 0:
+            raise ConfigError("launch.gpus_per_worker and launch.max_failures must be >= 0")

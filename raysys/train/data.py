@@ -1,0 +1,60 @@
+"""Data sharding that can resume mid-epoch, and batch transfer to the device."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Mapping
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from raysys.train.config import LoaderConfig
+
+
+class ShardSampler(Sampler[int]):
+    """This rank's share of a per-epoch shuffled index order, starting at any position.
+
+    Like ``DistributedSampler``, every rank gets the same number of indices (the order is padded
+    by wrapping), because DDP and ``ray.train.report`` need all ranks to take the same number of
+    steps. Unlike it, ``start`` skips already-consumed samples, so a run resumed mid-epoch sees
+    exactly the batches it had not trained on, without loading and discarding the others.
+    """
+
+    def __init__(self, n: int, rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True):
+        self.n, self.rank, self.world, self.seed, self.shuffle = n, rank, world, seed, shuffle
+        self.per_rank = math.ceil(n / world)
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def _order(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + 1_000_003 * self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        total = self.per_rank * self.world
+        order += order[: total - len(order)]
+        return order[self.rank:total:self.world]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order()[self.start:])
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+
+def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: LoaderConfig, device: torch.device) -> DataLoader:
+    kwargs = {}
+    if cfg.num_workers > 0:
+        kwargs.update(persistent_workers=cfg.persistent_workers)
+        if cfg.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = cfg.prefetch_factor
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers,
+                      pin_memory=cfg.pin_memory and device.type == "cuda", **kwargs)
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    # non_blocking only helps from pinned memory; harmless otherwise
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -1,0 +1,137 @@
+"""Driver side of a training run: name it, track it, and hand it to Ray Train.
+
+``run_training`` is what ``python -m raysys train`` and each Tune trial call. It resolves the
+run's folder (refusing to clobber an existing run unless resuming), validates an existing
+checkpoint *before* any worker starts, prepares data once, opens the MLflow run, and fits a Train
+V2 ``TorchTrainer`` (``--workers 0`` runs the same loop in this process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from raysys import tracking
+from raysys import workload as registry
+from raysys.checkpoint import CheckpointStore
+from raysys.config import ConfigError, flatten, to_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    name: str
+    run_dir: Path
+    run_id: Optional[str]
+    tracking_uri: str
+    metrics: dict[str, Any]
+
+
+def identity_of(wl: registry.Workload, cfg: Any) -> dict:
+    """Config sections a checkpoint must match (model shape and data by default)."""
+    d = to_dict(cfg)
+    return {k: d[k] for k in wl.extra.get("identity_sections", ("model", "data")) if k in d}
+
+
+def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
+    storage = Path(launch.storage_path).resolve()
+    name = launch.name
+    if launch.resume and not name:  # newest run of this workload
+        runs = sorted((p for p in storage.glob(f"{wl_name}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise ConfigError(f"--resume: no earlier {wl_name} run under {storage}")
+        name = runs[-1].name
+    name = name or f"{wl_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = storage / name
+    if launch.resume and not run_dir.is_dir():
+        raise ConfigError(f"--resume: no run called '{name}' under {storage}")
+    if not launch.resume and run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(f"a run called '{name}' already exists at {run_dir}; pass --resume to continue it "
+                          "or choose another --name (nothing was changed)")
+    return name, run_dir
+
+
+def init_ray(address: Optional[str]) -> None:
+    """Connect to ``address`` / $RAY_ADDRESS, or start Ray in this process with quiet defaults."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Train V2's preemption watcher polls every 5 s and dominates teardown of short local runs.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+
+
+def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, parent_run_id: Optional[str] = None,
+                 tags: Optional[dict] = None) -> RunResult:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raysys.train.loop import train_loop_per_worker
+
+    wl = registry.get(wl_name)
+    if wl.task is None:
+        raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
+    launch = cfg.launch
+    name, run_dir = resolve_run_dir(wl.name, launch)
+    identity = identity_of(wl, cfg)
+    store = CheckpointStore(run_dir, wl.name, identity)
+    if launch.resume and store.latest() is not None:
+        store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = wl.task.prepare(cfg) or cfg  # data made/validated once here; paths made absolute for workers
+    cfg_dict = to_dict(cfg)
+    (run_dir / ("config.resumed.yaml" if launch.resume else "config.yaml")).write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+
+    uri = tracking.resolve_tracking_uri(launch.tracking_uri)
+    experiment = launch.experiment or f"raysys-{wl.name}"
+    run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, **(tags or {})},
+                                parent_run_id=parent_run_id, resume=launch.resume)
+    logger = tracking.MLflowLogger(uri, run_id)
+    logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
+                      | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
+    logger.log_artifact(run_dir / ("config.resumed.yaml" if launch.resume else "config.yaml"))
+    print(f"[raysys] run '{name}' -> {run_dir}\n[raysys] MLflow: {uri} (experiment '{experiment}', run {run_id})", flush=True)
+
+    payload = {"workload": wl.name, "config": cfg_dict, "run_dir": str(run_dir), "identity": identity,
+               "tracking_uri": uri, "run_id": run_id}
+    use_gpu = launch.gpus_per_worker > 0
+    if launch.workers > 0:
+        init_ray(launch.address)
+    resources = {"CPU": launch.cpus_per_worker, **({"GPU": launch.gpus_per_worker} if use_gpu else {})}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=payload,
+        scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu,
+                                     resources_per_worker=resources if launch.workers > 0 else None),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(name=name, storage_path=str(run_dir.parent), callbacks=callbacks,
+                             failure_config=FailureConfig(max_failures=launch.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=1)),
+    )
+    status = "FAILED"
+    try:
+        trainer.fit()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        final_path = run_dir / "final_metrics.json"
+        if final_path.is_file() and (run_dir / "breakdown.md").is_file():
+            logger.log_artifact(run_dir / "breakdown.md")
+        tracking.end_run(uri, run_id, status=status)
+    metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
+    return RunResult(name, run_dir, run_id, uri, metrics)

@@ -1,0 +1,256 @@
+"""The one PyTorch training loop, run by every Ray Train worker (or in-process with --workers 0).
+
+A flat loop, nanoGPT-style: micro-batches -> forward/backward (DDP syncs only on the last
+micro-batch) -> clip -> optimizer step -> LR schedule; metrics, checkpoints and evaluation at
+fixed step/epoch boundaries so that every rank makes the same ``ray.train.report`` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from raysys import workload as registry
+from raysys.checkpoint import CheckpointStore
+from raysys.config import from_dict
+from raysys.metrics import PhaseTimer, StabilityMonitor, Throughput
+from raysys.tracking import MLflowLogger, NullLogger
+from raysys.train.data import ShardSampler, make_loader, to_device
+from raysys.train.optim import build_optimizer, build_scheduler
+
+MAX_NONFINITE = 20  # consecutive non-finite losses after which a run is declared diverged and stops
+
+
+def _ray_context() -> tuple[int, int]:
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return ctx.get_world_rank(), ctx.get_world_size()
+
+
+def _device(gpus_per_worker: float) -> torch.device:
+    if gpus_per_worker > 0 and torch.cuda.is_available():
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+    return torch.device("cpu")
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _rng_state() -> dict:
+    # torch's generator drives init, shuffling (via ShardSampler seeds) and dropout; tensors load weights_only
+    return {"torch": torch.get_rng_state()}
+
+
+def _broadcast_flag(flag: bool, world: int, device: torch.device) -> bool:
+    """Rank 0's decision for everyone (time-based checkpoints must be taken by all ranks together)."""
+    if world == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    torch.distributed.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def train_loop_per_worker(payload: dict[str, Any]) -> None:
+    import ray.train
+
+    wl = registry.get(payload["workload"])
+    task = wl.task
+    cfg = from_dict(wl.config_cls, payload["config"])
+    tc = cfg.train
+    rank, world = _ray_context()
+    device = _device(cfg.launch.gpus_per_worker)
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    np.random.seed(tc.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = tc.cudnn_benchmark
+
+    task.prepare(cfg)  # idempotent: on a cluster each node makes or checks its own copy of the data
+    train_ds, eval_ds = task.datasets(cfg)
+    model = task.build_model(cfg).to(device)
+    ddp = None
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    fwd_model = ddp or model
+    if tc.compile:
+        fwd_model = torch.compile(fwd_model)
+
+    sampler = ShardSampler(len(train_ds), rank, world, seed=tc.seed)
+    micro_per_epoch = math.ceil(len(sampler) / tc.batch_size)
+    steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
+    total_steps = steps_per_epoch * tc.epochs if tc.max_steps is None else min(tc.max_steps, steps_per_epoch * tc.epochs)
+    opt = build_optimizer(cfg.optim, model)
+    sched = build_scheduler(cfg.optim, opt, total_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
+    timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None, every=tc.breakdown_every_steps)
+    monitor = StabilityMonitor(spike_factor=tc.spike_factor)
+    speed = Throughput()
+
+    run_dir = Path(payload["run_dir"])
+    store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints)
+    step, epoch, micro_done = 0, 0, 0
+    latest = store.latest()
+    if latest is not None:
+        state, meta = store.load(latest)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        timer.load_state_dict(state["timer"])
+        monitor.load_state_dict(state["monitor"])
+        torch.set_rng_state(state["rng"]["torch"])
+        step, epoch, micro_done = state["step"], state["epoch"], state["micro_in_epoch"]
+        if rank == 0:
+            print(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})", flush=True)
+
+    logger = MLflowLogger(payload["tracking_uri"], payload["run_id"]) if rank == 0 and payload.get("run_id") else NullLogger()
+    eval_loader_items = None
+
+    def save_checkpoint() -> None:
+        if rank == 0:
+            store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
+                        "rng": _rng_state(), "step": step, "epoch": epoch, "micro_in_epoch": micro_done},
+                       step, {"epoch": epoch})
+
+    def evaluate() -> dict[str, float]:
+        nonlocal eval_loader_items
+        if eval_loader_items is None:  # eval batches are fixed: build (and move) them once
+            loader = make_loader(eval_ds, tc.batch_size, ShardSampler(len(eval_ds), shuffle=False), task.collate, cfg.loader, device)
+            eval_loader_items = [to_device(b, device) for b in loader]
+        model.eval()
+        with torch.no_grad(), _autocast(tc.precision, device):
+            metrics = task.evaluate(model, eval_loader_items)
+        model.train()
+        out = {f"eval/{k}": float(v) for k, v in metrics.items()}
+        out["eval/quality"] = out.get(f"eval/{task.quality_metric}", float("nan"))  # the workload-neutral name
+        return out
+
+    last_ckpt_time = time.monotonic()
+    t_run, step_at_start = time.monotonic(), step
+    last_eval: dict[str, float] = {}
+    loss_val = float("nan")
+    diverged = False
+    nonfinite_streak = 0
+    model.train()
+    while epoch < tc.epochs and step < total_steps and not diverged:
+        sampler.set_epoch(epoch, start=micro_done * tc.batch_size)
+        it = iter(make_loader(train_ds, tc.batch_size, sampler, task.collate, cfg.loader, device))
+        exhausted = False
+        while not exhausted and step < total_steps:
+            timer.start_step(step)
+            t0 = time.perf_counter()
+            losses, samples, tokens, n_micro = [], 0, 0, 0
+            for i in range(tc.grad_accum):
+                with timer.phase("data_wait"):
+                    batch = next(it, None)
+                if batch is None:
+                    exhausted = True
+                    break
+                with timer.phase("h2d"):
+                    batch = to_device(batch, device)
+                last = i == tc.grad_accum - 1 or micro_done + 1 == micro_per_epoch
+                # no DDP all-reduce on accumulation micro-steps: gradients sync once per optimizer step
+                sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
+                with sync:
+                    with timer.phase("forward"), _autocast(tc.precision, device):
+                        loss, stats = task.loss(fwd_model, batch)
+                    with timer.phase("backward"):
+                        scaler.scale(loss / tc.grad_accum).backward()
+                losses.append(loss.detach())
+                samples += int(stats.get("samples", 0))
+                tokens += int(stats.get("tokens", 0))
+                micro_done += 1
+                n_micro += 1
+                if last:
+                    break
+            if n_micro == 0:
+                break
+            with timer.phase("optimizer"):
+                scaler.unscale_(opt)
+                clip = cfg.optim.clip_grad_norm
+                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+                loss_val = float(torch.stack(losses).mean())  # this is a CPU-GPU sync point (once per step)
+                if math.isfinite(loss_val):
+                    scaler.step(opt)  # with fp16 the scaler itself skips steps with inf/nan grads
+                    nonfinite_streak = 0
+                else:
+                    nonfinite_streak += 1
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                sched.step()
+            timer.end_step()
+            speed.update(time.perf_counter() - t0, samples, tokens)
+            monitor.observe(loss_val, float(gn))
+            step += 1
+            diverged = nonfinite_streak >= MAX_NONFINITE
+
+            if step % tc.log_every_steps == 0 or diverged:
+                metrics = {"train/loss": loss_val, "train/lr": sched.get_last_lr()[0], "train/epoch": epoch + micro_done / micro_per_epoch,
+                           **speed.rates(world), **monitor.metrics()}
+                logger.log_metrics(metrics, step)
+                if rank == 0:
+                    _progress(wl.name, epoch, tc.epochs, step, total_steps, metrics, time.monotonic() - t_run,
+                              step - step_at_start, task.token_name)
+                ray.train.report({**metrics, "step": step})
+                minutes = tc.checkpoint_every_minutes
+                due = minutes is not None and time.monotonic() - last_ckpt_time >= 60 * minutes
+                if _broadcast_flag(due, world, device):
+                    save_checkpoint()
+                    last_ckpt_time = time.monotonic()
+            if tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0 and not exhausted:
+                save_checkpoint()
+                last_ckpt_time = time.monotonic()
+            if micro_done >= micro_per_epoch:
+                exhausted = True
+
+        if exhausted:  # epoch finished: evaluate, report, checkpoint at the boundary
+            epoch += 1
+            micro_done = 0
+            metrics = {"train/loss": loss_val, "train/epoch": float(epoch), "step": step, **speed.rates(world), **monitor.metrics()}
+            if rank == 0 and (epoch % tc.eval_every_epochs == 0 or epoch == tc.epochs):
+                last_eval = evaluate()
+                metrics.update(last_eval)
+            logger.log_metrics(metrics, step)
+            if rank == 0:
+                print(f"[{wl.name}] epoch {epoch}/{tc.epochs} done | " + " ".join(
+                    f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)
+            save_checkpoint()
+            last_ckpt_time = time.monotonic()
+            ray.train.report(metrics)
+
+    final = {"step": step, "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
+    if rank == 0:
+        if not last_eval and not diverged:  # stopped by max_steps mid-epoch: evaluate what we have
+            last_eval = evaluate()
+        final.update(last_eval)
+        final.update({f"breakdown/{k}": v for k, v in timer.summary().items()})
+        logger.log_metrics(final, step)
+        logger.log_text(timer.table(), "breakdown.md")
+        (run_dir / "breakdown.md").write_text(timer.table())
+        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
+        print(f"[{wl.name}] step-time breakdown (measured):\n{timer.table()}", flush=True)
+    ray.train.report({**final, "done": 1.0})
+
+
+def _progress(name: str, epoch: int, epochs: int, step: int, total: int, m: dict, elapsed: float, done_here: int,
+              token_name: str) -> None:
+    eta = elapsed / max(done_here, 1) * (total - step)
+    print(f"[{name}] epoch {epoch + 1}/{epochs} step {step}/{total} ({100 * step / total:.0f}%) "
+          f"loss {m['train/loss']:.4f} | {m['perf/samples_per_s']:.0f} samples/s {m['perf/tokens_per_s']:.0f} {token_name}/s "
+          f"| elapsed {elapsed:.0f}s eta {eta:.0f}s", flush=True)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs raysys and everything it needs into the current Python environment.
+# Order matters: torch first (so a range never pulls a multi-GB CUDA build), then raysys with its
+# pins, then neurogym without its own pins (gymnasium 0.29 / numpy 2.2 / matplotlib 3.10 clash
+# with ray[rllib]'s gymnasium 1.2.2; docs/dependencies.md shows neurogym's suite passing anyway).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python -m pip install --disable-pip-version-check -q"
+$PIP "torch==2.13.0" || $PIP torch
+$PIP -e ".[test]"
+$PIP --no-deps "neurogym==2.3.1"
+python -c "import raysys, ray, torch, jax, mlflow, neurogym; print('raysys installed: ray', ray.__version__, '| torch', torch.__version__, '| jax', jax.__version__)"

@@ -1,0 +1,78 @@
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pytest
+
+from raysys.config import ConfigError, allowed_keys, apply_overrides, from_dict, load_yaml, parse_set_args, to_dict
+from raysys.train.config import LaunchConfig, TrainConfig
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    mode: Literal["a", "b"] = "a"
+    clip: Optional[float] = 1.0
+    betas: tuple[float, float] = (0.9, 0.99)
+
+
+@dataclass
+class Root:
+    inner: Inner = field(default_factory=Inner)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    steps: int = 10
+    flag: bool = False
+
+
+def test_overrides_coerce_types():
+    cfg = apply_overrides(Root(), parse_set_args(["inner.lr=3e-4", "inner.mode=b", "inner.clip=none", "steps=20",
+                                                  "flag=true", "inner.betas=[0.8,0.9]", "train.precision=bf16"]))
+    assert cfg.inner.lr == 3e-4 and cfg.inner.mode == "b" and cfg.inner.clip is None
+    assert cfg.steps == 20 and cfg.flag is True and cfg.inner.betas == (0.8, 0.9) and cfg.train.precision == "bf16"
+    assert Root().steps == 10  # the original is untouched
+
+
+def test_unknown_key_names_key_and_allowed():
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(Root(), {"inner.lrr": "1"})
+    msg = str(e.value)
+    assert "inner.lrr" in msg and "lr" in msg and "mode" in msg
+    with pytest.raises(ConfigError, match="'nope'"):
+        apply_overrides(Root(), {"nope.x": 1})
+
+
+@pytest.mark.parametrize("key,value,needle", [("steps", "ten", "integer"), ("inner.mode", "c", "not one of"),
+                                              ("flag", "maybe", "true/false"), ("inner.lr", "fast", "number"),
+                                              ("train.batch_size", 0, "train.batch_size must be >= 1")])
+def test_wrong_types_and_values(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        apply_overrides(Root(), {key: value})
+
+
+def test_yaml_nested_and_dotted(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("inner:\n  lr: 0.5\ntrain.epochs: 3\n")
+    cfg = apply_overrides(Root(), load_yaml(p))
+    assert cfg.inner.lr == 0.5 and cfg.train.epochs == 3
+
+
+def test_bad_yaml_says_where(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("inner:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad YAML in .*bad.yaml at line"):
+        load_yaml(p)
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_yaml(p)
+
+
+def test_roundtrip_and_allowed_keys():
+    cfg = apply_overrides(Root(), {"inner.lr": 0.1})
+    assert from_dict(Root, to_dict(cfg)) == cfg
+    keys = allowed_keys(Root)
+    assert "inner.lr" in keys and "train.grad_accum" in keys and "launch.workers" in keys
+
+
+def test_set_requires_equals():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        parse_set_args(["train.lr"])

@@ -1,0 +1,129 @@
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from raysys.checkpoint import CheckpointError, CheckpointStore
+from raysys.metrics import PHASES, PhaseTimer, StabilityMonitor, Throughput
+from raysys.train.config import OptimConfig
+from raysys.train.data import ShardSampler
+from raysys.train.optim import lr_factor
+
+
+def test_phase_timer_measures_each_phase():
+    t = PhaseTimer()
+    for step in range(3):
+        t.start_step(step)
+        with t.phase("forward"):
+            time.sleep(0.02)
+        with t.phase("backward"):
+            time.sleep(0.01)
+        time.sleep(0.005)  # unaccounted -> "other"
+        t.end_step()
+    s = t.summary()
+    assert 18 < s["forward_ms"] < 60 and 8 < s["backward_ms"] < 40 and s["other_ms"] >= 4
+    assert abs(sum(s[p + "_ms"] for p in PHASES) - s["step_ms"]) < 1.0
+    assert "| forward |" in t.table()
+
+
+def test_phase_timer_every_k():
+    t = PhaseTimer(every=2)
+    for step in range(4):
+        t.start_step(step)
+        with t.phase("forward"):
+            pass
+        t.end_step()
+    assert t.steps == 2
+
+
+def test_stability_monitor():
+    m = StabilityMonitor(spike_factor=3.0)
+    for _ in range(20):
+        m.observe(1.0, 0.5)
+    m.observe(10.0, 1.0)
+    m.observe(float("nan"), float("inf"))
+    out = m.metrics()
+    assert out["stability/loss_spikes"] == 1 and out["stability/nonfinite_loss"] == 1
+    assert out["stability/nonfinite_grad"] == 1 and out["stability/grad_norm_max"] == 1.0 and m.diverged
+
+
+def test_throughput_window():
+    t = Throughput(window=2)
+    t.update(1.0, 10, 100)
+    t.update(1.0, 30, 300)
+    t.update(1.0, 30, 300)
+    r = t.rates(world_size=2)
+    assert r["perf/samples_per_s"] == 60 and r["perf/tokens_per_s"] == 600 and t.total_samples == 70
+
+
+def test_shard_sampler_partitions_and_resumes():
+    n, world = 10, 3
+    shards = [list(ShardSampler(n, r, world, seed=1)) for r in range(world)]
+    assert all(len(s) == 4 for s in shards)  # padded to equal length
+    assert set(sum(shards, [])) == set(range(n))
+    s = ShardSampler(n, 0, 1, seed=1)
+    s.set_epoch(2)
+    full = list(s)
+    s.set_epoch(2, start=4)
+    assert list(s) == full[4:] and len(s) == n - 4
+    s.set_epoch(3)
+    assert list(s) != full
+
+
+def test_lr_schedules():
+    c = OptimConfig(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(c, 0, 100) == pytest.approx(0.1) and lr_factor(c, 9, 100) == pytest.approx(1.0)
+    assert lr_factor(c, 99, 100) == pytest.approx(0.1, abs=1e-3)
+    r = OptimConfig(schedule="cosine_warm_restarts", restart_period=10)
+    assert lr_factor(r, 10, 100) == pytest.approx(1.0) and lr_factor(r, 5, 100) == pytest.approx(0.5)
+    assert lr_factor(OptimConfig(schedule="linear"), 50, 100) == pytest.approx(0.5)
+
+
+def _store(tmp_path, **kw):
+    return CheckpointStore(tmp_path / "run", kw.pop("workload", "w"), kw.pop("identity", {"model": {"h": 4}}), keep=2)
+
+
+def test_checkpoint_atomic_keep_and_roundtrip(tmp_path):
+    s = _store(tmp_path)
+    for step in (1, 2, 3):
+        s.save({"w": torch.full((2,), float(step)), "step": step}, step)
+    assert [p.name for p in s.complete()] == ["step_000000002", "step_000000003"]
+    state, meta = s.load()
+    assert state["step"] == 3 and torch.equal(state["w"], torch.full((2,), 3.0)) and meta["workload"] == "w"
+    # an interrupted write leaves only a hidden temp folder, which is never taken for a checkpoint
+    (s.root / ".tmp-step_000000009-dead").mkdir()
+    assert s.latest().name == "step_000000003"
+
+
+def test_corrupt_checkpoint_clear_error_and_untouched(tmp_path):
+    s = _store(tmp_path)
+    s.save({"x": torch.ones(3)}, 1)
+    path = s.save({"x": torch.ones(3)}, 2)
+    (path / "state.pt").write_bytes(b"garbage" * 10)
+    before = sorted(p.name for p in path.iterdir()), (path / "state.pt").read_bytes()
+    with pytest.raises(CheckpointError, match="corrupt"):
+        s.load()
+    assert (sorted(p.name for p in path.iterdir()), (path / "state.pt").read_bytes()) == before
+    assert (s.root / "step_000000001").is_dir()  # the earlier checkpoint survives
+
+
+def test_foreign_and_mismatched_checkpoints_refused(tmp_path):
+    _store(tmp_path).save({"x": torch.ones(1)}, 1)
+    with pytest.raises(CheckpointError, match="belongs to workload 'w'"):
+        _store(tmp_path, workload="other").load()
+    with pytest.raises(CheckpointError, match="model.h: checkpoint=4 now=8"):
+        _store(tmp_path, identity={"model": {"h": 8}}).load()
+
+
+class Evil:
+    """Stands in for any class a malicious checkpoint could ask the unpickler to build."""
+
+
+def test_checkpoint_refuses_pickled_objects(tmp_path):
+    s = _store(tmp_path)
+    path = s.save({"x": torch.ones(1)}, 1)
+    torch.save({"obj": Evil()}, path / "state.pt")  # weights_only loading must refuse arbitrary classes
+    with pytest.raises(CheckpointError, match="unsafe|corrupt"):
+        s.load()
