@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--storage-path", help="folder for checkpoints and run state (shared by all nodes on a cluster)")
     t.add_argument("--resume", action="store_true", help="continue run --name (or the newest run of this workload) "
                                                           "from its last checkpoint, without repeating finished steps")
+    t.add_argument("--cv", action="store_true", help="k-fold cross-validation: one run per fold (children of one "
+                                                      "MLflow parent run), then the per-fold table and the mean")
     t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures)")
 
     s = sub.add_parser("show", help="print a workload's resolved config as YAML")
@@ -94,7 +96,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "show":
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
-        if wl.task is not None:
+        if getattr(args, "cv", False):
+            from raysys.train.cv import run_cross_validation
+
+            result = run_cross_validation(wl, cfg)
+        elif wl.task is not None:
             from raysys.train.launcher import run_training
 
             result = run_training(wl.name, cfg)

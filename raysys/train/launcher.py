@@ -74,6 +74,56 @@ def init_ray(address: Optional[str]) -> None:
         ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
 
 
+@dataclass
+class OpenRun:
+    """A run whose folder, config snapshot and MLflow run exist; what both kinds of loop start from."""
+
+    wl: registry.Workload
+    cfg: Any
+    cfg_dict: dict
+    name: str
+    run_dir: Path
+    identity: dict
+    tracking_uri: str
+    run_id: str
+    logger: tracking.MLflowLogger
+
+    def store(self, keep: int = 2) -> CheckpointStore:
+        return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep)
+
+    def finish(self, status: str) -> None:
+        tracking.end_run(self.tracking_uri, self.run_id, status=status)
+
+
+def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optional[str] = None,
+             tags: Optional[dict] = None) -> OpenRun:
+    """Resolve the run folder, check an existing checkpoint before anything starts, snapshot the config
+    and open (or, when resuming, reopen) the MLflow run with the config as params."""
+    launch = cfg.launch
+    name, run_dir = resolve_run_dir(wl.name, launch)
+    identity = identity_of(wl, cfg)
+    store = CheckpointStore(run_dir, wl.name, identity)
+    if launch.resume and store.latest() is not None:
+        store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if prepare is not None:
+        cfg = prepare(cfg) or cfg  # data made/validated once here; paths made absolute for workers
+    cfg_dict = to_dict(cfg)
+    cfg_file = run_dir / ("config.resumed.yaml" if launch.resume else "config.yaml")
+    cfg_file.write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+
+    uri = tracking.resolve_tracking_uri(launch.tracking_uri)
+    experiment = launch.experiment or f"raysys-{wl.name}"
+    run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, **(tags or {})},
+                                parent_run_id=parent_run_id, resume=launch.resume)
+    logger = tracking.MLflowLogger(uri, run_id)
+    logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
+                      | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
+    logger.log_artifact(cfg_file)
+    print(f"[raysys] run '{name}' -> {run_dir}\n[raysys] MLflow: {uri} (experiment '{experiment}', run {run_id})", flush=True)
+    return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger)
+
+
 def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, parent_run_id: Optional[str] = None,
                  tags: Optional[dict] = None) -> RunResult:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -84,26 +134,9 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     wl = registry.get(wl_name)
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
-    launch = cfg.launch
-    name, run_dir = resolve_run_dir(wl.name, launch)
-    identity = identity_of(wl, cfg)
-    store = CheckpointStore(run_dir, wl.name, identity)
-    if launch.resume and store.latest() is not None:
-        store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = wl.task.prepare(cfg) or cfg  # data made/validated once here; paths made absolute for workers
-    cfg_dict = to_dict(cfg)
-    (run_dir / ("config.resumed.yaml" if launch.resume else "config.yaml")).write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-
-    uri = tracking.resolve_tracking_uri(launch.tracking_uri)
-    experiment = launch.experiment or f"raysys-{wl.name}"
-    run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, **(tags or {})},
-                                parent_run_id=parent_run_id, resume=launch.resume)
-    logger = tracking.MLflowLogger(uri, run_id)
-    logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
-                      | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
-    logger.log_artifact(run_dir / ("config.resumed.yaml" if launch.resume else "config.yaml"))
-    print(f"[raysys] run '{name}' -> {run_dir}\n[raysys] MLflow: {uri} (experiment '{experiment}', run {run_id})", flush=True)
+    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags)
+    launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
+    cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
 
     payload = {"workload": wl.name, "config": cfg_dict, "run_dir": str(run_dir), "identity": identity,
                "tracking_uri": uri, "run_id": run_id}
@@ -132,6 +165,6 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         final_path = run_dir / "final_metrics.json"
         if final_path.is_file() and (run_dir / "breakdown.md").is_file():
             logger.log_artifact(run_dir / "breakdown.md")
-        tracking.end_run(uri, run_id, status=status)
+        run.finish(status)
     metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
     return RunResult(name, run_dir, run_id, uri, metrics)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import random
 import time
@@ -68,6 +69,8 @@ def _broadcast_flag(flag: bool, world: int, device: torch.device) -> bool:
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
     import ray.train
 
+    # Train's local mode logs every report at INFO; our progress lines already say it once.
+    logging.getLogger("ray.train.v2._internal.execution.train_fn_utils").setLevel(logging.WARNING)
     wl = registry.get(payload["workload"])
     task = wl.task
     cfg = from_dict(wl.config_cls, payload["config"])
@@ -102,6 +105,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     speed = Throughput()
 
     run_dir = Path(payload["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints)
     step, epoch, micro_done = 0, 0, 0
     latest = store.latest()
@@ -117,6 +121,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         step, epoch, micro_done = state["step"], state["epoch"], state["micro_in_epoch"]
         if rank == 0:
             print(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})", flush=True)
+            _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
 
     logger = MLflowLogger(payload["tracking_uri"], payload["run_id"]) if rank == 0 and payload.get("run_id") else NullLogger()
     eval_loader_items = None
@@ -234,7 +239,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             last_ckpt_time = time.monotonic()
             ray.train.report(metrics)
 
-    final = {"step": step, "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
+    final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
+             "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
     if rank == 0:
         if not last_eval and not diverged:  # stopped by max_steps mid-epoch: evaluate what we have
             last_eval = evaluate()
@@ -246,6 +252,12 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
         print(f"[{wl.name}] step-time breakdown (measured):\n{timer.table()}", flush=True)
     ray.train.report({**final, "done": 1.0})
+
+
+def _event(run_dir: Path, line: str) -> None:
+    """Append to <run>/events.log: resumes and restarts, for users and tests to audit a run."""
+    with open(run_dir / "events.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
 
 def _progress(name: str, epoch: int, epochs: int, step: int, total: int, m: dict, elapsed: float, done_here: int,

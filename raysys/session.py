@@ -1,0 +1,68 @@
+"""What a workload with its own training loop (RL learners, JAX) gets from the shared layer.
+
+``run_custom`` opens the run exactly as the PyTorch launcher does (folder, config snapshot,
+checkpoint check, MLflow run), then calls ``workload.train_fn(cfg, session)``. The workload logs,
+checkpoints and restores through the :class:`Session`, and never imports Ray or MLflow itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Mapping, Optional
+
+from raysys.checkpoint import CheckpointStore
+from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run
+
+
+class Session:
+    def __init__(self, run: OpenRun, keep_checkpoints: int = 2, report=None):
+        self.run = run
+        self.run_dir = run.run_dir
+        self.store: CheckpointStore = run.store(keep_checkpoints)
+        self._report = report  # e.g. ray.tune.report inside a Tune trial
+        self._t0 = time.monotonic()
+        self.last_metrics: dict[str, float] = {}
+
+    def log(self, metrics: Mapping[str, float], step: int, progress: Optional[str] = None) -> None:
+        """Record step metrics (MLflow, and Tune when inside a sweep); print a progress line."""
+        self.run.logger.log_metrics(metrics, step)
+        self.last_metrics.update(metrics)
+        if progress:
+            print(f"[{self.run.wl.name}] {progress} | elapsed {time.monotonic() - self._t0:.0f}s", flush=True)
+        if self._report is not None:
+            self._report({**metrics, "step": step})
+
+    def checkpoint(self, state: dict, step: int) -> None:
+        self.store.save(state, step)
+
+    def restore(self) -> Optional[dict]:
+        """The latest checkpoint's state, or None for a fresh run."""
+        if self.store.latest() is None:
+            return None
+        state, _ = self.store.load()
+        return state
+
+    def artifact_text(self, text: str, name: str) -> None:
+        (self.run_dir / name).write_text(text)
+        self.run.logger.log_text(text, name)
+
+
+def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional[dict] = None, report=None) -> RunResult:
+    prepare = wl.extra.get("prepare")
+    run = open_run(wl, cfg, prepare, parent_run_id, tags)
+    if wl.extra.get("needs_ray", False):
+        init_ray(run.cfg.launch.address)
+    session = Session(run, report=report)
+    status = "FAILED"
+    try:
+        final = wl.train_fn(run.cfg, session) or {}
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        run.finish(status)
+    final = {**session.last_metrics, **final}
+    (run.run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
+    return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)

@@ -1,0 +1,48 @@
+"""k-fold cross-validation: one run per fold, children of one MLflow parent run, and the mean.
+
+A workload opts in with ``extra={"folds": ("data.n_folds", "data.fold")}``: the config key that
+holds k and the one that selects the held-out fold.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from raysys import tracking
+from raysys.config import ConfigError, apply_overrides, flatten, to_dict
+from raysys.train.launcher import RunResult, run_training
+
+
+def run_cross_validation(wl, cfg: Any) -> RunResult:
+    if "folds" not in wl.extra:
+        raise ConfigError(f"{wl.name} has no k-fold split; --cv is not available for it")
+    k_key, fold_key = wl.extra["folds"]
+    k = flatten(to_dict(cfg))[k_key]
+    base = cfg.launch.name or f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}"
+    uri = tracking.resolve_tracking_uri(cfg.launch.tracking_uri)
+    experiment = cfg.launch.experiment or f"raysys-{wl.name}"
+    parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation"},
+                                resume=cfg.launch.resume)
+    logger = tracking.MLflowLogger(uri, parent)
+    logger.log_params({key: v for key, v in flatten(to_dict(cfg)).items() if not key.startswith("launch.")})
+    results = []
+    try:
+        for fold in range(k):
+            fold_cfg = apply_overrides(cfg, {fold_key: fold, "launch.name": f"{base}-fold{fold}"})
+            results.append(run_training(wl.name, fold_cfg, parent_run_id=parent))
+    except BaseException:
+        tracking.end_run(uri, parent, "FAILED")
+        raise
+    names = sorted({m for r in results for m in r.metrics if m.startswith("eval/")})
+    mean = {f"cv_mean/{m.split('/', 1)[1]}": statistics.fmean(r.metrics[m] for r in results if m in r.metrics) for m in names}
+    rows = ["| fold | " + " | ".join(n.split("/", 1)[1] for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+    rows += [f"| {i} | " + " | ".join(f"{r.metrics.get(n, float('nan')):.4f}" for n in names) + " |" for i, r in enumerate(results)]
+    rows.append("| **mean** | " + " | ".join(f"{mean['cv_mean/' + n.split('/', 1)[1]]:.4f}" for n in names) + " |")
+    table = "\n".join(rows) + "\n"
+    logger.log_metrics(mean, step=0)
+    logger.log_text(table, "cross_validation.md")
+    tracking.end_run(uri, parent, "FINISHED")
+    print(f"[raysys] {k}-fold cross-validation of {wl.name}:\n{table}", flush=True)
+    return RunResult(base, results[-1].run_dir.parent, parent, uri, {**mean, "eval/quality": mean.get("cv_mean/quality")})

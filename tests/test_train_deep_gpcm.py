@@ -1,0 +1,151 @@
+"""End to end through the CLI, Ray Train and MLflow, on deep_gpcm's small `quick` preset."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from raysys.cli import main
+
+QUICK = ["--preset", "quick"]
+
+
+def _mlflow_run(workdir: Path, name: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-deep_gpcm")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`raysys.run_name` = '{name}'")
+    return client, run
+
+
+def _final(workdir: Path, name: str) -> dict:
+    return json.loads((workdir / "raysys_runs" / name / "final_metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_in_process_run_is_tracked(workdir):
+    assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "inproc"]) == 0
+    client, run = _mlflow_run(workdir, "inproc")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.path"] == "optimized" and run.data.params["train.epochs"] == "2"
+    qwk = client.get_metric_history(run.info.run_id, "eval/qwk")
+    assert len(qwk) == 2  # one evaluation per epoch
+    for name in ("perf/samples_per_s", "perf/tokens_per_s", "stability/nonfinite_loss", "breakdown/forward_ms"):
+        assert name in run.data.metrics, name
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"breakdown.md", "config.yaml"} <= artifacts
+    table = (workdir / "raysys_runs" / "inproc" / "breakdown.md").read_text()
+    assert "| forward |" in table and "| data_wait |" in table
+
+
+def test_two_ddp_workers_match_one(workdir, ray_cluster):
+    # Same global batch (2 x 8 vs 1 x 16) and data order: ShardSampler interleaves one permutation.
+    common = [*QUICK, "--set", "train.epochs=3"]
+    assert main(["train", "deep_gpcm", *common, "--workers", "1", "--set", "train.batch_size=16", "--name", "one"]) == 0
+    assert main(["train", "deep_gpcm", *common, "--workers", "2", "--set", "train.batch_size=8", "--name", "two"]) == 0
+    one, two = _final(workdir, "one"), _final(workdir, "two")
+    assert one["world_size"] == 1 and two["world_size"] == 2 and one["step"] == two["step"]
+    # DDP averages per-rank token means, one worker takes one token mean: close, not bit-equal
+    assert abs(one["eval/qwk"] - two["eval/qwk"]) < 0.08, (one["eval/qwk"], two["eval/qwk"])
+    assert abs(one["eval/categorical_acc"] - two["eval/categorical_acc"]) < 0.05
+
+
+def _train_worker_pids() -> list[int]:
+    pids = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "RayTrainWorker" in cmd:
+            pids.append(p.pid)
+    return pids
+
+
+def test_killed_worker_resumes_from_checkpoint(workdir, ray_cluster):
+    run_dir = workdir / "raysys_runs" / "killed"
+    killed = []
+
+    def killer():
+        deadline = time.time() + 240
+        while time.time() < deadline and not killed:
+            ckpts = list((run_dir / "checkpoints").glob("step_*/meta.json")) if run_dir.exists() else []
+            pids = _train_worker_pids()
+            if ckpts and pids:
+                os.kill(pids[0], signal.SIGKILL)  # a real crash: the worker process dies
+                killed.append(pids[0])
+            time.sleep(0.2)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    rc = main(["train", "deep_gpcm", *QUICK, "--set", "train.epochs=4", "--set", "train.checkpoint_every_steps=2",
+               "--workers", "1", "--max-failures", "2", "--name", "killed"])
+    t.join(timeout=5)
+    assert killed, "no worker was killed"
+    assert rc == 0
+    events = (run_dir / "events.log").read_text()
+    assert "resumed step=" in events
+    final = _final(workdir, "killed")
+    resumed_at = int(events.split("resumed step=")[1].split()[0])
+    assert resumed_at > 0 and final["steps_this_session"] == final["step"] - resumed_at
+    assert final["step"] == 4 * 6  # 96 training sequences / batch 16 = 6 steps per epoch
+
+
+def test_interrupted_run_resumes_without_repeating(workdir):
+    cmd = [sys.executable, "-m", "raysys", "train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "intr",
+           "--set", "train.epochs=20", "--set", "train.checkpoint_every_steps=3"]
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt_root = workdir / "raysys_runs" / "intr" / "checkpoints"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (ckpt_root.exists() and any(ckpt_root.glob("step_*/meta.json"))):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)  # the hardest interruption: no cleanup at all
+    proc.wait()
+    saved = max(int(p.name.split("_")[1]) for p in ckpt_root.glob("step_*") if (p / "meta.json").exists())
+    assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "intr", "--resume",
+                 "--set", "train.epochs=20", "--set", "train.checkpoint_every_steps=3"]) == 0
+    final = _final(workdir, "intr")
+    assert 0 < saved < 120, "the run was not interrupted mid-way"
+    assert final["step"] == 120 and final["steps_this_session"] == 120 - saved
+    assert f"resumed step={saved}" in (workdir / "raysys_runs" / "intr" / "events.log").read_text()
+    client, run = _mlflow_run(workdir, "intr")  # the same MLflow run continued
+    assert run.info.status == "FINISHED"
+
+
+def test_bad_config_key_fails_before_anything(workdir, capsys):
+    assert main(["train", "deep_gpcm", *QUICK, "--set", "train.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "train.lrr" in err and "batch_size" in err
+    assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
+
+
+def test_corrupt_checkpoint_and_existing_run(workdir, capsys):
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "c"]
+    assert main(args) == 0
+    run_dir = workdir / "raysys_runs" / "c"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    # same name without --resume: refused, nothing touched
+    assert main(args) == 2
+    assert "already exists" in capsys.readouterr().err
+    # corrupt the newest checkpoint: one clear error, nothing overwritten or deleted
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    (newest / "state.pt").write_bytes(b"\x00" * 100)
+    before[newest / "state.pt"] = b"\x00" * 100
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "corrupt" in err and str(newest) in err and err.count("\n") <= 2
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before
