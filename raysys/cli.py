@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "MLflow parent run), then the per-fold table and the mean")
     t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures)")
 
-    s = sub.add_parser("show", help="print a workload's resolved config as YAML")
+    s = sub.add_parser("show", help="print a workload's resolved config as YAML (or every key with its meaning)")
     _config_args(s)
+    s.add_argument("--keys", action="store_true", help="list every config key with its value and what it does")
     sub.add_parser("list", help="list the workloads and their presets")
     return parser
 
@@ -93,6 +94,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"{name:16s} {wl.description}\n{'':16s} presets: {', '.join(wl.presets)}")
             return 0
         wl, cfg = build_config(args)
+        if args.command == "show" and args.keys:
+            from raysys.config import describe
+
+            for key, value, doc in describe(cfg):
+                print(f"{key} = {value!r}\n    {doc}" if doc else f"{key} = {value!r}")
+            return 0
         if args.command == "show":
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0

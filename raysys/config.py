@@ -210,3 +210,35 @@ def fingerprint(d: Mapping[str, Any]) -> str:
     """Short stable hash of a (sub)config, stored in checkpoints to refuse mismatched resumes."""
     blob = json.dumps(d, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (CleanRL's Args convention), read from source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, current value, doc) for every leaf of a config, for `raysys show --keys`."""
+    rows = []
+    docs = field_docs(type(cfg))
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            rows += describe(v, f"{prefix}{f.name}.")
+        else:
+            rows.append((f"{prefix}{f.name}", v, docs.get(f.name, "")))
+    return rows

@@ -76,3 +76,12 @@ def test_roundtrip_and_allowed_keys():
 def test_set_requires_equals():
     with pytest.raises(ConfigError, match="key.path=value"):
         parse_set_args(["train.lr"])
+
+
+def test_show_keys_documents_every_field(capsys):
+    from raysys.cli import main
+
+    assert main(["show", "deep_gpcm", "--keys", "--set", "train.batch_size=64"]) == 0
+    out = capsys.readouterr().out
+    assert "train.batch_size = 64" in out and "Micro-batch size per worker." in out
+    assert "launch.workers = 1" in out and "model.path = 'optimized'" in out
