@@ -34,7 +34,7 @@ def _final(workdir: Path, name: str) -> dict:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", configure_logging=False)
     yield
     ray.shutdown()
 
@@ -106,7 +106,7 @@ def test_killed_worker_resumes_from_checkpoint(workdir, ray_cluster):
 
 def test_interrupted_run_resumes_without_repeating(workdir):
     cmd = [sys.executable, "-m", "raysys", "train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "intr",
-           "--set", "train.epochs=20", "--set", "train.checkpoint_every_steps=3"]
+           "--set", "train.epochs=12", "--set", "train.checkpoint_every_steps=3"]
     proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt_root = workdir / "raysys_runs" / "intr" / "checkpoints"
     deadline = time.time() + 180
@@ -116,10 +116,10 @@ def test_interrupted_run_resumes_without_repeating(workdir):
     proc.wait()
     saved = max(int(p.name.split("_")[1]) for p in ckpt_root.glob("step_*") if (p / "meta.json").exists())
     assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "intr", "--resume",
-                 "--set", "train.epochs=20", "--set", "train.checkpoint_every_steps=3"]) == 0
+                 "--set", "train.epochs=12", "--set", "train.checkpoint_every_steps=3"]) == 0
     final = _final(workdir, "intr")
-    assert 0 < saved < 120, "the run was not interrupted mid-way"
-    assert final["step"] == 120 and final["steps_this_session"] == 120 - saved
+    assert 0 < saved < 72, "the run was not interrupted mid-way"
+    assert final["step"] == 72 and final["steps_this_session"] == 72 - saved
     assert f"resumed step={saved}" in (workdir / "raysys_runs" / "intr" / "events.log").read_text()
     client, run = _mlflow_run(workdir, "intr")  # the same MLflow run continued
     assert run.info.status == "FINISHED"

@@ -71,7 +71,9 @@ def init_ray(address: Optional[str]) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+        # The dashboard process also serves the State API that Train V2's controller polls; it binds
+        # to 127.0.0.1 only, so nothing listens beyond this machine.
+        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True, configure_logging=False)
 
 
 @dataclass

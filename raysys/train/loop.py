@@ -70,7 +70,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     import ray.train
 
     # Train's local mode logs every report at INFO; our progress lines already say it once.
-    logging.getLogger("ray.train.v2._internal.execution.train_fn_utils").setLevel(logging.WARNING)
+    for noisy in ("ray.train.v2._internal.execution.train_fn_utils", "ray.train.v2._internal.execution.context"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     wl = registry.get(payload["workload"])
     task = wl.task
     cfg = from_dict(wl.config_cls, payload["config"])
@@ -242,11 +243,14 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
              "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
     if rank == 0:
-        if not last_eval and not diverged:  # stopped by max_steps mid-epoch: evaluate what we have
+        fresh = not last_eval and not diverged
+        if fresh:  # stopped by max_steps mid-epoch: evaluate what we have
             last_eval = evaluate()
-        final.update(last_eval)
         final.update({f"breakdown/{k}": v for k, v in timer.summary().items()})
         logger.log_metrics(final, step)
+        final.update(last_eval)
+        if fresh:
+            logger.log_metrics(last_eval, step)
         logger.log_text(timer.table(), "breakdown.md")
         (run_dir / "breakdown.md").write_text(timer.table())
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
