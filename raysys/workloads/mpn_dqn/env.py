@@ -1,0 +1,68 @@
+"""Environment factory: NeuroGym tasks (or any registered gymnasium id) behind a TimeLimit.
+
+NeuroGym tasks never set ``terminated``: a task is an endless stream of trials, so an episode
+exists only because ``TimeLimit`` truncates it. The MPN state therefore carries across trials
+inside an episode, which is what lets it learn the task's context.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Optional
+
+import gymnasium as gym
+
+NEUROGYM_TASK = "ContextDecisionMaking-v0"
+
+
+@functools.cache
+def _neurogym_ids() -> frozenset[str]:
+    # Importing neurogym registers all its tasks with gymnasium's registry (~50 ids, ~3 s the
+    # first time), so import it only when an id is not already known.
+    before = set(gym.envs.registry)
+    import neurogym  # noqa: F401
+
+    return frozenset(set(gym.envs.registry) - before)
+
+
+class NeurogymSeeding(gym.Wrapper):
+    """Make ``reset(seed=s)`` seed a NeuroGym task. NeuroGym draws trials from its own
+    ``np.random.RandomState`` (``env.unwrapped.rng``), which gymnasium's reset seed never
+    touches; without this, two "seeded" copies of a task would still diverge."""
+
+    def reset(self, *, seed: Optional[int] = None, options: Optional[dict] = None):
+        if seed is not None:
+            self.env.unwrapped.seed(seed)
+        return self.env.reset(seed=seed, options=options)
+
+
+def make_env(task: str = NEUROGYM_TASK, max_episode_steps: int = 200, **task_kwargs: Any) -> gym.Env:
+    """Build ``task`` with ``TimeLimit(max_episode_steps)``.
+
+    For ContextDecisionMaking the explicit-context variant is the default (7-dim observation:
+    fixation, 2 stimuli x 2 modalities, 2 context cues; actions: fixate, choice 1, choice 2).
+    """
+    if task not in gym.envs.registry:
+        _neurogym_ids()
+    is_neurogym = gym.envs.registry[task].entry_point.__str__().startswith("neurogym.")
+    if task == NEUROGYM_TASK:
+        task_kwargs.setdefault("use_expl_context", True)
+    # The env checker only adds per-step overhead, and NeuroGym's unbounded Box obs trip its
+    # warnings; TimeLimit is added explicitly below (not via gym.make) to be sure it is outermost.
+    with warnings.catch_warnings():
+        # NeuroGym's metadata has no render_modes; gymnasium warns on every make()
+        warnings.filterwarnings("ignore", message=".*render_modes.*")
+        env = gym.make(task, disable_env_checker=True, **task_kwargs)
+    if is_neurogym:
+        env = NeurogymSeeding(env)
+    return gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_steps)
+
+
+@functools.cache
+def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]:
+    """(obs_dim, n_actions) of a task with a flat Box observation and a Discrete action space."""
+    env = make_env(task, **task_kwargs)
+    obs_dim, n_actions = int(env.observation_space.shape[0]), int(env.action_space.n)
+    env.close()
+    return obs_dim, n_actions
