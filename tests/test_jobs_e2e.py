@@ -1,0 +1,85 @@
+"""`ray job submit` against a real local head with token auth, end to end."""
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A real head on 127.0.0.1 with token auth; stopped (only it) at the end."""
+    tmp = tmp_path_factory.mktemp("head")
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp / "auth_token")}
+    env.pop("RAY_ADDRESS", None)
+    # The secret the head and every client share (users: `ray get-auth-token --generate` writes one
+    # to ~/.ray/auth_token; a test keeps its own so it never touches the user's).
+    (tmp / "auth_token").write_text(secrets.token_hex(32))
+    gcs, dash = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", "--disable-usage-stats",
+         f"--temp-dir={tmp / 'ray'}"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        r = subprocess.run(["ray", "job", "list", "--address", url], env=env, capture_output=True, text=True)
+        if r.returncode == 0:
+            break
+        time.sleep(2)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+        pytest.fail("the Ray head did not come up")
+    yield url, env, tmp
+    os.killpg(proc.pid, signal.SIGTERM)  # `ray stop` would stop every Ray on the machine
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _submit(url: str, env: dict, *entrypoint: str) -> str:
+    r = subprocess.run(["ray", "job", "submit", "--address", url, "--working-dir", str(REPO), "--", *entrypoint],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "succeeded" in r.stdout, r.stdout[-3000:]
+    return r.stdout
+
+
+def test_job_without_token_is_refused(head):
+    url, env, _ = head
+    (tmp_wrong := Path(env["RAY_AUTH_TOKEN_PATH"]).with_name("wrong_token")).write_text(secrets.token_hex(32))
+    no_token = {**env, "RAY_AUTH_TOKEN_PATH": str(tmp_wrong)}
+    r = subprocess.run(["ray", "job", "list", "--address", url], env=no_token, capture_output=True, text=True)
+    assert r.returncode != 0
+
+
+def test_submit_deep_gpcm_training_job(head):
+    from mlflow.tracking import MlflowClient
+
+    url, env, tmp = head
+    db = tmp / "mlflow.db"
+    out = _submit(url, env, "python", "-m", "raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "2",
+                  "--name", "job-run", "--tracking-uri", f"sqlite:///{db}", "--storage-path", str(tmp / "runs"))
+    assert "[raysys] done: run 'job-run'" in out
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("raysys-deep_gpcm")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and "eval/qwk" in run.data.metrics
+    assert (tmp / "runs" / "job-run" / "final_metrics.json").is_file()
