@@ -1,0 +1,157 @@
+"""Deep-GPCM data: the synthetic_OC generator, parquet round trip and validation, splits, batching."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from raysys.workloads.deep_gpcm.data import (SequenceDataset, collate_padded, generate_synthetic_oc, gpcm_probs,
+                                             kfold_indices, load_sequences, write_synthetic_oc)
+
+SMALL = dict(n_students=60, n_questions=25, n_cats=4, min_len=10, max_len=30, seed=3)
+
+
+@pytest.fixture(scope="module")
+def oc():
+    return generate_synthetic_oc()  # the real default: 800 students, 400 questions, K=4
+
+
+def test_generator_is_deterministic_and_seeded():
+    a, irt_a = generate_synthetic_oc(**SMALL)
+    b, irt_b = generate_synthetic_oc(**SMALL)
+    c, _ = generate_synthetic_oc(**{**SMALL, "seed": 4})
+    pd.testing.assert_frame_equal(a, b)
+    for k in irt_a:
+        np.testing.assert_array_equal(irt_a[k], irt_b[k])
+    assert a["responses"].tolist() != c["responses"].tolist()
+
+
+def test_generator_shapes_and_ranges(oc):
+    df, irt = oc
+    assert len(df) == 800 and list(df.columns) == ["student_id", "questions", "responses"]
+    lengths = df["questions"].map(len).to_numpy()
+    assert lengths.min() >= 100 and lengths.max() < 400 and lengths.max() - lengths.min() > 200
+    assert (df["responses"].map(len).to_numpy() == lengths).all()
+    q = np.concatenate(df["questions"].to_list())
+    r = np.concatenate(df["responses"].to_list())
+    assert q.min() == 1 and q.max() == 400  # 1-based: 0 stays free for padding
+    assert set(np.unique(r)) == {0, 1, 2, 3}
+    assert irt["theta"].shape == (800,) and irt["alpha"].shape == (400,) and irt["betas"].shape == (400, 3)
+    assert (irt["alpha"] > 0).all() and (np.diff(irt["betas"], axis=1) >= 0).all()  # thresholds sorted
+
+
+def test_responses_follow_the_gpcm(oc):
+    df, irt = oc
+    # abler students answer in higher categories
+    mean_resp = df["responses"].map(np.mean).to_numpy()
+    assert np.corrcoef(mean_resp, irt["theta"])[0, 1] > 0.7
+    # and the category frequencies match the model's probabilities of the drawn (student, question)s
+    s = np.repeat(np.arange(len(df)), df["questions"].map(len).to_numpy())
+    q = np.concatenate(df["questions"].to_list()) - 1
+    r = np.concatenate(df["responses"].to_list())
+    expected = gpcm_probs(irt["theta"][s], irt["alpha"][q], irt["betas"][q]).mean(0)
+    observed = np.bincount(r, minlength=4) / len(r)
+    np.testing.assert_allclose(observed, expected, atol=0.005)  # ~190k draws: sd ~0.001
+
+
+def test_gpcm_probs_formula():
+    theta, alpha, betas = np.array([0.3]), np.array([1.7]), np.array([[-0.5, 0.1, 0.9]])
+    z = np.array([0.0, 1.7 * 0.8, 1.7 * 0.8 + 1.7 * 0.2, 1.7 * 0.8 + 1.7 * 0.2 - 1.7 * 0.6])
+    np.testing.assert_allclose(gpcm_probs(theta, alpha, betas)[0], np.exp(z) / np.exp(z).sum())
+
+
+def test_write_round_trip_and_reuse(tmp_path):
+    out = write_synthetic_oc(tmp_path / "oc", **SMALL)
+    assert {p.name for p in out.iterdir()} == {"sequences.parquet", "irt_params.npz", "meta.json"}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["n_questions"] == 25 and meta["n_cats"] == 4 and meta["generator"]["seed"] == 3
+    df, irt = generate_synthetic_oc(**SMALL)
+    for source in (out, out / "sequences.parquet"):  # folder or file
+        data = load_sequences(source)
+        assert (data.n_questions, data.n_cats, len(data)) == (25, 4, 60)
+        for i in (0, 59):
+            np.testing.assert_array_equal(data.questions[i], df["questions"][i])
+            np.testing.assert_array_equal(data.responses[i], df["responses"][i])
+    np.testing.assert_array_equal(np.load(out / "irt_params.npz")["betas"], irt["betas"])
+
+    stamp = (out / "sequences.parquet").stat().st_mtime_ns
+    write_synthetic_oc(out, **SMALL)  # same arguments: nothing rewritten
+    assert (out / "sequences.parquet").stat().st_mtime_ns == stamp
+    write_synthetic_oc(out, **{**SMALL, "seed": 5})  # different arguments: regenerated
+    assert json.loads((out / "meta.json").read_text())["generator"]["seed"] == 5
+    assert not list(out.glob("*.tmp"))
+
+
+def test_load_infers_sizes_without_meta(tmp_path):
+    f = tmp_path / "seqs.parquet"
+    pd.DataFrame({"questions": [[1, 7, 3], [2, 2]], "responses": [[0, 2, 1], [1, 0]]}).to_parquet(f)
+    data = load_sequences(f)
+    assert (data.n_questions, data.n_cats) == (7, 3)
+    assert data.questions[1].dtype == np.int64 and data.questions[1].tolist() == [2, 2]
+
+
+def test_missing_column_error_names_it(tmp_path):
+    f = tmp_path / "seqs.parquet"
+    pd.DataFrame({"questions": [[1, 2]], "answers": [[0, 1]]}).to_parquet(f)
+    with pytest.raises(ValueError) as err:
+        load_sequences(f)
+    msg = str(err.value)
+    assert "'responses'" in msg and str(f) in msg and "'questions'" in msg and "answers" in msg
+
+
+@pytest.mark.parametrize("questions,responses,fragment", [
+    ([[1, 0, 2]], [[0, 1, 1]], ">= 1"),  # 0 is the padding id
+    ([[1, 2, 3]], [[0, 1]], "row 0 has 3 questions but 2 responses"),
+    ([[1, 2]], [[0, -1]], ">= 0"),
+])
+def test_invalid_values_are_rejected(tmp_path, questions, responses, fragment):
+    f = tmp_path / "seqs.parquet"
+    pd.DataFrame({"questions": questions, "responses": responses}).to_parquet(f)
+    with pytest.raises(ValueError, match=fragment):
+        load_sequences(f)
+
+
+def test_out_of_range_response_against_meta(tmp_path):
+    out = write_synthetic_oc(tmp_path, **SMALL)
+    df = pd.read_parquet(out / "sequences.parquet")
+    df.at[0, "responses"] = [4] * len(df.at[0, "questions"])  # K = 4 in meta.json
+    df.to_parquet(out / "sequences.parquet")
+    with pytest.raises(ValueError, match="out of range 0..3"):
+        load_sequences(out)
+
+
+def test_kfold_partitions_indices():
+    n, k = 803, 5
+    tests = []
+    for fold in range(k):
+        train, test = kfold_indices(n, k, fold, seed=42)
+        assert len(np.intersect1d(train, test)) == 0 and len(train) + len(test) == n
+        assert abs(len(test) - n / k) < 1
+        tests.append(test)
+    np.testing.assert_array_equal(np.sort(np.concatenate(tests)), np.arange(n))  # each index tested once
+    np.testing.assert_array_equal(kfold_indices(n, k, 2, 42)[1], kfold_indices(n, k, 2, 42)[1])
+    assert not np.array_equal(kfold_indices(n, k, 2, 42)[1], kfold_indices(n, k, 2, 7)[1])
+    with pytest.raises(ValueError):
+        kfold_indices(n, k, 5, 42)
+
+
+def test_dataset_and_collate(tmp_path):
+    data = load_sequences(write_synthetic_oc(tmp_path, **SMALL))
+    ds = SequenceDataset(data, [4, 9, 2])
+    assert len(ds) == 3
+    q, r = ds[1]
+    assert q.dtype == torch.long and r.dtype == torch.long
+    assert q.tolist() == data.questions[9].tolist() and r.tolist() == data.responses[9].tolist()
+
+    items = [ds[i] for i in range(3)]
+    batch = collate_padded(items)
+    lengths = [len(x[0]) for x in items]
+    assert batch["questions"].shape == (3, max(lengths)) and batch["mask"].dtype == torch.bool
+    assert batch["mask"].sum(1).tolist() == lengths
+    for i, (q, r) in enumerate(items):
+        assert batch["questions"][i, : len(q)].tolist() == q.tolist()
+        assert batch["responses"][i, : len(r)].tolist() == r.tolist()
+        assert (batch["questions"][i, len(q):] == 0).all() and (batch["responses"][i, len(r):] == 0).all()
+    assert ((batch["questions"] > 0) == batch["mask"]).all()  # padding id exactly where masked

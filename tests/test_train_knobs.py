@@ -1,0 +1,48 @@
+"""The shared loop's knobs on deep_gpcm's quick preset, in-process: AMP, accumulation, schedules,
+loaders, compile (slow), and CUDA paths (skipped without a GPU)."""
+
+import json
+
+import pytest
+import torch
+
+from raysys.cli import main
+
+QUICK = ["train", "deep_gpcm", "--preset", "quick", "--workers", "0"]
+
+
+def _final(workdir, name):
+    return json.loads((workdir / "raysys_runs" / name / "final_metrics.json").read_text())
+
+
+def test_bf16_accumulation_adamw_warm_restarts_loader_workers(workdir):
+    assert main([*QUICK, "--name", "knobs", "--set", "train.precision=bf16", "--set", "train.grad_accum=2",
+                 "--set", "optim.name=adamw", "--set", "optim.schedule=cosine_warm_restarts",
+                 "--set", "optim.restart_period=2", "--set", "optim.warmup_steps=1",
+                 "--set", "loader.num_workers=1", "--set", "loader.prefetch_factor=2"]) == 0
+    final = _final(workdir, "knobs")
+    assert final["step"] == 2 * 3  # 6 micro-batches per epoch / accumulation 2
+    assert final["stability/nonfinite_loss"] == 0 and -1 <= final["eval/qwk"] <= 1  # barely trained: any finite kappa
+
+
+def test_absurd_lr_is_reported_diverged_not_crashed(workdir):
+    assert main([*QUICK, "--name", "div", "--set", "optim.lr=1e12", "--set", "optim.clip_grad_norm=none",
+                 "--set", "train.epochs=8"]) == 0
+    final = _final(workdir, "div")
+    assert final["stability/nonfinite_loss"] > 0 or final["stability/loss_spikes"] > 0
+
+
+@pytest.mark.slow
+def test_torch_compile(workdir):
+    assert main([*QUICK, "--name", "compiled", "--set", "train.compile=true", "--set", "train.epochs=1"]) == 0
+    assert _final(workdir, "compiled")["step"] == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_amp(workdir, precision):
+    assert main([*QUICK, "--name", f"cuda-{precision}", "--gpus-per-worker", "1", "--set", f"train.precision={precision}",
+                 "--set", "loader.pin_memory=true", "--set", "train.cudnn_benchmark=true"]) == 0
+    final = _final(workdir, f"cuda-{precision}")
+    assert final["stability/nonfinite_loss"] == 0 and final["eval/qwk"] > 0
