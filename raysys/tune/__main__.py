@@ -1,0 +1,85 @@
+"""``python -m raysys.tune``: speed/quality sweep of one workload (Ray Tune + Optuna, tracked in MLflow)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from raysys.config import ConfigError, parse_set_args
+
+EPILOG = """examples:
+  python -m raysys.tune --space tune_spaces/deep_gpcm.yaml                        # 8 trials, local Ray
+  python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --num-samples 6 --budget 15
+  python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --name s1 --resume     # continue an interrupted sweep
+  python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --address auto --max-concurrent 4
+  python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --set train.compile=false   # pin a knob
+
+Objectives (both maximised): the workload's throughput metric and its quality metric; a trial that
+turns unstable (non-finite loss, too many loss spikes, a metric outside its bounds) is stopped,
+tagged unstable and gets the space's quality penalty. See docs/tune.md and docs/objectives.md.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m raysys.tune", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Search a workload's speed knobs (batch size, accumulation, precision, "
+                                            "compile, loader workers, naive vs optimized path, lr) for the Pareto "
+                                            "front of throughput vs quality, and recommend a configuration.",
+                                epilog=EPILOG)
+    p.add_argument("--space", required=True, metavar="YAML",
+                   help="tune space file (tune_spaces/<workload>.yaml): workload, base preset, fixed overrides, knobs")
+    p.add_argument("--num-samples", type=int, default=8, metavar="N",
+                   help="trials to run in total (default: %(default)s); grid combinations are tried first")
+    p.add_argument("--max-concurrent", type=int, metavar="K",
+                   help="trials at once; default and upper bound: as many as fit the cluster's CPUs/GPUs (each "
+                        "trial's own CPU plus all its Train workers must fit at the same time)")
+    p.add_argument("--budget", type=float, metavar="MINUTES",
+                   help="wall-clock budget of the sweep; trials still running then are stopped and left out of "
+                        "the front (no budget by default)")
+    p.add_argument("--address", help="Ray cluster address (e.g. auto, ray://head:10001); default: $RAY_ADDRESS or "
+                                     "a Ray instance started in this process")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI for the parent and trial runs; default "
+                                          "$MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the sweep --name (or the newest sweep of this workload): finished trials are "
+                        "kept, unfinished ones continue from their own checkpoints, the rest are run")
+    p.add_argument("--name", help="sweep name: its folder under --storage-path and its MLflow parent run name "
+                                  "(default: <workload>-sweep-<time>)")
+    p.add_argument("--storage-path", default="raysys_runs/sweeps", metavar="DIR",
+                   help="folder for the sweep's Tune state, trial runs, checkpoints and report (default: %(default)s; "
+                        "on a multi-node cluster a folder all nodes share)")
+    p.add_argument("--tolerance", type=float, metavar="T",
+                   help="the recommendation is the fastest trial within T (absolute, in the quality metric's units) "
+                        "of the best quality; default: the space's objectives.tolerance, else 0.02")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Optuna sampler (default: %(default)s)")
+    p.add_argument("--preset", help="replace the space's base preset (e.g. quick for a smoke run)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra fixed override for every trial (repeatable); naming a knob pins it to this value")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.num_samples < 1 or (args.max_concurrent is not None and args.max_concurrent < 1):
+            raise ConfigError("--num-samples and --max-concurrent must be >= 1")
+        if args.budget is not None and args.budget <= 0:
+            raise ConfigError("--budget must be > 0 minutes")
+        from raysys.tune.runner import SweepOptions, run_sweep
+
+        outcome = run_sweep(SweepOptions(
+            space=args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
+            budget_minutes=args.budget, address=args.address, tracking_uri=args.tracking_uri, resume=args.resume,
+            name=args.name, storage_path=args.storage_path, tolerance=args.tolerance, seed=args.seed,
+            preset=args.preset, sets=parse_set_args(args.sets)))
+    except ConfigError as e:
+        print(f"raysys.tune: config error: {e}", file=sys.stderr)
+        return 2
+    return 130 if outcome.interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

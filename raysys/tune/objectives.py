@@ -1,0 +1,148 @@
+"""The two objectives of a sweep and the stability verdict that counts against quality.
+
+Every report a trial makes passes through an :class:`ObjectiveTracker`, which adds:
+
+* ``objective/throughput`` and ``objective/quality``: what the searcher optimises (both maximised;
+  NaN until first measured).
+  For an unstable trial they are ``0`` and the space's ``quality_penalty``, so that any stable
+  trial dominates it and Optuna learns to avoid its region.
+* ``objective/measured_throughput`` / ``objective/measured_quality``: the raw values, for tables.
+* ``stability/unstable`` (0/1, sticky) and ``stability/reason`` (why), which the sweep's stopper
+  reads to end the trial early.
+* ``sweep/final`` = 1 on the report that closes a run normally.
+
+The rules are in ``docs/objectives.md``; this module only evaluates them (no Ray, no MLflow).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+THROUGHPUT = "objective/throughput"
+QUALITY = "objective/quality"
+MEASURED_THROUGHPUT = "objective/measured_throughput"
+MEASURED_QUALITY = "objective/measured_quality"
+UNSTABLE = "stability/unstable"
+REASON = "stability/reason"
+FINAL = "sweep/final"
+DEFAULT_TOLERANCE = 0.02
+DEFAULT_QUALITY_PENALTY = -1.0
+
+
+@dataclass
+class StabilityRules:
+    """When a trial counts as unstable. Every rule looks only at metrics the run reports anyway."""
+
+    max_nonfinite_losses: int = 0
+    """More non-finite losses than this (``stability/nonfinite_loss``) -> unstable."""
+    max_loss_spikes: int = 3
+    """More loss spikes than this (``stability/loss_spikes``: loss > spike_factor x running median)."""
+    bounds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """metric -> {min: a, max: b}: a reported value outside [a, b] -> unstable (e.g. train/loss max,
+    charts/entropy min for a collapsed RL policy)."""
+    collapse: dict[str, float] = field(default_factory=dict)
+    """metric -> drop: the metric falling more than ``drop`` below its best so far -> unstable
+    (e.g. an RL episode return that collapses after learning)."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StabilityRules":
+        rules = cls(**dict(d))  # TypeError names an unknown key
+        if not isinstance(rules.bounds, Mapping) or not isinstance(rules.collapse, Mapping):
+            raise ValueError("bounds and collapse map metric names to limits")
+        for metric, b in rules.bounds.items():
+            if not isinstance(b, Mapping) or not b or set(b) - {"min", "max"}:
+                raise ValueError(f"bounds '{metric}' must be {{min: a}}, {{max: b}} or both, got {b!r}")
+            rules.bounds[metric] = {k: float(v) for k, v in b.items()}
+        rules.collapse = {m: float(v) for m, v in rules.collapse.items()}
+        if any(v <= 0 for v in rules.collapse.values()):
+            raise ValueError("collapse drops must be > 0")
+        rules.max_nonfinite_losses, rules.max_loss_spikes = int(rules.max_nonfinite_losses), int(rules.max_loss_spikes)
+        return rules
+
+    def check(self, m: Mapping[str, Any], best: Mapping[str, float]) -> Optional[str]:
+        """The reason this report makes the trial unstable, or None."""
+        loss = m.get("train/loss")
+        if _num(loss) and not math.isfinite(loss):
+            return f"non-finite loss ({loss})"
+        if _num(m.get("stability/diverged")) and m["stability/diverged"] >= 1:
+            return "diverged (the run stopped itself after consecutive non-finite losses)"
+        nonfinite = m.get("stability/nonfinite_loss")
+        if _num(nonfinite) and nonfinite > self.max_nonfinite_losses:
+            return f"{int(nonfinite)} non-finite losses (allowed {self.max_nonfinite_losses})"
+        spikes = m.get("stability/loss_spikes")
+        if _num(spikes) and spikes > self.max_loss_spikes:
+            return f"{int(spikes)} loss spikes (allowed {self.max_loss_spikes})"
+        for metric, b in self.bounds.items():
+            v = m.get(metric)
+            if not _num(v):
+                continue
+            if not math.isfinite(v):
+                return f"{metric} is not finite ({v})"
+            if "min" in b and v < b["min"]:
+                return f"{metric} = {v:.4g} below its floor {b['min']:.4g}"
+            if "max" in b and v > b["max"]:
+                return f"{metric} = {v:.4g} above its ceiling {b['max']:.4g}"
+        for metric, drop in self.collapse.items():
+            v = m.get(metric)
+            if _num(v) and metric in best and v < best[metric] - drop:
+                return f"{metric} collapsed to {v:.4g} from its best {best[metric]:.4g} (allowed drop {drop:.4g})"
+        return None
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class ObjectiveTracker:
+    """Per-trial state across reports: last throughput, last quality, best values, the verdict."""
+
+    def __init__(self, throughput_metric: str, quality_metric: str, rules: Optional[StabilityRules] = None,
+                 quality_penalty: float = DEFAULT_QUALITY_PENALTY):
+        self.throughput_metric, self.quality_metric = throughput_metric, quality_metric
+        self.rules = rules or StabilityRules()
+        self.quality_penalty = quality_penalty
+        self.throughput: Optional[float] = None
+        self.quality: Optional[float] = None
+        self.best: dict[str, float] = {}
+        self.reason: Optional[str] = None
+
+    @property
+    def unstable(self) -> bool:
+        return self.reason is not None
+
+    def update(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of one report with the objectives and the verdict added."""
+        out = {k: v for k, v in metrics.items() if k != "done"}  # Tune reserves 'done'
+        final = bool(metrics.get("done"))
+        if _num(metrics.get(self.throughput_metric)):
+            self.throughput = float(metrics[self.throughput_metric])
+        if _num(metrics.get(self.quality_metric)):
+            self.quality = float(metrics[self.quality_metric])
+        if self.reason is None:
+            self.reason = self.rules.check(metrics, self.best)
+        if self.reason is None and final and (self.quality is None or not math.isfinite(self.quality)):
+            self.reason = f"no finite quality at the end ({self.quality_metric} = {self.quality})"
+        for metric in self.rules.collapse:
+            v = metrics.get(metric)
+            if _num(v) and math.isfinite(v):
+                self.best[metric] = max(self.best.get(metric, v), v)
+
+        if self.throughput is not None:
+            out[MEASURED_THROUGHPUT] = self.throughput
+        if self.quality is not None:
+            out[MEASURED_QUALITY] = self.quality
+        if self.unstable:
+            out[THROUGHPUT], out[QUALITY] = 0.0, self.quality_penalty
+            out[REASON] = self.reason
+        else:
+            # Tune wants both objectives in every report; NaN until measured. Optuna only reads the
+            # last report, and refuses a NaN there: a trial cut short before its first evaluation is
+            # then left out of the study instead of being scored as bad.
+            out[THROUGHPUT] = self.throughput if self.throughput is not None else math.nan
+            out[QUALITY] = self.quality if self.quality is not None else math.nan
+        out[UNSTABLE] = float(self.unstable)
+        if final:
+            out[FINAL] = 1.0
+        return out

@@ -1,0 +1,98 @@
+"""What runs on the driver while Tune works: the stability stopper and concise progress lines."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray.tune import Callback
+from ray.tune.stopper import Stopper
+
+from raysys.tune import objectives as obj
+
+PROGRESS_EVERY_S = 20.0
+
+
+class StabilityStopper(Stopper):
+    """End a trial as soon as one of its reports carries the unstable verdict. It never stops the
+    whole sweep: an unstable trial is a result (recorded as such), not a failure."""
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        return bool(result.get(obj.UNSTABLE))
+
+    def stop_all(self) -> bool:
+        return False
+
+
+def trial_dirname(trial) -> str:
+    """Tune's trial folder is named by the trial id only (the default repeats the whole config)."""
+    return trial.trial_id
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """'train.batch_size' -> 'batch_size', unless two knobs would then share a name."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
+
+
+def format_knobs(knobs: dict[str, Any]) -> str:
+    names = short_names(sorted(knobs))
+    return " ".join(f"{names[k]}={_fmt(knobs[k])}" for k in sorted(knobs))
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+class Progress(Callback):
+    """One line when a trial starts or ends, and a short one per running trial every ~20 s."""
+
+    def __init__(self, total: int, throughput_metric: str, quality_metric: str):
+        self.total, self.tm, self.qm = total, throughput_metric, quality_metric
+        self.last_line: dict[str, float] = {}
+
+    def _print(self, msg: str) -> None:
+        print(f"[raysys.tune {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # Counts come from Tune's trial list, not from counters here: a resumed sweep restores this
+    # callback as it was pickled when the sweep began.
+    def on_trial_start(self, iteration, trials, trial, **info):
+        n = sum(t.status != "PENDING" or t is trial for t in trials)
+        self._print(f"trial {trial.trial_id} started ({n}/{self.total}): {format_knobs(trial.config)}")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        now = time.monotonic()
+        if result.get(obj.UNSTABLE):
+            self._print(f"trial {trial.trial_id} UNSTABLE: {result.get(obj.REASON)} -> stopping it")
+            return
+        if now - self.last_line.get(trial.trial_id, 0.0) < PROGRESS_EVERY_S:
+            return
+        self.last_line[trial.trial_id] = now
+        parts = [f"step {result.get('step', '?')}"]
+        if isinstance(result.get("train/loss"), (int, float)):
+            parts.append(f"loss {result['train/loss']:.4g}")
+        if isinstance(result.get(obj.MEASURED_THROUGHPUT), float):
+            parts.append(f"{self.tm.split('/')[-1]} {result[obj.MEASURED_THROUGHPUT]:.4g}")
+        if isinstance(result.get(obj.MEASURED_QUALITY), float):
+            parts.append(f"{self.qm.split('/')[-1]} {result[obj.MEASURED_QUALITY]:.4g}")
+        self._print(f"trial {trial.trial_id} " + ", ".join(parts))
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        r = trial.last_result or {}
+        if r.get(obj.UNSTABLE):
+            verdict = f"unstable ({r.get(obj.REASON)})"
+        elif r.get(obj.FINAL):
+            verdict = (f"{self.tm.split('/')[-1]} {r.get(obj.MEASURED_THROUGHPUT, float('nan')):.4g}, "
+                       f"{self.qm.split('/')[-1]} {r.get(obj.MEASURED_QUALITY, float('nan')):.4g}")
+        else:
+            verdict = "stopped before the end"
+        self._print(f"trial {trial.trial_id} done in {r.get('time_total_s', 0):.0f}s: {verdict} [{_done(trials, trial)}/{self.total} done]")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._print(f"trial {trial.trial_id} FAILED (the sweep goes on) [{_done(trials, trial)}/{self.total} done]; "
+                    f"details: {trial.path}/error.txt")
+
+
+def _done(trials, trial) -> int:
+    """Finished trials, counting this one (Tune updates its status after the callbacks)."""
+    return sum(t.status in ("TERMINATED", "ERROR") or t is trial for t in trials)

@@ -1,0 +1,269 @@
+"""Drive a sweep: validate, size it to the cluster, run Tune with Optuna, resume, summarise.
+
+Searcher: ``OptunaSearch`` with both objectives on the searcher (``metric=[...]``, ``mode=[...]``,
+multi-objective TPE). Scheduler: Tune's default FIFO; the only early stop is
+:class:`StabilityStopper`, which ends trials the stability rules call unstable. No ASHA: it would
+stop trials on one metric and hand Optuna their truncated values as if complete, which biases the
+Pareto front (see docs/tune.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from raysys import tracking
+from raysys import workload as registry
+from raysys.config import ConfigError, to_dict
+from raysys.tune import objectives as obj
+from raysys.tune import space as spaces
+from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
+from raysys.tune.resources import footprint, max_concurrent, trial_resources
+from raysys.tune.trial import ERROR_LINE
+
+STATE_FILE = "raysys_sweep.json"
+
+
+@dataclass
+class SweepOptions:
+    space: str
+    num_samples: int = 8
+    max_concurrent: Optional[int] = None
+    budget_minutes: Optional[float] = None
+    address: Optional[str] = None
+    tracking_uri: Optional[str] = None
+    resume: bool = False
+    name: Optional[str] = None
+    storage_path: str = "raysys_runs/sweeps"
+    tolerance: Optional[float] = None
+    seed: int = 0
+    preset: Optional[str] = None
+    sets: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SweepOutcome:
+    name: str
+    sweep_dir: Path
+    parent_run_id: str
+    records: list[TrialRecord]
+    recommended: Optional[TrialRecord]
+    interrupted: bool
+
+
+# ---- sweep folder and MLflow parent ------------------------------------------------------------
+
+def resolve_sweep_dir(opts: SweepOptions, workload: str) -> tuple[str, Path]:
+    storage = Path(opts.storage_path).resolve()
+    name = opts.name
+    if opts.resume and not name:  # newest sweep of this workload
+        found = sorted((p for p in storage.glob(f"{workload}-sweep-*") if (p / STATE_FILE).is_file()),
+                       key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise ConfigError(f"--resume: no earlier {workload} sweep under {storage}")
+        name = found[-1].name
+    name = name or f"{workload}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    sweep_dir = storage / name
+    if opts.resume and not (sweep_dir / STATE_FILE).is_file():
+        raise ConfigError(f"--resume: no sweep called '{name}' under {storage}")
+    if not opts.resume and sweep_dir.exists() and any(sweep_dir.iterdir()):
+        raise ConfigError(f"a sweep called '{name}' already exists at {sweep_dir}; pass --resume to continue it "
+                          "or choose another --name (nothing was changed)")
+    return name, sweep_dir
+
+
+def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
+    now = json.loads(json.dumps(sp.to_dict(), default=str))
+    before = stored["space"]
+    diff = [k for k in sorted(set(now) | set(before)) if now.get(k) != before.get(k)]
+    if diff:
+        raise ConfigError(f"--resume: the space differs from the one this sweep started with ({path}) in: "
+                          f"{', '.join(diff)}. Resume with the same space file and --preset/--set, or start a new --name")
+
+
+def _init_ray(address: Optional[str]) -> None:
+    import ray
+
+    # Shorter Train V2 teardown (its 5 s preemption-watcher poll dominates short trials); trial
+    # processes inherit these from the driver.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Trials stay in the driver's working directory: relative paths mean the same to all of them.
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
+    if ray.is_initialized():
+        return
+    # Trial output goes to per-trial logs and our progress lines; the driver stays readable.
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
+def _prepare(wl: registry.Workload, cfg: Any) -> Any:
+    """Make or check the data once, on the driver, before trials start (and race to write it)."""
+    prepare = wl.task.prepare if wl.task is not None else wl.extra.get("prepare")
+    return (prepare(cfg) or cfg) if prepare is not None else cfg
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+
+def run_sweep(opts: SweepOptions) -> SweepOutcome:
+    from ray import tune
+
+    from raysys.tune import report
+    from raysys.tune.progress import Progress, StabilityStopper
+    from raysys.tune.trial import TrialSetup, run_trial
+
+    sp = spaces.load(opts.space, preset=opts.preset, overrides=opts.sets)
+    wl = registry.get(sp.workload)
+    name, sweep_dir = resolve_sweep_dir(opts, wl.name)
+    stored = json.loads((sweep_dir / STATE_FILE).read_text()) if opts.resume else None
+    if stored:
+        _check_same_space(stored, sp, sweep_dir)
+        if opts.tracking_uri and tracking.resolve_tracking_uri(opts.tracking_uri) != stored["tracking_uri"]:
+            raise ConfigError(f"--resume: this sweep tracks to {stored['tracking_uri']}, not {opts.tracking_uri}")
+    uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
+    tolerance = opts.tolerance if opts.tolerance is not None else float(sp.objectives.get("tolerance", obj.DEFAULT_TOLERANCE))
+    throughput_metric = sp.objectives.get("throughput", wl.throughput_metric)
+    quality_metric = sp.objectives.get("quality", wl.quality_metric)
+
+    base = _prepare(wl, sp.base_config())
+    experiment = base.launch.experiment or f"raysys-{wl.name}"
+    _init_ray(opts.address)
+    import ray
+
+    need_cpu, need_gpu = footprint(sp, base)
+    concurrent = max_concurrent(ray.cluster_resources(), need_cpu, need_gpu, opts.max_concurrent)
+
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored)
+    parent_log.log_params({"sweep.workload": wl.name, "sweep.preset": sp.preset, "sweep.space_file": sp.source,
+                           "sweep.num_samples": opts.num_samples, "sweep.max_concurrent": concurrent,
+                           "sweep.tolerance": tolerance, "sweep.throughput_metric": throughput_metric,
+                           "sweep.quality_metric": quality_metric, "sweep.seed": opts.seed,
+                           **{f"space.{k}": d.describe() for k, d in sp.knobs.items()},
+                           **{f"fixed.{k}": v for k, v in sp.fixed.items()}})
+    if not stored:
+        (sweep_dir / STATE_FILE).write_text(json.dumps({
+            "space": sp.to_dict(), "space_file": sp.source, "tracking_uri": uri, "experiment": experiment,
+            "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance}, indent=1, default=str))
+
+    setup = TrialSetup(workload=wl.name, base_config=to_dict(base), sweep_name=name, sweep_dir=str(sweep_dir),
+                       tracking_uri=uri, experiment=experiment, parent_run_id=parent,
+                       throughput_metric=throughput_metric, quality_metric=quality_metric,
+                       stability=sp.stability, quality_penalty=float(sp.objectives.get("quality_penalty",
+                                                                                        obj.DEFAULT_QUALITY_PENALTY)))
+    launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
+    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
+                                    functools.partial(trial_resources, launch))
+    print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
+          f"{opts.num_samples} trials, up to {concurrent} at once ({need_cpu:g} CPU each) -> {sweep_dir}\n"
+          f"[raysys.tune] MLflow: {uri} (experiment '{experiment}', parent run {parent})", flush=True)
+
+    started = time.monotonic()
+    if opts.resume and tune.Tuner.can_restore(str(sweep_dir)):
+        print("[raysys.tune] resuming: finished trials are kept, unfinished ones continue from their checkpoints",
+              flush=True)
+        tuner = tune.Tuner.restore(str(sweep_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent),
+                           run_config=tune.RunConfig(
+                               name=name, storage_path=str(sweep_dir.parent), verbose=0, stop=StabilityStopper(),
+                               callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric)],
+                               failure_config=tune.FailureConfig(max_failures=0)))
+    grid = tuner.fit()
+    records = collect(grid, setup)
+    budget_hit = opts.budget_minutes is not None and time.monotonic() - started >= 60 * opts.budget_minutes - 1
+    unfinished = [r for r in records if r.status == INCOMPLETE]
+    interrupted = (bool(unfinished) or len(records) < _num_samples(stored, opts)) and not budget_hit
+
+    report.finalize_children(uri, experiment, setup, records, grid)
+    if interrupted:
+        tracking.end_run(uri, parent, status="KILLED")
+        print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
+              f"{max(0, _num_samples(stored, opts) - len(records))} unstarted trials; continue it with:\n"
+              f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path {sweep_dir.parent} --resume"
+              + _extra_flags(opts), flush=True)
+        return SweepOutcome(name, sweep_dir, parent, records, None, True)
+    rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
+                           budget_hit=budget_hit)
+    tracking.end_run(uri, parent, status="FINISHED")
+    return SweepOutcome(name, sweep_dir, parent, records, rec, False)
+
+
+def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Optional[dict]):
+    """The sweep's MLflow parent run: created, or reopened on --resume (an interrupted sweep ended it KILLED)."""
+    if stored:
+        from mlflow.tracking import MlflowClient
+
+        parent = stored["parent_run_id"]
+        MlflowClient(tracking_uri=uri).update_run(parent, status="RUNNING")
+    else:
+        parent = tracking.start_run(uri, experiment, name, tags={"raysys.workload": workload, "raysys.kind": "sweep"})
+    return parent, tracking.MLflowLogger(uri, parent)
+
+
+def _num_samples(stored: Optional[dict], opts: SweepOptions) -> int:
+    return int(stored["num_samples"]) if stored else opts.num_samples
+
+
+def _extra_flags(opts: SweepOptions) -> str:
+    flags = f" --preset {opts.preset}" if opts.preset else ""
+    return flags + "".join(f" --set {k}={v}" for k, v in opts.sets.items())
+
+
+def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int):
+    import optuna
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    from raysys.tune.progress import trial_dirname
+
+    grid = sp.grid_points()
+    if len(grid) > opts.num_samples:
+        print(f"[raysys.tune] note: the grid knobs make {len(grid)} combinations but only {opts.num_samples} trials "
+              "run; the first ones are tried", flush=True)
+    searcher = OptunaSearch(space=spaces.OptunaSpace(sp.knobs), metric=[obj.THROUGHPUT, obj.QUALITY],
+                            mode=["max", "max"], points_to_evaluate=grid or None,
+                            sampler=optuna.samplers.TPESampler(seed=opts.seed))
+    return tune.TuneConfig(search_alg=searcher, num_samples=opts.num_samples, max_concurrent_trials=concurrent,
+                           time_budget_s=60 * opts.budget_minutes if opts.budget_minutes else None,
+                           reuse_actors=False, trial_dirname_creator=trial_dirname)
+
+
+def collect(grid, setup) -> list[TrialRecord]:
+    """One record per trial from Tune's results (the last report of each carries our verdict)."""
+    records = []
+    for result in grid:
+        m = result.metrics or {}
+        trial_id = m.get("trial_id") or Path(result.path).name
+        rec = TrialRecord(trial_id=trial_id, knobs=dict(result.config or {}), run_name=setup.run_name(trial_id),
+                          throughput=_float(m.get(obj.MEASURED_THROUGHPUT)), quality=_float(m.get(obj.MEASURED_QUALITY)),
+                          seconds=_float(m.get("time_total_s")))
+        if result.error is not None:
+            rec.status, rec.reason = ERROR, error_summary(result.error)
+        elif m.get(obj.UNSTABLE):
+            rec.status, rec.reason = UNSTABLE, str(m.get(obj.REASON, "unstable"))
+        elif m.get(obj.FINAL):
+            rec.status = OK
+        else:
+            rec.status, rec.reason = INCOMPLETE, "stopped before the end (budget or interruption)"
+        records.append(rec)
+    return sorted(records, key=lambda r: r.trial_id)
+
+
+def error_summary(err: BaseException) -> str:
+    """One line for a failed trial: the last 'XError: message' line of Ray's wrapped traceback."""
+    lines = [l.strip() for l in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if l.strip()]
+    errors = [l for l in lines if ERROR_LINE.match(l)]
+    return (errors[-1] if errors else lines[-1] if lines else type(err).__name__)[:300]
+
+
+def _float(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

@@ -1,0 +1,189 @@
+"""One sweep trial: the Tune function trainable and the three ways it trains.
+
+* PyTorch workload, ``launch.workers == 0`` (the default on small machines): the shared loop runs
+  in a child process of the trial (see :mod:`raysys.tune.child` for why), reports come back
+  through a pipe.
+* PyTorch workload, ``launch.workers > 0``: ``run_training`` fits a Ray Train V2 ``TorchTrainer``
+  from inside the trial, with a ``TuneReportCallback`` that forwards every report (the Train V2 +
+  Tune pattern; Train's workers get their own placement group beside the trial's).
+* Workload with its own loop (``train_fn``): ``run_custom`` in the trial, ``report=tune.report``.
+
+Every report passes through an :class:`ObjectiveTracker` first. Each trial's training run is
+named ``<sweep>-<trial id>`` under ``<sweep dir>/runs/``: a resumed sweep restarts an unfinished
+trial with the same name, so its run continues from its own last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from raysys.tune.objectives import ObjectiveTracker, StabilityRules
+
+CHILD_STOP_GRACE_S = 30.0
+ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
+
+
+@dataclass(frozen=True)
+class TrialSetup:
+    """What every trial needs besides its knobs (passed once through ``tune.with_parameters``)."""
+
+    workload: str
+    base_config: dict
+    """The preset + fixed overrides, data prepared (absolute paths), as a plain dict."""
+    sweep_name: str
+    sweep_dir: str
+    tracking_uri: str
+    experiment: str
+    parent_run_id: str
+    throughput_metric: str
+    quality_metric: str
+    stability: dict
+    quality_penalty: float
+
+    @property
+    def runs_dir(self) -> Path:
+        return Path(self.sweep_dir) / "runs"
+
+    def run_name(self, trial_id: str) -> str:
+        return f"{self.sweep_name}-{trial_id}"
+
+    def tracker(self) -> ObjectiveTracker:
+        return ObjectiveTracker(self.throughput_metric, self.quality_metric,
+                                StabilityRules.from_dict(self.stability), self.quality_penalty)
+
+
+def trial_config(setup: TrialSetup, knobs: dict[str, Any], trial_id: str) -> Any:
+    """The trial's full config: base + knobs + its own run name/folder/store; resume if it ran before."""
+    from raysys import workload as registry
+    from raysys.config import apply_overrides, from_dict
+
+    wl = registry.get(setup.workload)
+    run_dir = setup.runs_dir / setup.run_name(trial_id)
+    started_before = run_dir.is_dir() and any(run_dir.iterdir())
+    return apply_overrides(from_dict(wl.config_cls, setup.base_config), {
+        **knobs, "launch.name": setup.run_name(trial_id), "launch.storage_path": str(setup.runs_dir),
+        "launch.tracking_uri": setup.tracking_uri, "launch.experiment": setup.experiment,
+        "launch.resume": started_before})
+
+
+def log_event(sweep_dir: str | Path, line: str) -> None:
+    """Append to <sweep>/trial_events.log (one line per trial start/end; tests and users audit it)."""
+    with open(Path(sweep_dir) / "trial_events.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+
+def run_trial(config: dict, setup: TrialSetup) -> None:
+    """The Tune function trainable. ``config`` holds exactly the sampled knobs."""
+    from ray import tune
+
+    from raysys import workload as registry
+
+    trial_id = tune.get_context().get_trial_id()
+    cfg = trial_config(setup, dict(config), trial_id)
+    wl = registry.get(setup.workload)
+    tracker = setup.tracker()
+    tags = {"raysys.sweep": setup.sweep_name, "raysys.trial_id": trial_id, "raysys.kind": "sweep_trial"}
+    done_file = setup.runs_dir / cfg.launch.name / "final_metrics.json"
+    if cfg.launch.resume and done_file.is_file():
+        # Its run already ended (the driver died before Tune recorded that): report what the run
+        # recorded instead of "resuming" a finished run, whose speed window would be empty.
+        log_event(setup.sweep_dir, f"reuse {trial_id} run={cfg.launch.name}")
+        tune.report(tracker.update({**json.loads(done_file.read_text()), "done": 1.0}))
+        return
+    log_event(setup.sweep_dir, f"start {trial_id} run={cfg.launch.name} resume={cfg.launch.resume}")
+
+    if wl.task is not None and cfg.launch.workers == 0:
+        _train_in_child(setup, cfg, tracker, tags)
+    elif wl.task is not None:
+        from raysys.train.launcher import run_training
+
+        run_training(wl.name, cfg, callbacks=[SweepReportCallback(tracker)], parent_run_id=setup.parent_run_id, tags=tags)
+    else:
+        from raysys.session import run_custom
+
+        result = run_custom(wl, cfg, parent_run_id=setup.parent_run_id, tags=tags,
+                            report=lambda m: tune.report(tracker.update(m)))
+        tune.report(tracker.update({**result.metrics, "done": 1.0}))
+    log_event(setup.sweep_dir, f"end {trial_id}")
+
+
+class SweepReportCallback(TuneReportCallback):
+    """TuneReportCallback that adds the objectives and the stability verdict to each report.
+
+    It runs in Train's controller, which keeps the tracker's state across the run's reports."""
+
+    def __init__(self, tracker: ObjectiveTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if metrics:
+            metrics = [self.tracker.update(metrics[0]), *metrics[1:]]
+        super().after_report(run_context, metrics, checkpoint)
+
+
+def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags: dict) -> None:
+    from ray import tune
+
+    from raysys.config import to_dict
+
+    setup.runs_dir.mkdir(parents=True, exist_ok=True)
+    stem = setup.runs_dir / cfg.launch.name
+    payload_path = stem.with_name(stem.name + ".trial.json")
+    payload_path.write_text(json.dumps({"workload": setup.workload, "config": to_dict(cfg), "parent_pid": os.getpid(),
+                                        "parent_run_id": setup.parent_run_id, "tags": tags}))
+    log_path = stem.with_name(stem.name + ".log")
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ)
+    # The trial reserved whole CPUs for this child: size torch's thread pool to them, not to the host.
+    env["OMP_NUM_THREADS"] = str(max(1, int(cfg.launch.cpus_per_worker)))
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    with open(log_path, "a") as log:
+        # Own session: a terminal's Ctrl-C reaches the sweep's driver only, which then stops trials in
+        # order (Tune saves its state first); the child follows its trial, never the terminal.
+        proc = subprocess.Popen([sys.executable, "-m", "raysys.tune.child", str(payload_path), str(write_fd)],
+                                pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd) as reports:
+            for line in reports:
+                tune.report(tracker.update(json.loads(line)))
+                if tracker.unstable:  # the stopper ends the trial too; stop the run cleanly first
+                    break
+    finally:
+        rc = _stop(proc) if tracker.unstable else proc.wait()
+    if rc != 0 and not tracker.unstable:
+        raise RuntimeError(f"training failed (exit {rc}): {_last_error(log_path)} (log: {log_path})")
+
+
+def _stop(proc: subprocess.Popen) -> Optional[int]:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=CHILD_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def _last_error(path: Path) -> str:
+    """The last 'SomethingError: message' line of the child's log (one line for tables and tags)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    errors = [l.strip() for l in lines if ERROR_LINE.match(l.strip())]
+    return (errors[-1] if errors else (lines[-1].strip() if lines else "no output"))[:300]

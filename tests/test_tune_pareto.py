@@ -1,0 +1,55 @@
+"""Pareto front and recommendation against hand-made points (no Ray)."""
+
+import math
+
+from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord, dominates, pareto_front, recommend
+
+
+def rec(tid, t, q, status=OK):
+    return TrialRecord(trial_id=tid, knobs={}, status=status, throughput=t, quality=q)
+
+
+def ids(records):
+    return [r.trial_id for r in records]
+
+
+def test_dominated_points_are_dropped_and_front_is_fastest_first():
+    pts = [rec("a", 100, 0.60), rec("b", 200, 0.50), rec("c", 150, 0.55), rec("d", 90, 0.59),  # d < a
+           rec("e", 140, 0.50)]  # e < c (slower and worse)
+    assert ids(pareto_front(pts)) == ["b", "c", "a"]
+    assert dominates(pts[0], pts[3]) and not dominates(pts[0], pts[1])
+
+
+def test_ties():
+    # exact duplicates: neither dominates the other, both stay
+    assert ids(pareto_front([rec("a", 100, 0.5), rec("b", 100, 0.5)])) == ["a", "b"]
+    # equal throughput, better quality wins; equal quality, faster wins
+    assert ids(pareto_front([rec("a", 100, 0.5), rec("b", 100, 0.6)])) == ["b"]
+    assert ids(pareto_front([rec("a", 100, 0.5), rec("b", 120, 0.5)])) == ["b"]
+
+
+def test_single_point_and_empty():
+    assert ids(pareto_front([rec("only", 1.0, 0.1)])) == ["only"]
+    assert pareto_front([]) == [] and recommend([], 0.1) is None
+
+
+def test_unstable_error_incomplete_and_nonfinite_are_excluded():
+    pts = [rec("fast-but-unstable", 1e6, 0.9, UNSTABLE), rec("err", 500, 0.9, ERROR),
+           rec("cut", 400, 0.9, INCOMPLETE), rec("nan", 300, math.nan), rec("none", 300, None),
+           rec("ok1", 100, 0.6), rec("ok2", 200, 0.4)]
+    assert ids(pareto_front(pts)) == ["ok2", "ok1"]
+    assert recommend(pts, 0.05).trial_id == "ok1"
+
+
+def test_recommendation_is_fastest_within_tolerance():
+    pts = [rec("best", 100, 0.70), rec("close", 300, 0.69), rec("fastest", 900, 0.50), rec("mid", 250, 0.695)]
+    assert recommend(pts, 0.02).trial_id == "close"
+    assert recommend(pts, 0.0).trial_id == "best"
+    assert recommend(pts, 0.5).trial_id == "fastest"
+    r = recommend(pts, 0.02)
+    assert r in pareto_front(pts)
+
+
+def test_recommendation_tie_prefers_quality_then_earlier_trial():
+    assert recommend([rec("a", 100, 0.60), rec("b", 100, 0.61)], 0.1).trial_id == "b"
+    assert recommend([rec("b", 100, 0.6), rec("a", 100, 0.6)], 0.1).trial_id == "a"

@@ -1,0 +1,172 @@
+"""Tune spaces validate before anything starts; every file in tune_spaces/ is valid (no Ray)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raysys import workload as registry
+from raysys.config import ConfigError
+from raysys.tune import space as spaces
+from raysys.tune.objectives import FINAL, QUALITY, REASON, THROUGHPUT, UNSTABLE, ObjectiveTracker, StabilityRules
+from raysys.tune.resources import footprint, max_concurrent
+
+SPACES = sorted((Path(__file__).resolve().parents[1] / "tune_spaces").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SPACES, ids=[p.stem for p in SPACES])
+def test_every_space_file_validates(path):
+    name = yaml.safe_load(path.read_text())["workload"]
+    try:
+        registry.get(name)
+    except ConfigError:
+        pytest.skip(f"workload '{name}' is not registered yet; {path.name} is validated once it is")
+    sp = spaces.load(path)
+    assert sp.workload == name == path.stem and sp.knobs
+    assert sp.base_config() is not None
+
+
+def test_the_deep_gpcm_space_has_the_seed_knobs():
+    sp = spaces.load(next(p for p in SPACES if p.stem == "deep_gpcm"))
+    for key in ("train.batch_size", "train.grad_accum", "train.precision", "train.compile", "loader.num_workers",
+                "model.path", "optim.lr"):
+        assert key in sp.knobs, key
+    assert "fp16" not in sp.knobs["train.precision"].values  # CPU spaces stay with fp32/bf16
+    assert sp.grid_points() == [{"model.path": "naive"}, {"model.path": "optimized"}]
+
+
+def _space(**over):
+    data = {"workload": "deep_gpcm", "preset": "quick", "fixed": {"train.epochs": 1},
+            "space": {"train.batch_size": {"choice": [8, 16]}}}
+    data.update(over)
+    return data
+
+
+@pytest.mark.parametrize("space, words", [
+    ({"train.batchsize": {"choice": [8]}}, ["train.batchsize", "batch_size"]),          # unknown path
+    ({"train.precision": {"choice": ["fp32", "fp8"]}}, ["train.precision", "fp8"]),     # value the config refuses
+    ({"optim.lr": {"loguniform": [0, 1]}}, ["optim.lr", "low > 0"]),
+    ({"optim.lr": {"uniform": [1, 0.1]}}, ["optim.lr", "low < high"]),
+    ({"optim.lr": {"normal": [0, 1]}}, ["optim.lr", "unknown domain 'normal'"]),
+    ({"train.batch_size": {"uniform": [8, 64]}}, ["train.batch_size", "randint"]),     # floats for an int key
+    ({"train.batch_size": {"randint": [8.5, 64]}}, ["train.batch_size", "integer bounds"]),
+    ({"train.batch_size": {"choice": []}}, ["train.batch_size", "non-empty"]),
+    ({"train.batch_size": {"choice": [0, 8]}}, ["train.batch_size", ">= 1"]),         # validate() hooks run too
+    ({"launch.name": {"choice": ["x"]}}, ["launch.name", "set by the sweep"]),
+    ({"optim.lr": [1, 2]}, ["optim.lr", "domain"]),
+])
+def test_bad_space_is_one_clear_config_error(space, words):
+    with pytest.raises(ConfigError) as e:
+        spaces.from_dict(_space(space=space), "s.yaml")
+    msg = str(e.value)
+    assert msg.startswith("s.yaml") and "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_other_space_errors():
+    with pytest.raises(ConfigError, match="unknown workload 'nope'"):
+        spaces.from_dict(_space(workload="nope"))
+    with pytest.raises(ConfigError, match="unknown preset"):
+        spaces.from_dict(_space(preset="nope"))
+    with pytest.raises(ConfigError, match="fixed overrides.*train.epoch"):
+        spaces.from_dict(_space(fixed={"train.epoch": 1}))
+    with pytest.raises(ConfigError, match="both fixed and searched"):
+        spaces.from_dict(_space(fixed={"train.batch_size": 8}))
+    with pytest.raises(ConfigError, match="unknown top-level"):
+        spaces.from_dict(_space(knobs={}))
+    with pytest.raises(ConfigError, match="stability"):
+        spaces.from_dict(_space(stability={"bounds": {"train/loss": {"ceiling": 3}}}))
+    with pytest.raises(ConfigError, match="not found"):
+        spaces.load("no/such/space.yaml")
+
+
+def test_nested_sections_numbers_as_strings_and_pinning():
+    sp = spaces.from_dict(_space(space={"train": {"batch_size": {"randint": [8, 32]}},
+                                        "optim.lr": {"loguniform": ["1e-4", "1e-2"]}}),
+                          overrides={"train.batch_size": "16"}, preset="quick")
+    assert list(sp.knobs) == ["optim.lr"] and sp.fixed["train.batch_size"] == "16"
+    assert sp.knobs["optim.lr"].low == 1e-4
+    assert sp.base_config().train.batch_size == 16
+
+
+def test_optuna_space_suggests_every_knob():
+    import optuna
+
+    sp = spaces.from_dict(_space(space={"train.batch_size": {"randint": [8, 12]}, "optim.lr": {"loguniform": [1e-4, 1e-2]},
+                                        "train.precision": {"grid": ["fp32", "bf16"]}, "optim.weight_decay": {"uniform": [0, 0.1]}}))
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    for point in sp.grid_points():
+        study.enqueue_trial(point)
+    seen = []
+    for _ in range(3):
+        t = study.ask()
+        spaces.OptunaSpace(sp.knobs)(t)
+        seen.append(t.params)
+        assert 8 <= t.params["train.batch_size"] <= 12 and 1e-4 <= t.params["optim.lr"] <= 1e-2
+    assert [p["train.precision"] for p in seen[:2]] == ["fp32", "bf16"]  # grid points come first
+
+
+def test_stability_rules_and_tracker():
+    rules = StabilityRules.from_dict({"max_loss_spikes": 1, "bounds": {"train/loss": {"max": 10}, "charts/entropy": {"min": 0.1}},
+                                      "collapse": {"charts/return": 0.5}})
+    t = ObjectiveTracker("perf/tokens_per_s", "eval/qwk", rules, quality_penalty=-1.0)
+    out = t.update({"train/loss": 1.0, "perf/tokens_per_s": 500.0, "stability/loss_spikes": 0})
+    assert out[THROUGHPUT] == 500.0 and math.isnan(out[QUALITY]) and out[UNSTABLE] == 0.0
+    out = t.update({"train/loss": 0.9, "eval/qwk": 0.6, "done": 1.0})
+    assert out[QUALITY] == 0.6 and out[FINAL] == 1.0 and "done" not in out
+
+    for bad, word in [({"train/loss": float("nan")}, "non-finite loss"), ({"stability/nonfinite_loss": 1}, "non-finite losses"),
+                      ({"stability/loss_spikes": 2}, "loss spikes"), ({"train/loss": 11.0}, "ceiling"),
+                      ({"charts/entropy": 0.01}, "floor"), ({"stability/diverged": 1.0}, "diverged")]:
+        t = ObjectiveTracker("perf/tokens_per_s", "eval/qwk", rules, quality_penalty=-1.0)
+        t.update({"perf/tokens_per_s": 900.0, "eval/qwk": 0.7})
+        out = t.update(bad)
+        assert out[UNSTABLE] == 1.0 and word in out[REASON], (bad, out)
+        assert out[THROUGHPUT] == 0.0 and out[QUALITY] == -1.0  # any stable trial dominates it
+        assert t.update({"train/loss": 0.5})[UNSTABLE] == 1.0     # the verdict is sticky
+
+    t = ObjectiveTracker("x", "charts/return", rules)
+    t.update({"charts/return": 2.0})
+    assert t.update({"charts/return": 1.6})[UNSTABLE] == 0.0
+    assert "collapsed" in t.update({"charts/return": 1.4})[REASON]
+
+    t = ObjectiveTracker("x", "eval/qwk", rules)
+    assert "no finite quality" in t.update({"eval/qwk": float("nan"), "done": 1})[REASON]
+
+
+def test_concurrency_is_bounded_by_the_cluster():
+    sp = spaces.from_dict(_space(fixed={"launch.workers": 0}))
+    assert footprint(sp, sp.base_config()) == (1.0, 0.0)
+    assert max_concurrent({"CPU": 2.0}, 1.0, 0.0, None) == 2
+    assert max_concurrent({"CPU": 2.0}, 1.0, 0.0, 1) == 1
+    assert max_concurrent({"CPU": 2.0}, 1.0, 0.0, 8) == 2
+    # Train workers: the trial's own share plus every worker must fit at once
+    sp = spaces.from_dict(_space(space={"launch.workers": {"choice": [1, 2]}}))
+    cpu, _ = footprint(sp, sp.base_config())
+    assert cpu == 2.5
+    assert max_concurrent({"CPU": 8.0}, cpu, 0.0, None) == 3
+    with pytest.raises(ConfigError, match="one trial needs 2.5 CPU"):
+        max_concurrent({"CPU": 2.0}, cpu, 0.0, None)
+
+
+def test_cli_refuses_a_bad_space_before_anything_starts(workdir, capsys):
+    from raysys.tune.__main__ import main
+
+    bad = workdir / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_space(space={"train.batch_size": {"choice": [16]}, "optim.lrr": {"uniform": [0.1, 1]}})))
+    assert main(["--space", str(bad), "--num-samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lrr" in err and "lr" in err and err.count("\n") == 1
+    assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
+
+
+def test_cli_help_explains_every_flag(capsys):
+    from raysys.tune.__main__ import build_parser
+
+    text = build_parser().format_help()
+    for flag in ("--space", "--num-samples", "--max-concurrent", "--budget", "--address", "--tracking-uri", "--resume",
+                 "--name", "--storage-path", "--tolerance"):
+        assert flag in text, flag
+    assert text.count("default") >= 5

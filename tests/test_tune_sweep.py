@@ -1,0 +1,198 @@
+"""End-to-end sweeps of deep_gpcm through `python -m raysys.tune` (Ray Tune + Optuna + MLflow).
+
+Each sweep runs in a subprocess (its own Ray instance), on the `quick` preset's data with 2 epochs
+and compile pinned off, so that a trial takes seconds on 2 cores; see docs/tune.md for the
+full-size command and its timing.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SPACE = REPO / "tune_spaces" / "deep_gpcm.yaml"
+# The quick preset's data (96 training sequences of 20..59 steps), 2 epochs, compile off.
+TINY = ["--preset", "quick", "--set", "data.n_students=120", "--set", "data.data_dir=raysys_data/synthetic_OC_quick",
+        "--set", "train.epochs=2", "--set", "train.compile=false", "--set", "train.log_every_steps=2"]
+
+
+def _sweep(workdir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "raysys.tune", *args]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout[-6000:], proc.stderr[-4000:], sep="\n")  # shown by pytest on failure
+    return proc
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _runs(uri: str):
+    client = _client(uri)
+    exp = client.get_experiment_by_name("raysys-deep_gpcm")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    return client, runs, parent, children
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on 127.0.0.1 (sqlite backend, served artifacts), stopped at the end."""
+    port = _free_port()
+    store = tmp_path / "mlflow-server"
+    store.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1", "--backend-store-uri", f"sqlite:///{store / 'm.db'}",
+                             "--artifacts-destination", str(store / "art")],
+                            stdout=open(store / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"mlflow server did not become healthy:\n{(store / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and its uvicorn worker
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_server):
+    t0 = time.time()
+    proc = _sweep(workdir, "--space", str(SPACE), "--num-samples", "6", "--max-concurrent", "2", *TINY,
+                  "--tracking-uri", mlflow_server, "--name", "six")
+    elapsed = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert elapsed < 15 * 60
+    out = proc.stdout
+    assert "Pareto front" in out and "| trial | status | perf/tokens_per_s | eval/qwk |" in out
+    assert "Recommended: trial" in out
+    assert "python -m raysys train deep_gpcm --preset quick " in out
+    assert "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python -m raysys train deep_gpcm" in out
+
+    client, runs, parent, children = _runs(mlflow_server)
+    assert len(runs) == 7 and len(children) == 6
+    assert parent.info.status == "FINISHED"
+    knobs = [k for k in yaml.safe_load(SPACE.read_text())["space"] if k != "train.compile"]  # pinned by TINY
+    for child in children:
+        assert child.info.status in ("FINISHED", "KILLED")
+        assert child.data.tags["raysys.trial_status"] in ("ok", "unstable")
+        for k in knobs:
+            assert k in child.data.params, k
+        for m in ("objective/throughput", "objective/quality", "perf/tokens_per_s", "eval/qwk"):
+            assert m in child.data.metrics, (m, child.info.run_name)
+        history = client.get_metric_history(child.info.run_id, "objective/throughput")
+        assert len(history) >= 2  # one per report, not just the final value
+    # the grid knob: both paths were tried
+    assert {c.data.params["model.path"] for c in children} == {"naive", "optimized"}
+    for m in ("sweep/trials", "sweep/front_size", "objective/throughput", "objective/quality"):
+        assert m in parent.data.metrics, m
+    assert parent.data.metrics["sweep/trials"] == 6
+    assert "space.optim.lr" in parent.data.params
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"pareto.png", "pareto.md", "recommendation.md", "trials.csv"} <= artifacts
+    png = client.download_artifacts(parent.info.run_id, "pareto.png", str(workdir))
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir):
+    space = workdir / "diverge.yaml"
+    space.write_text(yaml.safe_dump({
+        "workload": "deep_gpcm", "preset": "quick",
+        "fixed": {"train.epochs": 2, "train.log_every_steps": 1, "launch.workers": 0, "model.path": "optimized"},
+        "space": {"optim.lr": {"grid": [1.0e-3, 1.0e6]}},  # 1e6: an absurd learning rate, tried for sure
+        "stability": {"bounds": {"train/loss": {"max": 20.0}}}}))
+    proc = _sweep(workdir, "--space", str(space), "--num-samples", "2", "--max-concurrent", "2", "--name", "div")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UNSTABLE" in proc.stdout and "1 ok, 1 unstable" in proc.stdout
+    assert "Recommended: trial" in proc.stdout  # the stable one
+
+    _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    by_lr = {float(c.data.params["optim.lr"]): c for c in children}
+    bad, good = by_lr[1e6], by_lr[1e-3]
+    assert bad.data.tags["raysys.trial_status"] == "unstable" and bad.data.tags["raysys.unstable"] == "true"
+    assert "train/loss" in bad.data.tags["raysys.trial_reason"] or "non-finite" in bad.data.tags["raysys.trial_reason"]
+    assert bad.data.metrics["objective/quality"] == -1.0 and bad.data.metrics["objective/throughput"] == 0.0
+    assert bad.info.status in ("KILLED", "FINISHED")
+    assert good.data.tags["raysys.trial_status"] == "ok" and parent.info.status == "FINISHED"
+    csv = (workdir / "raysys_runs" / "sweeps" / "div" / "report" / "trials.csv").read_text()
+    assert ",unstable," in csv
+
+
+def _events(sweep_dir: Path) -> list[list[str]]:
+    path = sweep_dir / "trial_events.log"
+    return [line.split()[1:] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
+    args = ["--space", str(SPACE), "--num-samples", "3", "--max-concurrent", "1", *TINY,
+            "--set", "train.epochs=3", "--set", "train.checkpoint_every_steps=2", "--name", "intr"]
+    sweep_dir = workdir / "raysys_runs" / "sweeps" / "intr"
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 400
+    # interrupt once one trial has finished and the next one is under way (and has a checkpoint)
+    while time.time() < deadline and proc.poll() is None:
+        ev = _events(sweep_dir)
+        ended = {e[1] for e in ev if e[0] == "end"}
+        running = [e[1] for e in ev if e[0] == "start" and e[1] not in ended]
+        if ended and running and any((sweep_dir / "runs").glob(f"*{running[0]}/checkpoints/step_*/meta.json")):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops the running trial
+    out, _ = proc.communicate(timeout=180)
+    print(out[-5000:])
+    assert proc.returncode == 130, out[-3000:]
+    assert "--resume" in out
+    before = _events(sweep_dir)
+    finished = {e[1] for e in before if e[0] == "end"}
+    assert finished
+
+    resumed = _sweep(workdir, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Recommended: trial" in resumed.stdout
+    after = _events(sweep_dir)
+    starts = {}
+    for e in after:
+        if e[0] == "start":
+            starts.setdefault(e[1], []).append(e)
+    assert len(starts) == 3  # three trials in all, none duplicated under a new id
+    for tid in finished:  # finished before the interruption: never started again
+        assert len(starts[tid]) == 1, (tid, after)
+    interrupted = [tid for tid, s in starts.items() if len(s) > 1]
+    assert interrupted and all(starts[t][-1][-1] == "resume=True" for t in interrupted)
+    # its training run continued from its own checkpoint rather than from scratch
+    (run_dir,) = (sweep_dir / "runs").glob(f"*{interrupted[0]}")
+    assert "resumed step=" in (run_dir / "events.log").read_text()
+
+    _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    assert len(children) == 3 and parent.info.status == "FINISHED"
+    assert all(c.data.tags["raysys.trial_status"] == "ok" for c in children)
+    assert len([p for p in sweep_dir.iterdir() if (p / "result.json").exists()]) == 3
