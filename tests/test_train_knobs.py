@@ -46,3 +46,17 @@ def test_cuda_amp(workdir, precision):
                  "--set", "loader.pin_memory=true", "--set", "train.cudnn_benchmark=true"]) == 0
     final = _final(workdir, f"cuda-{precision}")
     assert final["stability/nonfinite_loss"] == 0 and final["eval/qwk"] > 0
+
+
+def test_cross_validation_runs_each_fold_under_one_parent(workdir, capsys):
+    from mlflow.tracking import MlflowClient
+
+    assert main([*QUICK, "--cv", "--name", "cv", "--set", "data.n_folds=2", "--set", "train.epochs=1"]) == 0
+    out = capsys.readouterr().out
+    assert "2-fold cross-validation" in out and "| **mean** |" in out
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-deep_gpcm")
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "cross_validation"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 2 and "cv_mean/qwk" in parent.data.metrics
