@@ -83,3 +83,20 @@ def test_submit_deep_gpcm_training_job(head):
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED" and "eval/qwk" in run.data.metrics
     assert (tmp / "runs" / "job-run" / "final_metrics.json").is_file()
+
+
+def test_submit_tiny_sweep_job(head):
+    from mlflow.tracking import MlflowClient
+
+    url, env, tmp = head
+    db = tmp / "sweep.db"
+    out = _submit(url, env, "python", "-m", "raysys.tune", "--space", "tune_spaces/deep_gpcm.yaml", "--num-samples", "2",
+                  "--preset", "quick", "--set", "train.epochs=1", "--set", "train.compile=false", "--name", "job-sweep",
+                  "--tracking-uri", f"sqlite:///{db}", "--storage-path", str(tmp / "sweeps"))
+    assert "python -m raysys train deep_gpcm" in out  # the recommendation's command
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("raysys-deep_gpcm")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 2
