@@ -55,8 +55,12 @@ def head(tmp_path_factory):
 
 
 def _submit(url: str, env: dict, *entrypoint: str) -> str:
-    r = subprocess.run(["ray", "job", "submit", "--address", url, "--working-dir", str(REPO), "--", *entrypoint],
-                       env=env, capture_output=True, text=True, timeout=900)
+    for _ in range(30):  # the head's job agent can come up a little after its HTTP server
+        r = subprocess.run(["ray", "job", "submit", "--address", url, "--working-dir", str(REPO), "--", *entrypoint],
+                           env=env, capture_output=True, text=True, timeout=900)
+        if "No available agent to submit job" not in r.stdout + r.stderr:
+            break
+        time.sleep(3)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "succeeded" in r.stdout, r.stdout[-3000:]
     return r.stdout
