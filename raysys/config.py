@@ -172,17 +172,22 @@ def _validate(cfg: Any) -> None:
         hook()
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into dotted overrides; a clear ConfigError on any problem."""
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """Parse a YAML file; a missing file or bad YAML is one ConfigError saying where."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{what} not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"bad YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into dotted overrides; a clear ConfigError on any problem."""
+    data = read_yaml(path)
     if data is None:
         return {}
     if not isinstance(data, Mapping):

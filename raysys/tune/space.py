@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import yaml
 
 from raysys import workload as registry
-from raysys.config import ConfigError, apply_overrides, flatten
+from raysys.config import ConfigError, apply_overrides, flatten, read_yaml
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 TOP_KEYS = {"workload", "preset", "fixed", "space", "objectives", "stability", "description"}
@@ -232,13 +231,5 @@ def _check_keys(source: str, section: str, d: Mapping, allowed: set[str]) -> Non
 
 def load(path: str | Path, preset: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None) -> SweepSpace:
     """Read and validate a space file; one clear ConfigError on any problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"tune space not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"bad YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    data = read_yaml(path, what="tune space")
     return from_dict(data, str(path), preset, overrides)
