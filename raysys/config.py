@@ -218,17 +218,21 @@ def fingerprint(d: Mapping[str, Any]) -> str:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (CleanRL's Args convention), read from source."""
+    """The docstring under each field of a dataclass (CleanRL's Args convention), read from source;
+    a subclass inherits its bases' field docs and may override them."""
     import ast
     import inspect
     import textwrap
 
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
-        return {}
+        return docs
     body = tree.body[0].body
-    docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
                 and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):

@@ -135,3 +135,27 @@ class LaunchConfig:
             raise ConfigError(f"launch.workers must be >= 0, got {self.workers}")
         if self.gpus_per_worker < 0 or self.max_failures < 0:
             raise ConfigError("launch.gpus_per_worker and launch.max_failures must be >= 0")
+
+
+@dataclass
+class JaxLaunchConfig(LaunchConfig):
+    """Launch options of a JAX workload: as for PyTorch, plus the TPU slice to run on.
+
+    ``workers == 0`` runs in this process on every local device (the env batch sharded across them).
+    ``workers > 0`` starts that many JAX actors under Ray Train's ``JaxTrainer``, one per host, with
+    ``jax.distributed`` initialised so all of them train one model together.
+    """
+
+    workers: int = 0
+    """JAX processes (one per host). 0 runs in this process on all local devices, without Ray actors."""
+    use_tpu: bool = False
+    """Schedule the workers on a TPU slice (JaxTrainer ``use_tpu``)."""
+    topology: Optional[str] = None
+    """TPU slice topology, e.g. '2x2x2' (v4-16: 2 hosts) or '2x2x1' (v4-8: 1 host)."""
+    accelerator_type: Optional[str] = None
+    """TPU generation, e.g. 'TPU-V4', 'TPU-V5E'."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.use_tpu and (not self.topology or not self.accelerator_type):
+            raise ConfigError("launch.use_tpu needs launch.topology (e.g. 2x2x2) and launch.accelerator_type (e.g. TPU-V4)")
