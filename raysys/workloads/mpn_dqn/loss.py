@@ -142,14 +142,15 @@ def td_loss_optimized(
     target: MPNDQN,
     batch: dict,
     gamma: float = 0.99,
-    amp: bool = False,
+    amp: bool | torch.dtype = False,
     compile: bool = False,
 ) -> torch.Tensor:
+    """``amp``: False (fp32), True (bf16 on CPU, fp16 on CUDA) or an explicit autocast dtype."""
     stream, reset = _stream(batch)
+    amp_dtype = amp if isinstance(amp, torch.dtype) else (amp_dtype_for(stream.device) if amp else None)
     args = (
         online, target, stream, reset, batch.get("M0"), batch["action"].long(), batch["reward"].float(),
-        batch["done"].float(), batch["mask"].float(), float(gamma), int(batch.get("burn_in", 0)),
-        amp_dtype_for(stream.device) if amp else None,
+        batch["done"].float(), batch["mask"].float(), float(gamma), int(batch.get("burn_in", 0)), amp_dtype,
     )
     fn = _core_fn(compile)
     if fn is _td_core:

@@ -1,0 +1,333 @@
+"""The MPN-DQN learner: collect, replay sequences, double-DQN updates. One flat loop (CleanRL style).
+
+Each iteration collects ``steps_per_call`` vector steps (in this process, or from Ray rollout
+actors while the learner trains on the previous batch), stores them in the sequence replay, and
+runs the gradient updates those transitions pay for (one per ``train_freq`` transitions, as the
+seed's ``--train-freq``). Tracking, checkpoints and Ray come from the shared layer: the
+:class:`raysys.session.Session` and :mod:`raysys.rl.rollout`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import time
+from collections import deque
+from typing import Optional
+
+import numpy as np
+import torch
+
+from raysys.config import ConfigError
+from raysys.metrics import StabilityMonitor
+from raysys.workloads.mpn_dqn.env import env_spaces, make_env
+from raysys.workloads.mpn_dqn.loss import td_loss_naive, td_loss_optimized
+from raysys.workloads.mpn_dqn.model import MPNDQN
+from raysys.workloads.mpn_dqn.replay import SequenceReplay, as_tensors
+from raysys.workloads.mpn_dqn.workload import MPNDQNConfig
+
+SYNCS_PER_RUN = 50  # target syncs when target_sync_every=0 (auto)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but CUDA is not available on this machine")
+    return dev
+
+
+def policy_factory(cfg: MPNDQNConfig):
+    """A picklable constructor of the Q-network, for rollout actors."""
+    obs_dim, n_actions = env_spaces(cfg.task)
+    return functools.partial(MPNDQN, obs_dim, n_actions, cfg.hidden, cfg.eta, cfg.lam, cfg.freeze_plasticity)
+
+
+def env_factory(cfg: MPNDQNConfig):
+    return functools.partial(make_env, cfg.task, cfg.max_episode_steps)
+
+
+def epsilon_at(cfg: MPNDQNConfig, episodes: int) -> float:
+    """Linear decay over the first ``epsilon_fraction`` of the episodes, then constant."""
+    frac = min(1.0, episodes / max(1.0, cfg.epsilon_fraction * cfg.num_episodes))
+    return cfg.epsilon_start + frac * (cfg.epsilon_end - cfg.epsilon_start)
+
+
+def sync_period(cfg: MPNDQNConfig) -> int:
+    if cfg.target_sync_every > 0:
+        return cfg.target_sync_every
+    updates = (cfg.num_episodes * cfg.max_episode_steps - cfg.learning_starts) / cfg.train_freq
+    return max(1, int(updates // SYNCS_PER_RUN))
+
+
+class Collector:
+    """Rollouts in this process (``num_actors=0``) or from a Ray :class:`RolloutPool`; the same
+    worker class either way. ``start`` begins a sample, ``finish`` returns its per-actor batches."""
+
+    def __init__(self, cfg: MPNDQNConfig):
+        from raysys.rl.rollout import RolloutPool, RolloutWorker
+
+        kw = dict(envs_per_actor=cfg.envs_per_actor, vector_mode=cfg.vector_mode,
+                  state_dtype="float16" if cfg.stored_state else None, seed=cfg.seed)
+        self.steps = cfg.steps_per_call
+        if cfg.num_actors == 0:
+            threads = torch.get_num_threads()  # the worker pins 1 thread for its tiny batches...
+            self.pool, self.worker = None, RolloutWorker(env_factory(cfg), policy_factory(cfg), **kw)
+            torch.set_num_threads(threads)  # ...which must not throttle the learner sharing this process
+        else:
+            from raysys.train.launcher import init_ray
+
+            init_ray(cfg.launch.address)
+            self.worker = None
+            self.pool = RolloutPool(env_factory(cfg), policy_factory(cfg), num_actors=cfg.num_actors,
+                                    steps_per_call=cfg.steps_per_call, **kw)
+        self._pending = None
+
+    @property
+    def restarts(self) -> int:
+        return self.pool.num_restarts if self.pool else 0
+
+    def set_weights(self, model: torch.nn.Module) -> None:
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        if self.pool:
+            self.pool.set_weights(sd)
+        else:
+            self.worker.set_weights({k: v.numpy() for k, v in sd.items()})
+
+    def start(self, epsilon: float) -> None:
+        if self.pool:  # actors step their envs while the learner trains
+            self._pending = self.pool.sample_async(self.steps, epsilon)
+        else:
+            self._pending = functools.partial(lambda e: [self.worker.sample(self.steps, e)], epsilon)
+
+    def finish(self) -> list[dict]:
+        out, self._pending = self._pending(), None
+        return out
+
+    def close(self) -> None:
+        if self.pool:
+            self.pool.shutdown()
+        else:
+            self.worker.close()
+
+
+@torch.no_grad()
+def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0, seed: int = 12345) -> dict:
+    """Reward per NeuroGym trial of the ε-greedy policy (ε=0: greedy; ε=1: uniformly random) on
+    fresh episodes of the task, on CPU. A trial ends where the env's info says ``new_trial``."""
+    model = copy.deepcopy(model).cpu()
+    env = make_env(cfg.task, cfg.max_episode_steps)
+    gen = torch.Generator().manual_seed(seed)
+    total, done_trials, correct, episode = 0.0, 0, 0, 0
+    while done_trials < trials:
+        obs, _ = env.reset(seed=seed + episode)
+        episode += 1
+        M, start = model.init_state(1, "cpu"), torch.ones(1, dtype=torch.bool)
+        while done_trials < trials:
+            a, M = model.act(torch.as_tensor(obs, dtype=torch.float32)[None], M, start, epsilon, gen)
+            start = torch.zeros(1, dtype=torch.bool)
+            obs, r, term, trunc, info = env.step(int(a))
+            total += float(r)
+            if info.get("new_trial", False):
+                done_trials += 1
+                correct += float(r) > 0
+            if term or trunc:
+                break
+    env.close()
+    return {"reward_per_trial": total / max(done_trials, 1), "correct_rate": correct / max(done_trials, 1)}
+
+
+def train(cfg: MPNDQNConfig, session) -> dict:
+    device = resolve_device(cfg.device)
+    if cfg.learner_threads:
+        torch.set_num_threads(cfg.learner_threads)
+    if cfg.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("precision=fp16 needs a CUDA device (use bf16 on CPU)")
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    build = policy_factory(cfg)
+    online, target = build().to(device), build().to(device)
+    target.load_state_dict(online.state_dict())
+    target.requires_grad_(False)
+    opt = torch.optim.Adam(online.parameters(), lr=cfg.lr)
+    amp = {"fp32": False, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+    scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
+    state_shape = (cfg.hidden, build.args[0]) if cfg.stored_state else None
+    replay = SequenceReplay(build.args[0], cfg.buffer_capacity, n_envs=cfg.num_envs, state_shape=state_shape)
+
+    # Everything a resumed run needs to continue where it stopped (envs start fresh episodes).
+    c = {"episodes": 0, "env_steps": 0, "updates": 0, "episode_id_base": 0, "pending": 0}
+    returns: list[float] = []
+    monitor = StabilityMonitor()
+    ckpt = session.restore()
+    if ckpt is not None:
+        online.load_state_dict(ckpt["online"]), target.load_state_dict(ckpt["target"])
+        opt.load_state_dict(ckpt["optim"])
+        c.update(ckpt["counters"])
+        returns = list(ckpt["returns"])
+        monitor.load_state_dict(ckpt["stability"])
+        _load_replay(replay, ckpt["replay"])
+        rng = np.random.default_rng([cfg.seed, c["updates"]])
+        print(f"[mpn_dqn] resumed at episode {c['episodes']} ({c['env_steps']} env steps, {c['updates']} updates)")
+
+    every = sync_period(cfg)
+    collector = Collector(cfg)
+    collector.set_weights(online)
+    window = deque(returns[-cfg.avg_window:], maxlen=cfg.avg_window)
+    best_avg = max((np.mean(returns[max(0, i - cfg.avg_window + 1): i + 1]) for i in range(len(returns))), default=-math.inf)
+    losses, grad_norms = [], []
+    t_start, steps_at_start, updates_at_start = time.perf_counter(), c["env_steps"], c["updates"]
+    t_log, steps_at_log, updates_at_log = t_start, c["env_steps"], c["updates"]
+    next_log = (c["episodes"] // cfg.print_freq + 1) * cfg.print_freq
+    next_ckpt = (c["episodes"] // cfg.checkpoint_freq + 1) * cfg.checkpoint_freq
+
+    def out_of_time() -> bool:
+        return cfg.max_seconds is not None and time.perf_counter() - t_start >= cfg.max_seconds
+
+    collector.start(epsilon_at(cfg, c["episodes"]))
+    try:
+        while c["episodes"] < cfg.num_episodes and not out_of_time():
+            batches = collector.finish()
+            new = _ingest(replay, batches, c)
+            for ret in (r for b in batches for r in b["episode_returns"]):
+                returns.append(float(ret)), window.append(float(ret))
+                if len(window) == window.maxlen or len(returns) == len(window):
+                    best_avg = max(best_avg, float(np.mean(window)))
+            c["episodes"] = len(returns)
+            if c["episodes"] < cfg.num_episodes:
+                collector.set_weights(online)  # actors are idle now: cheap, and next sample uses it
+                collector.start(epsilon_at(cfg, c["episodes"]))
+
+            # the updates these transitions pay for (train_freq transitions each)
+            c["pending"] = c["pending"] + new if len(replay) >= cfg.learning_starts else 0
+            n_updates, c["pending"] = divmod(c["pending"], cfg.train_freq)
+            for _ in range(n_updates):
+                batch = as_tensors(replay.sample(cfg.sequence_batch_size, cfg.sequence_length, rng, cfg.burn_in), device)
+                if not cfg.stored_state:
+                    batch.pop("M0", None)
+                if cfg.path == "naive":
+                    loss = td_loss_naive(online, target, batch, cfg.gamma)
+                else:
+                    loss = td_loss_optimized(online, target, batch, cfg.gamma, amp=amp, compile=cfg.compile)
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                gn = torch.nn.utils.clip_grad_norm_(online.parameters(), cfg.max_grad_norm)
+                scaler.step(opt)
+                scaler.update()
+                c["updates"] += 1
+                losses.append(loss.detach()), grad_norms.append(gn.detach())  # no .item(): avoid a sync per update
+                if c["updates"] % every == 0:
+                    _sync_target(online, target, cfg.target_tau)
+
+            if c["episodes"] >= next_log or c["episodes"] >= cfg.num_episodes:
+                now = time.perf_counter()
+                m = {
+                    "charts/episode_reward": returns[-1] if returns else 0.0,
+                    "charts/avg_reward": float(np.mean(window)) if window else 0.0,
+                    "charts/best_avg_reward": best_avg if best_avg > -math.inf else 0.0,
+                    "charts/epsilon": epsilon_at(cfg, c["episodes"]),
+                    "charts/episodes": c["episodes"],
+                    "charts/actor_restarts": collector.restarts,
+                    "perf/env_steps_per_s": (c["env_steps"] - steps_at_log) / max(now - t_log, 1e-9),
+                    "perf/updates_per_s": (c["updates"] - updates_at_log) / max(now - t_log, 1e-9),
+                }
+                if losses:
+                    # one host sync per log line, not per update
+                    ls, gns = torch.stack(losses).float(), torch.stack(grad_norms).float()
+                    m["losses/td_loss"] = float(ls.mean())
+                    m["losses/grad_norm"], m["losses/grad_norm_max"] = float(gns.mean()), float(gns.max())
+                    # TD losses are noisy per update: judge spikes on the per-log-line mean
+                    # and count every non-finite update loss (observe counts a non-finite mean once)
+                    monitor.observe(m["losses/td_loss"], m["losses/grad_norm_max"])
+                    bad = int((~torch.isfinite(ls)).sum())
+                    monitor.nonfinite_loss += bad - (bad > 0)
+                    m |= monitor.metrics()
+                losses, grad_norms = [], []
+                session.log(m, c["env_steps"], progress=(
+                    f"episode {c['episodes']}/{cfg.num_episodes} | avg reward {m['charts/avg_reward']:.2f} | "
+                    f"eps {m['charts/epsilon']:.2f} | {m['perf/env_steps_per_s']:.0f} env-steps/s | "
+                    f"{m['perf/updates_per_s']:.1f} updates/s"))
+                t_log, steps_at_log, updates_at_log = now, c["env_steps"], c["updates"]
+                next_log = (c["episodes"] // cfg.print_freq + 1) * cfg.print_freq
+            if c["episodes"] >= next_ckpt:
+                session.checkpoint(_state(online, target, opt, c, returns, replay, monitor), c["env_steps"])
+                next_ckpt = (c["episodes"] // cfg.checkpoint_freq + 1) * cfg.checkpoint_freq
+    finally:
+        collector.close()
+    wall = time.perf_counter() - t_start
+    session.checkpoint(_state(online, target, opt, c, returns, replay, monitor), c["env_steps"])
+
+    tail = returns[-cfg.avg_window:]
+    final = {
+        "charts/final_avg_reward": float(np.mean(tail)) if tail else 0.0,
+        "charts/best_avg_reward": best_avg if best_avg > -math.inf else 0.0,
+        "charts/episodes": c["episodes"],
+        "charts/actor_restarts": collector.restarts,
+        "perf/env_steps_per_s": (c["env_steps"] - steps_at_start) / max(wall, 1e-9),
+        "perf/updates_per_s": (c["updates"] - updates_at_start) / max(wall, 1e-9),
+        "perf/train_seconds": wall,
+        "perf/env_steps": c["env_steps"],
+        "perf/updates": c["updates"],
+        "perf/env_steps_this_session": c["env_steps"] - steps_at_start,
+        "perf/updates_this_session": c["updates"] - updates_at_start,
+        **monitor.metrics(),
+    }
+    if cfg.eval_trials:
+        greedy = evaluate(online, cfg, cfg.eval_trials, epsilon=0.0)
+        rand = evaluate(online, cfg, cfg.eval_trials, epsilon=1.0)
+        final |= {"eval/reward_per_trial": greedy["reward_per_trial"], "eval/correct_rate": greedy["correct_rate"],
+                  "eval/random_reward_per_trial": rand["reward_per_trial"], "eval/quality": greedy["reward_per_trial"]}
+    else:
+        final["eval/quality"] = final["charts/final_avg_reward"]
+    session.log(final, c["env_steps"], progress=(
+        f"done: {c['episodes']} episodes | final avg reward {final['charts/final_avg_reward']:.2f} | "
+        f"eval reward/trial {final.get('eval/reward_per_trial', float('nan')):.3f} "
+        f"(random {final.get('eval/random_reward_per_trial', float('nan')):.3f})"))
+    return final
+
+
+def _ingest(replay: SequenceReplay, batches: list[dict], c: dict) -> int:
+    """Store one sample (per-actor [T, N] arrays joined along the env axis); returns transitions."""
+    from raysys.rl.rollout import concat_actor_batches
+
+    b = concat_actor_batches(batches) if len(batches) > 1 else batches[0]
+    # "done" for the bootstrap cut is `terminated` (TimeLimit truncation is not the task's end)
+    replay.extend(b["obs"], b["action"], b["reward"], b["next_obs"], b["terminated"].astype(np.float32),
+                  b["episode_id"] + c["episode_id_base"], b.get("state"))
+    c["episode_id_max"] = max(c.get("episode_id_max", 0), int(b["episode_id"].max()) + c["episode_id_base"])
+    n = int(b["action"].size)
+    c["env_steps"] += n
+    return n
+
+
+def _sync_target(online: torch.nn.Module, target: torch.nn.Module, tau: float) -> None:
+    with torch.no_grad():
+        for p_t, p in zip(target.parameters(), online.parameters()):
+            p_t.lerp_(p, tau) if tau < 1.0 else p_t.copy_(p)
+
+
+REPLAY_FIELDS = ("obs", "next_obs", "action", "reward", "done", "episode_id", "state")
+
+
+def _state(online, target, opt, c: dict, returns: list, replay: SequenceReplay, monitor: StabilityMonitor) -> dict:
+    counters = dict(c)
+    # a resumed run's fresh actors number episodes from 0 again: shift them past every stored id
+    counters["episode_id_base"] = c.get("episode_id_max", 0) + 1
+    rep = {k: torch.from_numpy(getattr(replay, k)) for k in REPLAY_FIELDS if getattr(replay, k) is not None}
+    rep |= {"ptr": replay.ptr, "size": replay.size}
+    return {"online": online.state_dict(), "target": target.state_dict(), "optim": opt.state_dict(),
+            "counters": counters, "returns": list(returns), "replay": rep, "stability": monitor.state_dict()}
+
+
+def _load_replay(replay: SequenceReplay, rep: dict) -> None:
+    if rep["obs"].shape != replay.obs.shape:
+        # e.g. resumed with another number of envs: the stored columns no longer line up
+        print(f"[mpn_dqn] replay layout changed {tuple(rep['obs'].shape)} -> {replay.obs.shape}: starting it empty")
+        return
+    for k in REPLAY_FIELDS:
+        if k in rep and getattr(replay, k) is not None:
+            getattr(replay, k)[...] = rep[k].numpy()
+    replay.ptr, replay.size = int(rep["ptr"]), int(rep["size"])

@@ -1,0 +1,194 @@
+"""The recurrent MPN-DQN on NeuroGym (seed 000) as a raysys workload: config, presets, registration.
+
+The config is flat, like CleanRL's ``Args`` and like the seed's command line, so its commands
+translate one to one (``--sequence-batch-size 64`` -> ``--set sequence_batch_size=64``); see
+``docs/mpn_dqn.md`` for the table. ``path=naive`` is the seed's *before* (one sequence at a time,
+one forward per transition); ``path=optimized`` is its *after* (all sequences in one batch, a loop
+over time only), with ``precision`` and ``compile`` on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from raysys.config import ConfigError
+from raysys.train.config import LaunchConfig
+from raysys.workload import Workload
+from raysys.workloads.mpn_dqn.env import NEUROGYM_TASK
+
+
+@dataclass
+class MPNDQNConfig:
+    # ---- environment
+    task: str = NEUROGYM_TASK
+    """NeuroGym task id (or any gymnasium id with a flat Box observation and Discrete actions)."""
+    max_episode_steps: int = 200
+    """TimeLimit of an episode (NeuroGym tasks never end by themselves). Seed: --max-episode-steps."""
+    num_episodes: int = 100
+    """Episodes to train for, counted over all envs. Seed: --num-episodes."""
+    max_seconds: Optional[float] = None
+    """Also stop after this many seconds of training (a time budget); None = no limit."""
+    # ---- model
+    hidden: int = 128
+    """MPN hidden units H."""
+    eta: float = 0.1
+    """Hebbian learning rate of the synaptic modulation M."""
+    lam: float = 0.95
+    """Decay of M per step."""
+    freeze_plasticity: bool = False
+    """Keep M at 0 (the MPN becomes a plain tanh layer): the original's ablation."""
+    # ---- the seed's speed knobs
+    path: Literal["naive", "optimized"] = "optimized"
+    """TD loss: naive = one sequence at a time, one forward per transition (the seed's before);
+    optimized = all sequences as one [B, L, D] batch, loop over time only (its after)."""
+    sequence_length: int = 10
+    """Steps per replayed sequence L. Seed: --sequence-length."""
+    sequence_batch_size: int = 64
+    """Sequences per update B. Seed: --sequence-batch-size (32 before, 64 after)."""
+    train_freq: int = 4
+    """Environment transitions per gradient update. Seed: --train-freq (1 before)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast of the unrolls: bf16 (CPU or GPU), fp16 (CUDA only, with loss scaling)."""
+    compile: bool = False
+    """torch.compile the optimized TD loss (falls back to eager if compilation fails)."""
+    learner_threads: int = 0
+    """torch intra-op threads of the learner; 0 keeps torch's default (all cores)."""
+    device: str = "auto"
+    """Learner device: auto (cuda if available), cpu, cuda, cuda:1... Seed: --device."""
+    # ---- DQN
+    gamma: float = 0.99
+    """Discount."""
+    lr: float = 2.5e-4
+    """Adam learning rate."""
+    max_grad_norm: float = 10.0
+    """Global gradient-norm clip."""
+    buffer_capacity: int = 50_000
+    """Replay capacity in transitions."""
+    learning_starts: int = 1_000
+    """Transitions collected before the first update."""
+    epsilon_start: float = 1.0
+    """ε-greedy exploration at the start."""
+    epsilon_end: float = 0.01
+    """ε after the decay."""
+    epsilon_fraction: float = 0.3
+    """Fraction of num_episodes over which ε decays linearly."""
+    target_sync_every: int = 0
+    """Updates between target-network syncs; 0 = scale with the run (about 50 syncs per run). The
+    original's fixed 10,000 never fired in the seed's 100-episode runs."""
+    target_tau: float = 1.0
+    """Target update at each sync: 1.0 = hard copy, < 1 = Polyak average with this weight."""
+    burn_in: int = 0
+    """R2D2 burn-in steps before each sequence (needs stored_state to be useful)."""
+    stored_state: bool = False
+    """R2D2: start each sequence from the recurrent state stored in replay instead of zeros."""
+    seed: int = 0
+    """Seeds torch, replay sampling and the environments."""
+    # ---- collection
+    num_actors: int = 0
+    """Ray rollout actors; 0 steps the envs in the learner's process (no Ray actors)."""
+    envs_per_actor: int = 1
+    """Vectorized envs per actor (or in-process when num_actors=0)."""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """gymnasium vector env: sync (one process) or async (a subprocess per env)."""
+    steps_per_call: int = 16
+    """Vector steps per sample call; the learner then does the updates those transitions pay for."""
+    # ---- reporting
+    print_freq: int = 5
+    """Log and print every this many episodes. Seed: --print-freq."""
+    checkpoint_freq: int = 25
+    """Checkpoint every this many episodes (and at the end). Seed: --checkpoint-freq."""
+    avg_window: int = 10
+    """Episodes in the windowed average reward (the seed's final average uses the last 10)."""
+    eval_trials: int = 200
+    """Greedy-policy trials at the end (eval/reward_per_trial, eval/quality); 0 skips."""
+    launch: LaunchConfig = field(default_factory=lambda: LaunchConfig(workers=0))
+
+    def validate(self) -> None:
+        for name in ("max_episode_steps", "num_episodes", "hidden", "sequence_length", "sequence_batch_size",
+                     "train_freq", "envs_per_actor", "steps_per_call", "print_freq", "checkpoint_freq", "avg_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_actors < 0 or self.burn_in < 0 or self.eval_trials < 0:
+            raise ConfigError("num_actors, burn_in and eval_trials must be >= 0")
+        if not 0.0 < self.target_tau <= 1.0:
+            raise ConfigError(f"target_tau must be in (0, 1], got {self.target_tau}")
+        if self.buffer_capacity < self.num_envs:
+            raise ConfigError(f"buffer_capacity ({self.buffer_capacity}) must hold one step of all {self.num_envs} envs")
+        if self.path == "naive" and (self.precision != "fp32" or self.compile):
+            raise ConfigError("precision and compile apply to path=optimized only (naive is the seed's fp32 eager code)")
+
+    @property
+    def num_envs(self) -> int:
+        return max(self.num_actors, 1) * self.envs_per_actor
+
+
+# ---------------------------------------------------------------- presets (derive from each other)
+
+
+def default() -> MPNDQNConfig:
+    """The seed's recommended fast command: L=10, B=64, train-freq 4, 100 episodes of 200 steps."""
+    return MPNDQNConfig()
+
+
+def original() -> MPNDQNConfig:
+    """The seed's old configuration: the per-sequence loss, B=32, an update every step."""
+    return dataclasses.replace(default(), path="naive", sequence_batch_size=32, train_freq=1)
+
+
+def quality() -> MPNDQNConfig:
+    """The seed's 'high quality' command: B=32, train-freq 1, 200 episodes (optimized loss)."""
+    return dataclasses.replace(default(), sequence_batch_size=32, train_freq=1, num_episodes=200, print_freq=10,
+                               checkpoint_freq=50)
+
+
+def fast() -> MPNDQNConfig:
+    """The seed's 'maximum speed' command: B=128, train-freq 8."""
+    return dataclasses.replace(default(), sequence_batch_size=128, train_freq=8)
+
+
+def learn() -> MPNDQNConfig:
+    """The documented learning preset (docs/benchmarks.md): enough episodes on this CPU for the
+    greedy policy's reward per trial to rise clearly above a random policy's."""
+    return dataclasses.replace(default(), num_episodes=150, lr=1e-3, epsilon_fraction=0.3, learning_starts=2_000)
+
+
+def actors() -> MPNDQNConfig:
+    """Collection on 2 Ray rollout actors x 4 envs, sampling overlapped with learning."""
+    return dataclasses.replace(default(), num_actors=2, envs_per_actor=4, num_episodes=160)
+
+
+def quick() -> MPNDQNConfig:
+    """A smoke run of about a minute: short episodes, few of them."""
+    return dataclasses.replace(default(), num_episodes=8, max_episode_steps=100, learning_starts=200, print_freq=2,
+                               checkpoint_freq=4, eval_trials=20)
+
+
+PRESETS = {"default": default, "original": original, "quality": quality, "fast": fast, "learn": learn,
+           "actors": actors, "quick": quick}
+
+
+def _train(cfg, session):
+    from raysys.workloads.mpn_dqn.train import train
+
+    return train(cfg, session)
+
+
+def _bench(quick: bool = False) -> dict:
+    from raysys.workloads.mpn_dqn.bench import run_bench
+
+    return run_bench(quick=quick)
+
+
+WORKLOAD = Workload(
+    name="mpn_dqn",
+    description="Recurrent plastic (MPN) DQN on NeuroGym ContextDecisionMaking with sequence replay (seed 000)",
+    config_cls=MPNDQNConfig,
+    presets=PRESETS,
+    bench=_bench,
+    train_fn=_train,
+    throughput_metric="perf/env_steps_per_s",
+    quality_metric="eval/quality",
+    extra={"identity_sections": ("task", "hidden", "eta", "lam", "freeze_plasticity")},
+)
