@@ -43,6 +43,7 @@ def run_bench(quick: bool = False) -> dict:
         fast = _run("default", {"num_episodes": episodes, "eval_trials": 100}, tmp)
         old = _run("original", {"num_episodes": episodes, "max_seconds": budget, "eval_trials": 100}, tmp)
     ratio = fast["env_steps_per_s"] / old["env_steps_per_s"]
+    rllib = rollout_vs_rllib(rounds=6 if quick else 12)
     return {
         "throughput_unit": "env-steps/s (whole training)",
         "quality_metric": "eval reward/trial",
@@ -53,6 +54,7 @@ def run_bench(quick: bool = False) -> dict:
                       "command": "default preset (the seed's fast command): sequence_batch_size=64 train_freq=4"},
         "speedup": ratio,
         "td_loss": td,
+        "rollout_vs_rllib": rllib,
         "extra": {
             "TD-loss step speedup (B=64 L=10 H=128)": f"{td['speedup']:.1f}x "
                                                       f"(naive {td['naive_s'] * 1e3:.1f} ms, optimized {td['optimized_s'] * 1e3:.2f} ms)",
@@ -62,5 +64,38 @@ def run_bench(quick: bool = False) -> dict:
             "fast command": f"{fast['episodes']} episodes in {fast['train_seconds']:.0f}s, "
                             f"final avg reward {fast['final_avg_reward']:.2f}",
             "random policy reward/trial": f"{fast['random_reward_per_trial']:.3f}",
+            "rollout pool vs RLlib EnvRunners (2 actors x 8 envs)": f"{rllib['ratio']:.2f}x "
+                                                                    f"({rllib['raysys_env_steps_per_s']:.0f} vs "
+                                                                    f"{rllib['rllib_env_steps_per_s']:.0f} env-steps/s)",
         },
     }
+
+
+def rollout_vs_rllib(num_actors: int = 2, envs_per_actor: int = 8, steps_per_call: int = 256, rounds: int = 12) -> dict:
+    """raysys's rollout pool vs RLlib's own EnvRunner sampling on ContextDecisionMaking, same
+    actors x envs, steps per call and CPUs per actor, interleaved in this process."""
+    from raysys import workload as registry
+    from raysys.rl.rollout import compare_with_rllib
+    from raysys.train.launcher import init_ray
+    from raysys.workloads.mpn_dqn.train import env_factory, policy_factory
+
+    init_ray(None)
+    cfg = registry.get("mpn_dqn").config()
+    res = compare_with_rllib(env_factory(cfg), policy_factory(cfg), num_actors=num_actors, envs_per_actor=envs_per_actor,
+                             steps_per_call=steps_per_call, rounds=rounds)
+    print(f"[bench] rollout pool {res['raysys_env_steps_per_s']:.0f} vs RLlib {res['rllib_env_steps_per_s']:.0f} "
+          f"env-steps/s -> {res['ratio']:.2f}x", flush=True)
+    return res
+
+
+if __name__ == "__main__":  # python -m raysys.workloads.mpn_dqn.bench: the RLlib comparison alone
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="raysys rollout actors vs RLlib EnvRunners on ContextDecisionMaking-v0")
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--envs", type=int, default=8, help="envs per actor")
+    ap.add_argument("--steps", type=int, default=256, help="vector steps per sample call")
+    ap.add_argument("--rounds", type=int, default=12)
+    a = ap.parse_args()
+    print(json.dumps(rollout_vs_rllib(a.actors, a.envs, a.steps, a.rounds), indent=1))

@@ -151,7 +151,7 @@ def fast() -> MPNDQNConfig:
 def learn() -> MPNDQNConfig:
     """The documented learning preset (docs/benchmarks.md): enough episodes on this CPU for the
     greedy policy's reward per trial to rise clearly above a random policy's."""
-    return dataclasses.replace(default(), num_episodes=150, lr=1e-3, epsilon_fraction=0.3, learning_starts=2_000)
+    return dataclasses.replace(default(), num_episodes=40, eval_trials=500)
 
 
 def actors() -> MPNDQNConfig:
