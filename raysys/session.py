@@ -16,25 +16,37 @@ from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run
 
 
 class Session:
-    def __init__(self, run: OpenRun, keep_checkpoints: int = 2, report=None):
+    """``rank``/``world_size``: this process's place among data-parallel workers (0 of 1 unless
+    :mod:`raysys.train.custom` runs the loop on several). Only rank 0 logs and writes checkpoints;
+    every rank restores the same checkpoint."""
+
+    def __init__(self, run: OpenRun, keep_checkpoints: int = 2, report=None, rank: int = 0, world_size: int = 1):
         self.run = run
         self.run_dir = run.run_dir
         self.store: CheckpointStore = run.store(keep_checkpoints)
         self._report = report  # e.g. ray.tune.report inside a Tune trial
         self._t0 = time.monotonic()
         self.last_metrics: dict[str, float] = {}
+        self.rank, self.world_size = rank, world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
     def log(self, metrics: Mapping[str, float], step: int, progress: Optional[str] = None) -> None:
         """Record step metrics (MLflow, and Tune when inside a sweep); print a progress line."""
-        self.run.logger.log_metrics(metrics, step)
         self.last_metrics.update(metrics)
+        if not self.is_main:
+            return
+        self.run.logger.log_metrics(metrics, step)
         if progress:
             print(f"[{self.run.wl.name}] {progress} | elapsed {time.monotonic() - self._t0:.0f}s", flush=True)
         if self._report is not None:
             self._report({**metrics, "step": step})
 
     def checkpoint(self, state: dict, step: int) -> None:
-        self.store.save(state, step)
+        if self.is_main:
+            self.store.save(state, step)
 
     def restore(self) -> Optional[dict]:
         """The latest checkpoint's state, or None for a fresh run."""
@@ -44,11 +56,17 @@ class Session:
         return state
 
     def artifact_text(self, text: str, name: str) -> None:
+        if not self.is_main:
+            return
         (self.run_dir / name).write_text(text)
         self.run.logger.log_text(text, name)
 
 
 def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional[dict] = None, report=None) -> RunResult:
+    if cfg.launch.workers > 0 and wl.extra.get("distributed") == "torch":
+        from raysys.train.custom import run_distributed
+
+        return run_distributed(wl, cfg, parent_run_id, tags)
     prepare = wl.extra.get("prepare")
     run = open_run(wl, cfg, prepare, parent_run_id, tags)
     if wl.extra.get("needs_ray", False):

@@ -113,3 +113,25 @@ def test_rollout_actors_survive_a_killed_actor(workdir):
 def _episodes_started(workdir) -> bool:
     runs = workdir / "raysys_runs" / "a"
     return runs.is_dir()
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_learners_stay_in_step(workdir):
+    """launch.workers=2: two Ray Train workers, each with its own envs and replay, average their
+    gradients every update; they end with identical weights, and only rank 0 logs/checkpoints."""
+    import ray
+    import torch
+
+    try:
+        assert main(["train", "mpn_dqn", "--preset", "quick", "--workers", "2", "--name", "dp",
+                     "--set", "num_episodes=6", "--set", "eval_trials=20"]) == 0
+    finally:
+        ray.shutdown()
+    m = _final(workdir, "dp")
+    assert m["world_size"] == 2 and m["charts/episodes"] >= 6 and m["perf/updates"] > 0
+    # rank 0's checkpoint is the run's; each rank also left a fingerprint of its final weights
+    prints = sorted((workdir / "raysys_runs" / "dp").glob("weights_rank*.txt"))
+    assert len(prints) == 2 and prints[0].read_text() == prints[1].read_text()
+    ckpt = sorted((workdir / "raysys_runs" / "dp" / "checkpoints").glob("step_*"))[-1]
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert state["counters"]["episodes"] >= 6

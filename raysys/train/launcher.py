@@ -68,6 +68,9 @@ def init_ray(address: Optional[str]) -> None:
     # Train V2's preemption watcher polls every 5 s and dominates teardown of short local runs.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Train V2 reroutes a worker's print() into its logger *and* tees it to the wrapped stdout, so
+    # every progress line reached the console twice; workers inherit this from the local raylet.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=True)
     else:

@@ -39,6 +39,26 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def all_sum(values: list[float], world: int, device: torch.device) -> list[float]:
+    """Sum small per-rank counters over the data-parallel learners (identity for one learner)."""
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Data-parallel learners: one all-reduce of every gradient, flattened, then the mean."""
+    if world == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= world
+    torch.nn.utils.vector_to_parameters(flat, grads)  # copies the slices back into each grad
+
+
 def policy_factory(cfg: MPNDQNConfig):
     """A picklable constructor of the Q-network, for rollout actors."""
     obs_dim, n_actions = env_spaces(cfg.task)
@@ -55,10 +75,11 @@ def epsilon_at(cfg: MPNDQNConfig, episodes: int) -> float:
     return cfg.epsilon_start + frac * (cfg.epsilon_end - cfg.epsilon_start)
 
 
-def sync_period(cfg: MPNDQNConfig) -> int:
+def sync_period(cfg: MPNDQNConfig, world: int = 1) -> int:
     if cfg.target_sync_every > 0:
         return cfg.target_sync_every
-    updates = (cfg.num_episodes * cfg.max_episode_steps - cfg.learning_starts) / cfg.train_freq
+    # each update consumes train_freq transitions of every data-parallel learner
+    updates = (cfg.num_episodes * cfg.max_episode_steps - cfg.learning_starts * world) / (cfg.train_freq * world)
     return max(1, int(updates // SYNCS_PER_RUN))
 
 
@@ -66,11 +87,12 @@ class Collector:
     """Rollouts in this process (``num_actors=0``) or from a Ray :class:`RolloutPool`; the same
     worker class either way. ``start`` begins a sample, ``finish`` returns its per-actor batches."""
 
-    def __init__(self, cfg: MPNDQNConfig):
+    def __init__(self, cfg: MPNDQNConfig, rank: int = 0):
         from raysys.rl.rollout import RolloutPool, RolloutWorker
 
+        # each data-parallel learner steps its own envs, on its own seeds
         kw = dict(envs_per_actor=cfg.envs_per_actor, vector_mode=cfg.vector_mode,
-                  state_dtype="float16" if cfg.stored_state else None, seed=cfg.seed)
+                  state_dtype="float16" if cfg.stored_state else None, seed=cfg.seed + 1_000_003 * rank)
         self.steps = cfg.steps_per_call
         if cfg.num_actors == 0:
             threads = torch.get_num_threads()  # the worker pins 1 thread for its tiny batches...
@@ -145,13 +167,15 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         torch.set_num_threads(cfg.learner_threads)
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ConfigError("precision=fp16 needs a CUDA device (use bf16 on CPU)")
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
+    rank, world = getattr(session, "rank", 0), getattr(session, "world_size", 1)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every learner
+    rng = np.random.default_rng([cfg.seed, rank])
     build = policy_factory(cfg)
     online, target = build().to(device), build().to(device)
     target.load_state_dict(online.state_dict())
     target.requires_grad_(False)
-    opt = torch.optim.Adam(online.parameters(), lr=cfg.lr)
+    params = list(online.parameters())
+    opt = torch.optim.Adam(params, lr=cfg.lr)
     amp = {"fp32": False, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
     state_shape = (cfg.hidden, build.args[0]) if cfg.stored_state else None
@@ -169,11 +193,11 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         returns = list(ckpt["returns"])
         monitor.load_state_dict(ckpt["stability"])
         _load_replay(replay, ckpt["replay"])
-        rng = np.random.default_rng([cfg.seed, c["updates"]])
+        rng = np.random.default_rng([cfg.seed, rank, c["updates"]])
         print(f"[mpn_dqn] resumed at episode {c['episodes']} ({c['env_steps']} env steps, {c['updates']} updates)")
 
-    every = sync_period(cfg)
-    collector = Collector(cfg)
+    every = sync_period(cfg, world)
+    collector = Collector(cfg, rank)
     collector.set_weights(online)
     window = deque(returns[-cfg.avg_window:], maxlen=cfg.avg_window)
     best_avg = max((np.mean(returns[max(0, i - cfg.avg_window + 1): i + 1]) for i in range(len(returns))), default=-math.inf)
@@ -186,17 +210,23 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     def out_of_time() -> bool:
         return cfg.max_seconds is not None and time.perf_counter() - t_start >= cfg.max_seconds
 
-    collector.start(epsilon_at(cfg, c["episodes"]))
+    done = c["episodes"] >= cfg.num_episodes
+    if not done:
+        collector.start(epsilon_at(cfg, c["episodes"]))
     try:
-        while c["episodes"] < cfg.num_episodes and not out_of_time():
+        while not done:
             batches = collector.finish()
-            new = _ingest(replay, batches, c)
-            for ret in (r for b in batches for r in b["episode_returns"]):
-                returns.append(float(ret)), window.append(float(ret))
+            new = _ingest(replay, batches, c, world)
+            finished = [float(r) for b in batches for r in b["episode_returns"]]
+            for ret in finished:
+                returns.append(ret), window.append(ret)
                 if len(window) == window.maxlen or len(returns) == len(window):
                     best_avg = max(best_avg, float(np.mean(window)))
-            c["episodes"] = len(returns)
-            if c["episodes"] < cfg.num_episodes:
+            # episodes count over all learners' envs; any learner out of time stops them all
+            new_episodes, stop = all_sum([len(finished), float(out_of_time())], world, device)
+            c["episodes"] += int(new_episodes)
+            done = c["episodes"] >= cfg.num_episodes or stop > 0
+            if not done:
                 collector.set_weights(online)  # actors are idle now: cheap, and next sample uses it
                 collector.start(epsilon_at(cfg, c["episodes"]))
 
@@ -213,6 +243,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                     loss = td_loss_optimized(online, target, batch, cfg.gamma, amp=amp, compile=cfg.compile)
                 opt.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
+                average_gradients(params, world)
                 scaler.unscale_(opt)
                 gn = torch.nn.utils.clip_grad_norm_(online.parameters(), cfg.max_grad_norm)
                 scaler.step(opt)
@@ -222,7 +253,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                 if c["updates"] % every == 0:
                     _sync_target(online, target, cfg.target_tau)
 
-            if c["episodes"] >= next_log or c["episodes"] >= cfg.num_episodes:
+            if c["episodes"] >= next_log or done:
                 now = time.perf_counter()
                 m = {
                     "charts/episode_reward": returns[-1] if returns else 0.0,
@@ -258,6 +289,8 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     finally:
         collector.close()
     wall = time.perf_counter() - t_start
+    if world > 1:
+        _check_in_step(online, session, rank, world, device)
     session.checkpoint(_state(online, target, opt, c, returns, replay, monitor), c["env_steps"])
 
     tail = returns[-cfg.avg_window:]
@@ -275,7 +308,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         "perf/updates_this_session": c["updates"] - updates_at_start,
         **monitor.metrics(),
     }
-    if cfg.eval_trials:
+    if cfg.eval_trials and rank == 0:
         greedy = evaluate(online, cfg, cfg.eval_trials, epsilon=0.0)
         rand = evaluate(online, cfg, cfg.eval_trials, epsilon=1.0)
         final |= {"eval/reward_per_trial": greedy["reward_per_trial"], "eval/correct_rate": greedy["correct_rate"],
@@ -289,8 +322,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     return final
 
 
-def _ingest(replay: SequenceReplay, batches: list[dict], c: dict) -> int:
-    """Store one sample (per-actor [T, N] arrays joined along the env axis); returns transitions."""
+def _ingest(replay: SequenceReplay, batches: list[dict], c: dict, world: int = 1) -> int:
+    """Store one sample (per-actor [T, N] arrays joined along the env axis); returns this learner's
+    transitions. ``env_steps`` counts all learners' (they step the same number of envs)."""
     from raysys.rl.rollout import concat_actor_batches
 
     b = concat_actor_batches(batches) if len(batches) > 1 else batches[0]
@@ -299,7 +333,7 @@ def _ingest(replay: SequenceReplay, batches: list[dict], c: dict) -> int:
                   b["episode_id"] + c["episode_id_base"], b.get("state"))
     c["episode_id_max"] = max(c.get("episode_id_max", 0), int(b["episode_id"].max()) + c["episode_id_base"])
     n = int(b["action"].size)
-    c["env_steps"] += n
+    c["env_steps"] += n * world
     return n
 
 
@@ -331,3 +365,16 @@ def _load_replay(replay: SequenceReplay, rep: dict) -> None:
         if k in rep and getattr(replay, k) is not None:
             getattr(replay, k)[...] = rep[k].numpy()
     replay.ptr, replay.size = int(rep["ptr"]), int(rep["size"])
+
+
+def _check_in_step(model: torch.nn.Module, session, rank: int, world: int, device: torch.device) -> None:
+    """Data-parallel learners must end with the same weights: each leaves a fingerprint in the run
+    folder, and a mismatch (e.g. a rank that skipped an all-reduce) fails the run loudly."""
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
+    (session.run_dir / f"weights_rank{rank}.txt").write_text(digest + "\n")
+    total = float(sum(p.detach().double().sum() for p in model.parameters()))
+    spread = all_sum([total, total * total], world, device)
+    if abs(spread[1] / world - (spread[0] / world) ** 2) > 1e-9 * max(1.0, spread[1] / world):
+        raise RuntimeError(f"data-parallel learners ended with different weights (rank {rank}: {digest[:12]})")

@@ -48,7 +48,7 @@ class MPNDQNConfig:
     sequence_batch_size: int = 64
     """Sequences per update B. Seed: --sequence-batch-size (32 before, 64 after)."""
     train_freq: int = 4
-    """Environment transitions per gradient update. Seed: --train-freq (1 before)."""
+    """Environment transitions per gradient update (per learner when launch.workers > 1). Seed: --train-freq (1 before)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast of the unrolls: bf16 (CPU or GPU), fp16 (CUDA only, with loss scaling)."""
     compile: bool = False
@@ -190,5 +190,6 @@ WORKLOAD = Workload(
     train_fn=_train,
     throughput_metric="perf/env_steps_per_s",
     quality_metric="eval/quality",
-    extra={"identity_sections": ("task", "hidden", "eta", "lam", "freeze_plasticity")},
+    # launch.workers > 0: the learner runs data-parallel on that many Ray Train workers
+    extra={"identity_sections": ("task", "hidden", "eta", "lam", "freeze_plasticity"), "distributed": "torch"},
 )
