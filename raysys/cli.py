@@ -24,6 +24,7 @@ EPILOG = """examples:
   python -m raysys show deep_gpcm --preset parity               # print the resolved config as YAML
   python -m raysys.bench deep_gpcm --quick                      # naive vs optimized, measured
   python -m raysys.tune --space tune_spaces/deep_gpcm.yaml      # speed/quality sweep
+  python -m raysys train mpn_dqn --set sequence_batch_size=64 --set train_freq=4 --device cpu   # the seed's flags
 """
 
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cv", action="store_true", help="k-fold cross-validation: one run per fold (children of one "
                                                       "MLflow parent run), then the per-fold table and the mean")
     t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures)")
+    t.add_argument("--device", help="device of a workload with its own loop, e.g. cpu, cuda, auto (its `device` key)")
 
     s = sub.add_parser("show", help="print a workload's resolved config as YAML (or every key with its meaning)")
     _config_args(s)
@@ -81,6 +83,10 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
               if getattr(args, flag, None) is not None}
     if getattr(args, "resume", False):
         launch["launch.resume"] = True
+    if getattr(args, "device", None) is not None:
+        if not hasattr(cfg, "device"):
+            raise ConfigError(f"--device: {wl.name} has no `device` key (its device follows --gpus-per-worker)")
+        launch["device"] = args.device
     return wl, apply_overrides(cfg, launch)
 
 

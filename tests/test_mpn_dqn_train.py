@@ -135,3 +135,12 @@ def test_data_parallel_learners_stay_in_step(workdir):
     ckpt = sorted((workdir / "raysys_runs" / "dp" / "checkpoints").glob("step_*"))[-1]
     state = torch.load(ckpt / "state.pt", weights_only=True)
     assert state["counters"]["episodes"] >= 6
+
+
+def test_device_flag_maps_to_the_device_key():
+    from raysys.cli import build_config, build_parser
+
+    _, cfg = build_config(build_parser().parse_args(["train", "mpn_dqn", "--device", "cpu", "--experiment", "fast"]))
+    assert cfg.device == "cpu" and cfg.launch.experiment == "fast"
+    with pytest.raises(ConfigError, match="no `device` key"):
+        build_config(build_parser().parse_args(["train", "deep_gpcm", "--device", "cpu"]))
