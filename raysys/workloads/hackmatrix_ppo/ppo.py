@@ -1,0 +1,275 @@
+"""PPO on HackMatrix, PureJaxRL style: the whole update is one jitted function of ``lax.scan``s.
+
+One update = ``num_steps`` vmapped env steps (auto-reset) -> GAE -> ``update_epochs`` x
+``num_minibatches`` Adam steps. ``make_train_chunk`` scans ``updates_per_chunk`` updates inside
+one jit, so Python only runs between chunks (logging, checkpoints).
+
+Data parallel: the env batch is split over a 1-D device mesh (axis ``envs``) with ``shard_map``.
+Every device rolls out and shuffles its own envs; gradients and advantage statistics are
+averaged over the axis (``pmean``), so the replicated params stay identical everywhere. The same
+code runs on one CPU, on 4 forced host devices, or on every chip of a multi-host TPU slice under
+``jax.distributed`` (the mesh is built from the global ``jax.devices()``).
+
+Each env carries its own PRNG key, so a trajectory does not depend on how envs are sharded.
+The stored transition holds the observation the action was taken on (the original stored the
+next one).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from raysys.envs import hackmatrix as hm
+
+AXIS = "envs"
+
+
+# --------------------------------------------------------------------------- network
+
+
+def init_params(key, hidden: tuple[int, ...] = (256, 256), obs_dim: int = hm.OBS_SIZE, n_actions: int = hm.N_ACTIONS):
+    """Shared MLP trunk, actor head (28 logits) and critic head; orthogonal init as in PureJaxRL."""
+    sizes = (obs_dim, *hidden)
+    keys = jax.random.split(key, len(hidden) + 2)
+    ortho = jax.nn.initializers.orthogonal
+    trunk = [{"w": ortho(math.sqrt(2))(k, (a, b)), "b": jnp.zeros(b)} for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+    actor = {"w": ortho(0.01)(keys[-2], (sizes[-1], n_actions)), "b": jnp.zeros(n_actions)}
+    critic = {"w": ortho(1.0)(keys[-1], (sizes[-1], 1)), "b": jnp.zeros(1)}
+    return {"trunk": trunk, "actor": actor, "critic": critic}
+
+
+def forward(params, obs, mask, compute_dtype=jnp.float32):
+    """-> (masked logits f32 [..., A], value f32 [...]). bf16 compute keeps fp32 params outside."""
+    x = obs.astype(compute_dtype)
+    for layer in params["trunk"]:
+        x = jax.nn.relu(x @ layer["w"].astype(compute_dtype) + layer["b"].astype(compute_dtype))
+    logits = (x @ params["actor"]["w"].astype(compute_dtype) + params["actor"]["b"].astype(compute_dtype)).astype(jnp.float32)
+    value = (x @ params["critic"]["w"].astype(compute_dtype) + params["critic"]["b"].astype(compute_dtype))[..., 0]
+    return jnp.where(mask, logits, -1e9), value.astype(jnp.float32)
+
+
+def flops_per_env_step(hidden: tuple[int, ...] = (256, 256)) -> int:
+    """Forward multiply-adds x2 of one observation through the network (for MFU-style reports)."""
+    sizes = (hm.OBS_SIZE, *hidden)
+    return 2 * (sum(a * b for a, b in zip(sizes[:-1], sizes[1:])) + sizes[-1] * (hm.N_ACTIONS + 1))
+
+
+# --------------------------------------------------------------------------- state
+
+
+class Runner(NamedTuple):
+    params: Any
+    opt_state: Any
+    env_state: Any  # [num_envs, ...] (sharded over the mesh)
+    obs: Any  # hm.Obs with [num_envs, ...] leaves
+    env_keys: jax.Array  # [num_envs, 2]: one PRNG stream per env
+    key: jax.Array  # minibatch shuffling
+    env_steps: jax.Array  # global env steps so far (for the LR schedule)
+
+
+class Transition(NamedTuple):
+    obs: jax.Array
+    mask: jax.Array
+    action: jax.Array
+    logp: jax.Array
+    value: jax.Array
+    reward: jax.Array
+    done: jax.Array
+    ep_return: jax.Array
+    ep_length: jax.Array
+
+
+def make_optimizer(cfg):
+    # the LR is injected per update (linear anneal by env steps), so a resumed run with another
+    # num_envs/num_steps keeps the same schedule
+    return optax.chain(optax.clip_by_global_norm(cfg.optim.max_grad_norm),
+                       optax.inject_hyperparams(optax.adam)(learning_rate=cfg.optim.lr, eps=1e-5))
+
+
+def make_mesh(devices=None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    return Mesh(np.asarray(devices), (AXIS,))
+
+
+def runner_specs() -> Runner:
+    env = P(AXIS)
+    return Runner(params=P(), opt_state=P(), env_state=env, obs=env, env_keys=env, key=P(), env_steps=P())
+
+
+def runner_shardings(mesh: Mesh) -> Runner:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), runner_specs(), is_leaf=lambda x: isinstance(x, P))
+
+
+def init_runner(cfg, key, mesh: Mesh, params=None, opt_state=None, env_steps: int = 0) -> Runner:
+    """Fresh envs (and fresh params/optimizer unless given). Built inside one jit with sharded
+    outputs, so every process of a multi-host run computes its own shard of the same arrays."""
+    n = cfg.train.num_envs
+    if n % mesh.size:
+        raise ValueError(f"train.num_envs={n} must be a multiple of the {mesh.size} devices")
+    env_params = env_params_of(cfg)
+    k_params, k_envs, k_reset, k_run = jax.random.split(key, 4)
+    fresh = params is None
+
+    def build(params, opt_state):
+        if fresh:
+            params = init_params(k_params, tuple(cfg.model.hidden))
+            opt_state = make_optimizer(cfg).init(params)
+        obs, env_state = jax.vmap(hm.reset, in_axes=(0, None))(jax.random.split(k_reset, n), env_params)
+        return Runner(params, opt_state, env_state, obs, jax.random.split(k_envs, n), k_run, jnp.int32(env_steps))
+
+    out_shardings = runner_shardings(mesh)
+    if fresh:
+        return jax.jit(lambda: build(None, None), out_shardings=out_shardings)()
+    rep = NamedSharding(mesh, P())
+    # host arrays -> replicated global arrays; works when the mesh spans several processes too
+    put = lambda x: jax.make_array_from_callback(np.shape(x), rep, lambda idx: np.asarray(x)[idx])  # noqa: E731
+    params, opt_state = jax.tree.map(put, (params, opt_state))
+    return jax.jit(build, out_shardings=out_shardings)(params, opt_state)
+
+
+def env_params_of(cfg) -> hm.EnvParams:
+    return hm.EnvParams(max_steps_in_episode=cfg.env.max_steps_in_episode)
+
+
+# --------------------------------------------------------------------------- the update
+
+
+def gae(rewards, values, dones, last_value, gamma: float, lam: float):
+    """Generalized advantage estimates over time-major [T, N] arrays (``dones[t]``: the episode
+    ended at step t, so step t does not bootstrap from t+1). Returns (advantages, returns)."""
+
+    def body(carry, x):
+        next_adv, next_value = carry
+        r, v, d = x
+        delta = r + gamma * next_value * (1.0 - d) - v
+        adv = delta + gamma * lam * (1.0 - d) * next_adv
+        return (adv, v), adv
+
+    _, adv = jax.lax.scan(body, (jnp.zeros_like(last_value), last_value), (rewards, values, dones), reverse=True)
+    return adv, adv + values
+
+
+def minibatch_plan(cfg) -> tuple[int, int]:
+    """(num_minibatches, update_epochs). With ``minibatch_scaling`` the original's large-batch
+    remedy: about 8,192 samples per minibatch (at most 64 minibatches), epochs lowered in
+    proportion (at least 2)."""
+    nmb, epochs = cfg.train.num_minibatches, cfg.train.update_epochs
+    if cfg.train.minibatch_scaling:
+        batch = cfg.train.num_envs * cfg.train.num_steps
+        scaled = int(min(64, max(nmb, batch // 8192)))
+        epochs = max(2, round(epochs * nmb / scaled))
+        nmb = scaled
+    return nmb, epochs
+
+
+def make_update(cfg, n_devices: int):
+    """One PPO update on this device's envs (called inside shard_map over AXIS)."""
+    tc, pc = cfg.train, cfg.ppo
+    dtype = jnp.bfloat16 if tc.precision == "bf16" else jnp.float32
+    env_params = env_params_of(cfg)
+    optimizer = make_optimizer(cfg)
+    nmb, epochs = minibatch_plan(cfg)
+    local_envs = tc.num_envs // n_devices
+    steps_per_update = tc.num_envs * tc.num_steps
+    vstep = jax.vmap(hm.step, in_axes=(0, 0, 0, None))
+
+    def env_step(carry, _):
+        params, env_state, obs, env_keys = carry
+        ks = jax.vmap(lambda k: jax.random.split(k, 3))(env_keys)
+        env_keys, k_act, k_env = ks[:, 0], ks[:, 1], ks[:, 2]
+        logits, value = forward(params, obs.features, obs.action_mask, dtype)
+        action = jax.vmap(jax.random.categorical)(k_act, logits)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
+        next_obs, env_state, reward, done, info = vstep(k_env, env_state, action, env_params)
+        t = Transition(obs.features, obs.action_mask, action, logp, value, reward, done.astype(jnp.float32),
+                       info["episode_return"], info["episode_length"])
+        return (params, env_state, next_obs, env_keys), t
+
+    def loss_fn(params, mb, adv, targets):
+        logits, value = forward(params, mb.obs, mb.mask, dtype)
+        logp_all = jax.nn.log_softmax(logits)
+        logp = jnp.take_along_axis(logp_all, mb.action[:, None], axis=-1)[:, 0]
+        # value loss clipped around the rollout's estimate, as in PureJaxRL/CleanRL
+        v_clip = mb.value + jnp.clip(value - mb.value, -pc.clip_eps, pc.clip_eps)
+        v_loss = 0.5 * jnp.maximum((value - targets) ** 2, (v_clip - targets) ** 2).mean()
+        ratio = jnp.exp(logp - mb.logp)
+        pg_loss = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - pc.clip_eps, 1 + pc.clip_eps) * adv).mean()
+        probs = jnp.exp(logp_all)
+        entropy = -jnp.sum(jnp.where(mb.mask, probs * logp_all, 0.0), axis=-1).mean()
+        total = pg_loss + pc.vf_coef * v_loss - pc.ent_coef * entropy
+        approx_kl = ((ratio - 1.0) - (logp - mb.logp)).mean()
+        clipfrac = (jnp.abs(ratio - 1.0) > pc.clip_eps).mean()
+        return total, dict(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
+
+    def sgd_step(carry, mb_data):
+        params, opt_state = carry
+        mb, adv, targets = mb_data
+        # advantage normalisation with statistics over the whole minibatch across devices
+        mean = jax.lax.pmean(adv.mean(), AXIS)
+        std = jnp.sqrt(jax.lax.pmean(((adv - mean) ** 2).mean(), AXIS))
+        adv = (adv - mean) / (std + 1e-8)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, adv, targets)
+        grads = jax.lax.pmean(grads, AXIS)  # the data-parallel all-reduce
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        aux = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads))
+        return (params, opt_state), aux
+
+    def epoch(carry, key):
+        params, opt_state, traj, adv, targets = carry
+        n = tc.num_steps * local_envs
+        perm = jax.random.permutation(key, n)
+        flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:])[perm].reshape((nmb, n // nmb) + x.shape[2:]),
+                            (traj, adv, targets))
+        (params, opt_state), aux = jax.lax.scan(sgd_step, (params, opt_state), flat)
+        return (params, opt_state, traj, adv, targets), aux
+
+    def update(runner: Runner, _):
+        frac = 1.0 - runner.env_steps.astype(jnp.float32) / float(tc.total_timesteps)
+        lr = cfg.optim.lr * jnp.clip(frac, 0.0, 1.0) if cfg.optim.anneal_lr else jnp.float32(cfg.optim.lr)
+        opt_state = runner.opt_state
+        opt_state[1].hyperparams["learning_rate"] = lr
+        (params, env_state, obs, env_keys), traj = jax.lax.scan(
+            env_step, (runner.params, runner.env_state, runner.obs, runner.env_keys), None, tc.num_steps)
+        _, last_value = forward(params, obs.features, obs.action_mask, dtype)
+        adv, targets = gae(traj.reward, traj.value, traj.done, last_value, pc.gamma, pc.gae_lambda)
+        key, k_epochs = jax.random.split(runner.key)
+        (params, opt_state, _, _, _), aux = jax.lax.scan(
+            epoch, (params, opt_state, traj, adv, targets), jax.random.split(k_epochs, epochs))
+        episodes = jax.lax.psum(traj.done.sum(), AXIS)
+        stats = {k: jax.lax.pmean(v.mean(), AXIS) for k, v in aux.items()}
+        stats |= dict(
+            episodes=episodes,
+            return_sum=jax.lax.psum(traj.ep_return.sum(), AXIS),
+            length_sum=jax.lax.psum(traj.ep_length.sum().astype(jnp.float32), AXIS),
+            reward_mean=jax.lax.pmean(traj.reward.mean(), AXIS),
+            lr=lr,
+        )
+        new = Runner(params, opt_state, env_state, obs, env_keys, key, runner.env_steps + steps_per_update)
+        return new, stats
+
+    return update
+
+
+def make_train_chunk(cfg, mesh: Mesh):
+    """jit(runner -> (runner, metrics)): ``updates_per_chunk`` PPO updates in one ``lax.scan``,
+    the env batch split over ``mesh``. Metrics are chunk means (episode stats: chunk totals)."""
+    update = make_update(cfg, mesh.size)
+
+    def chunk(runner: Runner):
+        runner, stats = jax.lax.scan(update, runner, None, cfg.train.updates_per_chunk)
+        sums = {k: stats[k].sum() for k in ("episodes", "return_sum", "length_sum")}
+        means = {k: v.mean() for k, v in stats.items() if k not in sums}
+        return runner, {**means, **sums, "lr_last": stats["lr"][-1]}
+
+    sharded = jax.shard_map(chunk, mesh=mesh, in_specs=(runner_specs(),), out_specs=(runner_specs(), P()),
+                            check_vma=False)
+    return jax.jit(sharded, donate_argnums=0)

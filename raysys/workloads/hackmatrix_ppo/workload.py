@@ -1,0 +1,254 @@
+"""HackMatrix PPO in JAX (seed 001) as a raysys workload: config, presets, the chunked train loop.
+
+``train`` runs jitted chunks of PPO updates (raysys/workloads/hackmatrix_ppo/ppo.py) and, between
+chunks, logs and checkpoints through the Session. The env batch is sharded over every device
+JAX sees (all chips of all hosts under ``jax.distributed``). ``naive`` in the bench is the seed's
+slow way: a Python loop of jitted env steps and jitted minibatch updates with host round-trips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from raysys.config import ConfigError
+from raysys.train.config import JaxLaunchConfig
+from raysys.workload import Workload
+
+
+@dataclass
+class EnvConfig:
+    max_steps_in_episode: int = 1000
+    """Episode truncation of the HackMatrix env (episodes last ~20 steps in practice)."""
+
+
+@dataclass
+class ModelConfig:
+    hidden: tuple[int, ...] = (256, 256)
+    """Shared MLP trunk widths (ReLU), then a 28-logit actor head and a value head."""
+
+
+@dataclass
+class TrainConfig:
+    total_timesteps: int = 5_000_000
+    """Env steps to train for (all envs, all devices)."""
+    num_envs: int = 256
+    """Parallel envs (split over every device). Seed: 256 before, 2048 after."""
+    num_steps: int = 128
+    """Steps per env per update (rollout length). Seed: 128 before, 256 after."""
+    num_minibatches: int = 4
+    """Minibatches per epoch."""
+    update_epochs: int = 4
+    """Passes over each rollout."""
+    minibatch_scaling: bool = False
+    """The seed's large-batch remedy: ~8,192 samples per minibatch (<= 64 of them), epochs lowered (>= 2)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: network compute in bfloat16; params and Adam state stay fp32."""
+    updates_per_chunk: int = 10
+    """Updates per jitted chunk; Python logs and checkpoints between chunks."""
+    checkpoint_every_minutes: float = 10.0
+    """Checkpoint when this much time has passed since the last one (and at the end)."""
+    seed: int = 0
+    """PRNG seed of params, envs and shuffling."""
+    compilation_cache_dir: str = "~/.cache/raysys/jax"
+    """Persistent JAX compilation cache ('' disables): a second start skips compilation."""
+
+    def validate(self) -> None:
+        for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "updates_per_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if (self.num_envs * self.num_steps) % self.num_minibatches:
+            raise ConfigError("train.num_envs * train.num_steps must be divisible by train.num_minibatches")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2.5e-4
+    """Adam learning rate (the original's)."""
+    anneal_lr: bool = True
+    """Linear decay to 0 over total_timesteps (by env steps, so it survives a changed batch on resume)."""
+    max_grad_norm: float = 0.5
+    """Global-norm gradient clip."""
+
+
+@dataclass
+class PPOConfig:
+    gamma: float = 0.99
+    """Discount."""
+    gae_lambda: float = 0.95
+    """GAE lambda."""
+    clip_eps: float = 0.2
+    """Policy (and value) clip range."""
+    ent_coef: float = 0.1
+    """Entropy bonus (the original's 0.1: HackMatrix needs a lot of exploration)."""
+    vf_coef: float = 0.5
+    """Value-loss weight."""
+
+
+@dataclass
+class HackMatrixPPOConfig:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    launch: JaxLaunchConfig = field(default_factory=JaxLaunchConfig)
+
+
+# ---------------------------------------------------------------- presets (derive from each other)
+
+
+def default() -> HackMatrixPPOConfig:
+    """The original's PPO at 256 envs x 128 steps."""
+    return HackMatrixPPOConfig()
+
+
+def seed_fast() -> HackMatrixPPOConfig:
+    """The seed's speed change: 2048 envs x 256 steps, with its minibatch-scaling remedy."""
+    cfg = default()
+    cfg.train = dataclasses.replace(cfg.train, num_envs=2048, num_steps=256, minibatch_scaling=True, updates_per_chunk=2)
+    return cfg
+
+
+def learn() -> HackMatrixPPOConfig:
+    """The documented learning preset (docs/benchmarks.md): 2M env steps, minutes on a CPU."""
+    cfg = default()
+    cfg.train = dataclasses.replace(cfg.train, total_timesteps=2_000_000)
+    return cfg
+
+
+def quick() -> HackMatrixPPOConfig:
+    """A smoke run of well under a minute: 32 envs x 32 steps, 20 updates."""
+    cfg = default()
+    cfg.model = ModelConfig(hidden=(64, 64))
+    cfg.train = dataclasses.replace(cfg.train, total_timesteps=32 * 32 * 20, num_envs=32, num_steps=32,
+                                    num_minibatches=2, update_epochs=2, updates_per_chunk=5)
+    return cfg
+
+
+PRESETS = {"default": default, "seed_fast": seed_fast, "learn": learn, "quick": quick}
+
+
+# ---------------------------------------------------------------- training
+
+
+def enable_compilation_cache(path: str) -> None:
+    if not path:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    # cache every program, however fast it compiled (the defaults skip sub-second compiles)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _to_host(tree):
+    """Replicated (possibly multi-process) arrays -> numpy, via this process's own copy."""
+    import jax
+    import numpy as np
+
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x), tree)
+
+
+def train(cfg: HackMatrixPPOConfig, session) -> dict:
+    enable_compilation_cache(cfg.train.compilation_cache_dir)
+    import jax
+    import numpy as np
+    import torch
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    mesh = ppo.make_mesh()
+    key = jax.random.PRNGKey(cfg.train.seed)
+    env_steps, updates = 0, 0
+    ckpt = session.restore()
+    if ckpt is None:
+        runner = ppo.init_runner(cfg, key, mesh)
+    else:
+        # params and Adam state come back; envs start fresh, so num_envs/num_steps may differ
+        template = jax.eval_shape(lambda: ppo.make_optimizer(cfg).init(ppo.init_params(key, tuple(cfg.model.hidden))))
+        params = jax.tree.unflatten(jax.tree.structure(ppo.init_params(key, tuple(cfg.model.hidden))),
+                                    [t.numpy() for t in ckpt["params"]])
+        opt_state = jax.tree.unflatten(jax.tree.structure(template), [t.numpy() for t in ckpt["opt_state"]])
+        env_steps, updates = int(ckpt["env_steps"]), int(ckpt["updates"])
+        runner = ppo.init_runner(cfg, jax.random.fold_in(key, updates), mesh, params, opt_state, env_steps)
+        print(f"[hackmatrix_ppo] resumed at {env_steps} env steps ({updates} updates)", flush=True)
+
+    def save() -> None:
+        host = _to_host((runner.params, runner.opt_state))
+        session.checkpoint({"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
+                            "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
+                            "env_steps": env_steps, "updates": updates}, env_steps)
+
+    chunk_fn = ppo.make_train_chunk(cfg, mesh)
+    t0 = time.perf_counter()
+    compiled = chunk_fn.lower(runner).compile()  # AOT: compile time measured apart from training
+    compile_s = time.perf_counter() - t0
+    per_chunk = cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
+    n_chunks = max(0, -(-(cfg.train.total_timesteps - env_steps) // per_chunk))
+    print(f"[hackmatrix_ppo] {mesh.size} device(s) ({jax.devices()[0].platform}), {jax.process_count()} process(es); "
+          f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps", flush=True)
+    last_ckpt, t_train, best = time.perf_counter(), 0.0, -float("inf")
+    final: dict = {"perf/compile_s": compile_s}
+    for _ in range(n_chunks):
+        t = time.perf_counter()
+        runner, stats = compiled(runner)
+        stats = {k: float(v) for k, v in _to_host(stats).items()}  # the one host sync per chunk
+        dt = time.perf_counter() - t
+        t_train += dt
+        env_steps += per_chunk
+        updates += cfg.train.updates_per_chunk
+        eps = max(stats["episodes"], 1.0)
+        m = {
+            "charts/episode_return": stats["return_sum"] / eps if stats["episodes"] else float("nan"),
+            "charts/episode_length": stats["length_sum"] / eps if stats["episodes"] else float("nan"),
+            "charts/episodes": stats["episodes"],
+            "charts/entropy": stats["entropy"],
+            "charts/approx_kl": stats["approx_kl"],
+            "charts/clipfrac": stats["clipfrac"],
+            "charts/learning_rate": stats["lr_last"],
+            "losses/policy_loss": stats["policy_loss"],
+            "losses/value_loss": stats["value_loss"],
+            "losses/loss": stats["loss"],
+            "losses/grad_norm": stats["grad_norm"],
+            "perf/env_steps_per_s": per_chunk / dt,
+            "perf/compile_s": compile_s,
+        }
+        if stats["episodes"]:
+            best = max(best, m["charts/episode_return"])
+        final |= m
+        session.log(m, env_steps, progress=(
+            f"{env_steps}/{cfg.train.total_timesteps} env steps | return {m['charts/episode_return']:.3f} | "
+            f"entropy {m['charts/entropy']:.2f} | kl {m['charts/approx_kl']:.4f} | {m['perf/env_steps_per_s']:.0f} env-steps/s"))
+        if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
+            save()
+            last_ckpt = time.perf_counter()
+    save()
+    final |= {"eval/quality": final.get("charts/episode_return", float("nan")), "charts/best_episode_return": best,
+              "perf/train_seconds": t_train, "perf/env_steps": env_steps,
+              "perf/env_steps_per_s_overall": (n_chunks * per_chunk) / t_train if t_train else 0.0}
+    return final
+
+
+def _bench(quick: bool = False) -> dict:
+    from raysys.workloads.hackmatrix_ppo.bench import run_bench
+
+    return run_bench(quick=quick)
+
+
+WORKLOAD = Workload(
+    name="hackmatrix_ppo",
+    description="PPO on HackMatrix in pure JAX: one jitted lax.scan per chunk of updates, envs sharded over devices (seed 001)",
+    config_cls=HackMatrixPPOConfig,
+    presets=PRESETS,
+    bench=_bench,
+    train_fn=train,
+    throughput_metric="perf/env_steps_per_s",
+    quality_metric="eval/quality",
+    # resume only needs the same network: num_envs / num_steps may change
+    extra={"identity_sections": ("model",), "runner": "jax"},
+)

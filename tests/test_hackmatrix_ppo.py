@@ -1,0 +1,126 @@
+"""hackmatrix_ppo: GAE, masking, the CLI run, bf16, resume with another batch, compile cache, 4 devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from raysys.cli import main
+from raysys.workloads.hackmatrix_ppo import ppo
+
+
+def _final(workdir, name: str) -> dict:
+    return json.loads((workdir / "raysys_runs" / name / "final_metrics.json").read_text())
+
+
+def test_gae_matches_a_hand_loop():
+    rng = np.random.default_rng(0)
+    T, N, gamma, lam = 7, 3, 0.9, 0.8
+    r, v, d = rng.normal(size=(T, N)), rng.normal(size=(T, N)), (rng.random((T, N)) < 0.3).astype(np.float32)
+    last = rng.normal(size=N)
+    adv_ref, nxt_adv, nxt_v = np.zeros((T, N)), np.zeros(N), last
+    for t in reversed(range(T)):
+        delta = r[t] + gamma * nxt_v * (1 - d[t]) - v[t]
+        nxt_adv = delta + gamma * lam * (1 - d[t]) * nxt_adv
+        adv_ref[t], nxt_v = nxt_adv, v[t]
+    adv, ret = ppo.gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(d), jnp.asarray(last), gamma, lam)
+    np.testing.assert_allclose(np.asarray(adv), adv_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret), adv_ref + v, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_actions_are_never_sampled():
+    params = ppo.init_params(jax.random.PRNGKey(0), (32, 32))
+    obs = jax.random.uniform(jax.random.PRNGKey(1), (512, 1545))
+    mask = jax.random.uniform(jax.random.PRNGKey(2), (512, 28)) < 0.2
+    mask = mask.at[:, 0].set(True)  # at least one legal action per row
+    for dtype in (jnp.float32, jnp.bfloat16):
+        logits, value = ppo.forward(params, obs, mask, dtype)
+        assert logits.dtype == jnp.float32 and value.shape == (512,)
+        a = jax.random.categorical(jax.random.PRNGKey(3), jnp.broadcast_to(logits, (20, 512, 28)))
+        assert bool(jnp.take_along_axis(jnp.broadcast_to(mask, (20, 512, 28)), a[..., None], -1).all())
+
+
+def test_minibatch_scaling_follows_the_seed():
+    from raysys.workloads.hackmatrix_ppo.workload import default, seed_fast
+
+    assert ppo.minibatch_plan(default()) == (4, 4)
+    cfg = seed_fast()  # 2048 x 256 = 524,288 samples -> 64 minibatches of 8,192, epochs floored at 2
+    assert ppo.minibatch_plan(cfg) == (64, 2)
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_bf16_and_resume_with_other_num_envs(workdir, capsys):
+    args = ["train", "hackmatrix_ppo", "--preset", "quick", "--name", "h", "--set", "train.precision=bf16",
+            "--set", "train.compilation_cache_dir="]
+    assert main([*args, "--set", "train.total_timesteps=10240"]) == 0
+    first = _final(workdir, "h")
+    assert first["perf/env_steps"] == 10240 and np.isfinite(first["losses/loss"])
+    assert first["perf/env_steps_per_s"] > 0 and 0 < first["charts/entropy"] < np.log(28)
+    ckpt = sorted((workdir / "raysys_runs" / "h" / "checkpoints").glob("step_*"))[-1]
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert all(t.dtype == torch.float32 for t in state["params"])  # bf16 compute, fp32 params
+    capsys.readouterr()
+    # resume with twice the envs: params and Adam state continue, envs start fresh
+    assert main([*args, "--set", "train.total_timesteps=20480", "--set", "train.num_envs=64", "--resume"]) == 0
+    assert "resumed at 10240 env steps" in capsys.readouterr().out
+    second = _final(workdir, "h")
+    assert second["perf/env_steps"] == 10240 + 64 * 32 * 5
+
+
+@pytest.mark.timeout(300)
+def test_compilation_cache_skips_compilation_on_a_second_start(tmp_path):
+    cache = tmp_path / "jax_cache"
+    cmd = [sys.executable, "-m", "raysys", "train", "hackmatrix_ppo", "--preset", "quick",
+           "--set", "train.total_timesteps=5120", "--set", f"train.compilation_cache_dir={cache}"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
+    compile_s = []
+    for name in ("first", "second"):
+        subprocess.run([*cmd, "--name", name, "--storage-path", str(tmp_path / "runs")], check=True, env=env,
+                       cwd=tmp_path, capture_output=True, timeout=240)
+        compile_s.append(json.loads((tmp_path / "runs" / name / "final_metrics.json").read_text())["perf/compile_s"])
+    assert any(cache.iterdir())
+    assert compile_s[1] < 0.5 * compile_s[0], compile_s
+
+
+FOUR_DEVICES = textwrap.dedent("""
+    import dataclasses, jax, numpy as np
+    from raysys.workloads.hackmatrix_ppo import ppo
+    from raysys.workloads.hackmatrix_ppo.workload import quick
+    assert jax.device_count() == 4
+    cfg = quick()
+    # one minibatch: the gradient is the mean over all envs however they are split
+    cfg.train = dataclasses.replace(cfg.train, num_minibatches=1, update_epochs=2, updates_per_chunk=1)
+    out = {}
+    for n in (4, 1):
+        mesh = ppo.make_mesh(jax.devices()[:n])
+        runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
+        shards = {s.device for s in jax.tree.leaves(runner.env_state)[0].addressable_shards}
+        assert len(shards) == n, shards
+        runner, stats = ppo.make_train_chunk(cfg, mesh)(runner)
+        out[n] = [np.asarray(x) for x in jax.tree.leaves(runner.params)]
+        assert len({s.device for s in runner.obs.features.addressable_shards}) == n
+    err = max(float(np.abs(a - b).max()) for a, b in zip(out[4], out[1]))
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(out[1], [np.asarray(x) for x in jax.tree.leaves(
+        ppo.init_params(jax.random.split(jax.random.PRNGKey(0), 4)[0], tuple(cfg.model.hidden)))]))
+    print("max diff 4 vs 1 device:", err, "moved:", moved)
+    assert moved > 1e-4 and err < 1e-5 * max(1.0, moved) + 1e-6
+""")
+
+
+@pytest.mark.timeout(300)
+def test_four_device_sharding_matches_one_device():
+    """XLA_FLAGS forces 4 host devices: the env batch is split over them, gradients are averaged
+    across them, and one update gives the same params as on one device (up to float rounding)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", FOUR_DEVICES], env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max diff 4 vs 1 device" in out.stdout
