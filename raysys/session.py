@@ -77,15 +77,8 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     if wl.extra.get("needs_ray", False):
         init_ray(run.cfg.launch.address)
     session = Session(run, report=report)
-    status = "FAILED"
-    try:
+    with run.tracked():
         final = wl.train_fn(run.cfg, session) or {}
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        run.finish(status)
     final = {**session.last_metrics, **final}
     (run.run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)

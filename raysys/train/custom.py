@@ -65,14 +65,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
         run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent),
                              failure_config=FailureConfig(max_failures=launch.max_failures)),
     )
-    status = "FAILED"
-    try:
+    with run.tracked():
         trainer.fit()
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        run.finish(status)
     final = json.loads((run.run_dir / "final_metrics.json").read_text())
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)

@@ -8,6 +8,7 @@ V2 ``TorchTrainer`` (``--workers 0`` runs the same loop in this process).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -98,6 +99,19 @@ class OpenRun:
 
     def finish(self, status: str) -> None:
         tracking.end_run(self.tracking_uri, self.run_id, status=status)
+
+    @contextlib.contextmanager
+    def tracked(self):
+        """Close the MLflow run as FINISHED, KILLED (Ctrl-C) or FAILED, however the block ends."""
+        status = "FAILED"
+        try:
+            yield
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self.finish(status)
 
 
 def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optional[str] = None,
