@@ -56,12 +56,6 @@ def forward(params, obs, mask, compute_dtype=jnp.float32):
     return jnp.where(mask, logits, -1e9), value.astype(jnp.float32)
 
 
-def flops_per_env_step(hidden: tuple[int, ...] = (256, 256)) -> int:
-    """Forward multiply-adds x2 of one observation through the network (for MFU-style reports)."""
-    sizes = (hm.OBS_SIZE, *hidden)
-    return 2 * (sum(a * b for a, b in zip(sizes[:-1], sizes[1:])) + sizes[-1] * (hm.N_ACTIONS + 1))
-
-
 # --------------------------------------------------------------------------- state
 
 

@@ -170,10 +170,13 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         runner = ppo.init_runner(cfg, key, mesh)
     else:
         # params and Adam state come back; envs start fresh, so num_envs/num_steps may differ
-        template = jax.eval_shape(lambda: ppo.make_optimizer(cfg).init(ppo.init_params(key, tuple(cfg.model.hidden))))
-        params = jax.tree.unflatten(jax.tree.structure(ppo.init_params(key, tuple(cfg.model.hidden))),
-                                    [t.numpy() for t in ckpt["params"]])
-        opt_state = jax.tree.unflatten(jax.tree.structure(template), [t.numpy() for t in ckpt["opt_state"]])
+        def fresh():
+            params = ppo.init_params(key, tuple(cfg.model.hidden))
+            return params, ppo.make_optimizer(cfg).init(params)
+
+        shapes = jax.eval_shape(fresh)  # the tree structures only; nothing is computed
+        params, opt_state = (jax.tree.unflatten(jax.tree.structure(tree), [t.numpy() for t in leaves])
+                             for tree, leaves in zip(shapes, (ckpt["params"], ckpt["opt_state"])))
         env_steps, updates = int(ckpt["env_steps"]), int(ckpt["updates"])
         runner = ppo.init_runner(cfg, jax.random.fold_in(key, updates), mesh, params, opt_state, env_steps)
         print(f"[hackmatrix_ppo] resumed at {env_steps} env steps ({updates} updates)", flush=True)

@@ -122,7 +122,7 @@ class Collector:
         if self.pool:  # actors step their envs while the learner trains
             self._pending = self.pool.sample_async(self.steps, epsilon)
         else:
-            self._pending = functools.partial(lambda e: [self.worker.sample(self.steps, e)], epsilon)
+            self._pending = lambda: [self.worker.sample(self.steps, epsilon)]
 
     def finish(self) -> list[dict]:
         out, self._pending = self._pending(), None
@@ -220,8 +220,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
             finished = [float(r) for b in batches for r in b["episode_returns"]]
             for ret in finished:
                 returns.append(ret), window.append(ret)
-                if len(window) == window.maxlen or len(returns) == len(window):
-                    best_avg = max(best_avg, float(np.mean(window)))
+                best_avg = max(best_avg, float(np.mean(window)))
             # episodes count over all learners' envs; any learner out of time stops them all
             new_episodes, stop = all_sum([len(finished), float(out_of_time())], world, device)
             c["episodes"] += int(new_episodes)
@@ -245,7 +244,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                 scaler.scale(loss).backward()
                 average_gradients(params, world)
                 scaler.unscale_(opt)
-                gn = torch.nn.utils.clip_grad_norm_(online.parameters(), cfg.max_grad_norm)
+                gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                 scaler.step(opt)
                 scaler.update()
                 c["updates"] += 1
@@ -283,7 +282,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                     f"{m['perf/updates_per_s']:.1f} updates/s"))
                 t_log, steps_at_log, updates_at_log = now, c["env_steps"], c["updates"]
                 next_log = (c["episodes"] // cfg.print_freq + 1) * cfg.print_freq
-            if c["episodes"] >= next_ckpt:
+            if c["episodes"] >= next_ckpt and not done:  # the end of the run is saved below
                 session.checkpoint(_state(online, target, opt, c, returns, replay, monitor), c["env_steps"])
                 next_ckpt = (c["episodes"] // cfg.checkpoint_freq + 1) * cfg.checkpoint_freq
     finally:
