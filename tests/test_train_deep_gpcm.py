@@ -125,6 +125,26 @@ def test_interrupted_run_resumes_without_repeating(workdir):
     assert run.info.status == "FINISHED"
 
 
+def test_resume_at_the_last_step_of_an_epoch_reports_a_finite_loss(workdir):
+    # A run stopped between the in-epoch checkpoint of an epoch's last step and the epoch-end one
+    # resumes into an empty remainder of that epoch; its epoch-end report used to say loss NaN,
+    # which a Tune sweep reads as divergence and stops the trial.
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "edge", "--set", "train.checkpoint_every_steps=2"]
+    assert main([*args, "--set", "train.max_steps=6"]) == 0  # the quick preset has 6 steps per epoch
+    import torch
+
+    (ckpt,) = sorted((workdir / "raysys_runs" / "edge" / "checkpoints").glob("step_000000006"))
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert (state["epoch"], state["micro_in_epoch"]) == (1, 0) and state["loss"] == state["loss"]
+    state["epoch"], state["micro_in_epoch"] = 0, 6  # what the in-epoch save of step 6 holds
+    torch.save(state, ckpt / "state.pt")
+    assert main([*args, "--resume"]) == 0
+    client, run = _mlflow_run(workdir, "edge")
+    losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert len(losses) > 3 and all(v == v for v in losses), losses
+    assert _final(workdir, "edge")["step"] == 12
+
+
 def test_bad_config_key_fails_before_anything(workdir, capsys):
     assert main(["train", "deep_gpcm", *QUICK, "--set", "train.lrr=1"]) == 2
     err = capsys.readouterr().err

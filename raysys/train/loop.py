@@ -109,6 +109,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints)
     step, epoch, micro_done = 0, 0, 0
+    loss_val = float("nan")
     latest = store.latest()
     if latest is not None:
         state, meta = store.load(latest)
@@ -120,6 +121,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         monitor.load_state_dict(state["monitor"])
         torch.set_rng_state(state["rng"]["torch"])
         step, epoch, micro_done = state["step"], state["epoch"], state["micro_in_epoch"]
+        # the last step's loss: an epoch-end report right after the resume must not say NaN
+        loss_val = float(state.get("loss", float("nan")))
         if rank == 0:
             print(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})", flush=True)
             _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
@@ -131,7 +134,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if rank == 0:
             store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
-                        "rng": _rng_state(), "step": step, "epoch": epoch, "micro_in_epoch": micro_done},
+                        "rng": _rng_state(), "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
+                        "loss": loss_val},
                        step, {"epoch": epoch})
 
     def evaluate() -> dict[str, float]:
@@ -150,7 +154,6 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     last_ckpt_time = time.monotonic()
     t_run, step_at_start = time.monotonic(), step
     last_eval: dict[str, float] = {}
-    loss_val = float("nan")
     diverged = False
     nonfinite_streak = 0
     model.train()
@@ -219,11 +222,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 if _broadcast_flag(due, world, device):
                     save_checkpoint()
                     last_ckpt_time = time.monotonic()
+            if micro_done >= micro_per_epoch:
+                exhausted = True  # the epoch-end checkpoint below covers this step: no second save of it
             if tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0 and not exhausted:
                 save_checkpoint()
                 last_ckpt_time = time.monotonic()
-            if micro_done >= micro_per_epoch:
-                exhausted = True
 
         if exhausted:  # epoch finished: evaluate, report, checkpoint at the boundary
             epoch += 1
