@@ -25,6 +25,7 @@ EPILOG = """examples:
   python -m raysys.bench deep_gpcm --quick                      # naive vs optimized, measured
   python -m raysys.tune --space tune_spaces/deep_gpcm.yaml      # speed/quality sweep
   python -m raysys train mpn_dqn --set sequence_batch_size=64 --set train_freq=4 --device cpu   # the seed's flags
+  bash examples/train_hackmatrix_ppo_tpu.sh                    # JAX on a TPU v4-16: one process per host
 """
 
 

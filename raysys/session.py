@@ -64,12 +64,12 @@ class Session:
 
 def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional[dict] = None, report=None) -> RunResult:
     if cfg.launch.workers > 0:
-        if wl.extra.get("distributed") != "torch":
+        from raysys.train.custom import distributed_kind, run_distributed
+
+        if distributed_kind(wl) is None:
             from raysys.config import ConfigError
 
-            raise ConfigError(f"{wl.name} has no multi-worker launcher yet: use launch.workers=0 "
-                              "(a JAX workload still uses every local device)")
-        from raysys.train.custom import run_distributed
+            raise ConfigError(f"{wl.name} has no multi-worker launcher: use launch.workers=0")
 
         return run_distributed(wl, cfg, parent_run_id, tags)
     prepare = wl.extra.get("prepare")

@@ -178,6 +178,30 @@ def test_gcp_tpu_head_resource_matches_ray():
     assert tpu.infer_tpu_pod_type_from_topology("2x2x2", "TPU-V4") == "v4-16"
 
 
+def test_tpu_job_script_matches_the_slice_and_the_config():
+    """examples/train_hackmatrix_ppo_tpu.sh asks for the slice cluster/gcp-tpu-v4.yaml provides
+    (pod type, hosts) and sets only keys the hackmatrix_ppo config has."""
+    import re
+
+    from ray._private.accelerators import tpu
+    from ray.util.tpu import get_tpu_worker_resources
+
+    from raysys.config import apply_overrides
+    from raysys.workloads.hackmatrix_ppo.workload import default
+
+    script = (REPO / "examples" / "train_hackmatrix_ppo_tpu.sh").read_text()
+    sets = dict(re.findall(r'--set ([\w.]+)="\$\{\w+:-([^}]*)\}"', script))
+    sets |= dict(re.findall(r"--set ([\w.]+)=(true|false)\b", script))
+    cfg = apply_overrides(default(), sets)
+    cfg.launch.validate()
+    assert cfg.launch.use_tpu and cfg.launch.workers == 2, sets
+    pod = tpu.infer_tpu_pod_type_from_topology(cfg.launch.topology, cfg.launch.accelerator_type)
+    accelerators = {v["node_config"].get("acceleratorType") for v in _load(CLUSTER / "gcp-tpu-v4.yaml")["available_node_types"].values()}
+    assert pod in accelerators, (pod, accelerators)
+    hosts, per_host = get_tpu_worker_resources(topology=cfg.launch.topology, accelerator_type=cfg.launch.accelerator_type)
+    assert hosts == cfg.launch.workers and cfg.train.num_envs % (hosts * per_host["TPU"]) == 0
+
+
 # --------------------------------------------------------------------------- KubeRay manifests
 
 

@@ -154,8 +154,14 @@ class JaxLaunchConfig(LaunchConfig):
     """TPU slice topology, e.g. '2x2x2' (v4-16: 2 hosts) or '2x2x1' (v4-8: 1 host)."""
     accelerator_type: Optional[str] = None
     """TPU generation, e.g. 'TPU-V4', 'TPU-V5E'."""
+    jax_platforms: str = ""
+    """JAX_PLATFORMS for the workers ('' lets JAX choose; 'cpu' runs a TPU-scheduled job on the hosts' CPUs)."""
 
     def validate(self) -> None:
         super().validate()
         if self.use_tpu and (not self.topology or not self.accelerator_type):
             raise ConfigError("launch.use_tpu needs launch.topology (e.g. 2x2x2) and launch.accelerator_type (e.g. TPU-V4)")
+        if self.use_tpu and self.gpus_per_worker:
+            raise ConfigError("launch.use_tpu and launch.gpus_per_worker > 0 exclude each other")
+        if self.use_tpu and self.workers < 1:
+            raise ConfigError("launch.use_tpu needs launch.workers >= 1 (one JAX process per TPU host)")

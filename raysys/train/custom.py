@@ -1,12 +1,20 @@
 """A workload's own loop (``Workload.train_fn``) on several data-parallel Ray Train workers.
 
 ``run_custom`` (raysys.session) runs ``train_fn(cfg, session)`` in this process. With
-``launch.workers > 0`` and a workload that declares ``extra["distributed"] = "torch"``, this
-module runs the same function on every worker of a Ray Train ``TorchTrainer`` instead: the
-driver opens the run (folder, config snapshot, MLflow run) once, each worker gets a
-:class:`Session` with its rank (rank 0 logs and checkpoints, every rank restores), and
-``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs), so the workload
-reduces its gradients with plain ``torch.distributed`` calls and never imports Ray.
+``launch.workers > 0`` this module runs the same function on every worker of a Ray Train
+trainer instead: the driver opens the run (folder, config snapshot, MLflow run) once, each
+worker gets a :class:`Session` with its rank (rank 0 logs and checkpoints, every rank restores).
+
+- ``extra["distributed"] = "torch"``: a ``TorchTrainer``; Ray Train initialises
+  ``torch.distributed`` (gloo on CPU, NCCL with GPUs) and the workload all-reduces its gradients
+  with plain ``torch.distributed`` calls.
+- ``extra["runner"] = "jax"``: a ``JaxTrainer``, one JAX process per host, with
+  ``jax.distributed`` initialised, so ``jax.devices()`` lists every chip of every host and one
+  jitted SPMD program trains one model on all of them. On a TPU slice (``launch.use_tpu``) Ray
+  reserves the whole slice and initialises JAX itself; on CPU/GPU hosts the workers rendezvous
+  here.
+
+Either way the workload never imports Ray.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ def _train_worker(payload: dict) -> None:
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if payload["kind"] == "jax":
+        _init_jax_distributed(rank, world)
     cfg, session = worker_session(payload, rank, world)
     final = session.run.wl.train_fn(cfg, session) or {}
     if rank == 0:
@@ -44,27 +54,69 @@ def _train_worker(payload: dict) -> None:
         Path(payload["run_dir"], "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
 
 
+def _init_jax_distributed(rank: int, world: int) -> None:
+    """``JaxTrainer`` initialises ``jax.distributed`` only for TPU or GPU workers; CPU workers
+    (a CPU cluster, or tests) get the same here: rank 0 hosts the coordinator on a free port."""
+    import jax  # inside the worker: a TPU host's runtime is claimed by the first process that imports it
+
+    if world == 1 or jax.distributed.is_initialized():
+        return
+    import socket
+
+    from ray.train.collective import broadcast_from_rank_zero
+    from ray.util import get_node_ip_address
+
+    address = None
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            address = f"{get_node_ip_address()}:{s.getsockname()[1]}"
+    jax.distributed.initialize(broadcast_from_rank_zero(address), num_processes=world, process_id=rank)
+
+
+def distributed_kind(wl: registry.Workload) -> Optional[str]:
+    """'torch' or 'jax' when the workload's loop can run on several Ray Train workers, else None."""
+    return "jax" if wl.extra.get("runner") == "jax" else wl.extra.get("distributed")
+
+
 def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str] = None,
                     tags: Optional[dict] = None) -> RunResult:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
+    kind = distributed_kind(wl)
     run = open_run(wl, cfg, wl.extra.get("prepare"), parent_run_id, tags)
     launch = run.cfg.launch
     init_ray(launch.address)
-    payload = {"workload": wl.name, "config": run.cfg_dict, "name": run.name, "run_dir": str(run.run_dir),
+    payload = {"workload": wl.name, "kind": kind, "config": run.cfg_dict, "name": run.name, "run_dir": str(run.run_dir),
                "identity": run.identity, "tracking_uri": run.tracking_uri, "run_id": run.run_id}
     use_gpu = launch.gpus_per_worker > 0
     resources = {"CPU": launch.cpus_per_worker, **({"GPU": launch.gpus_per_worker} if use_gpu else {})}
-    trainer = TorchTrainer(
-        _train_worker,
-        train_loop_config=payload,
-        scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        # a restarted worker group resumes from the run's own checkpoints (Session.restore)
-        run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent),
-                             failure_config=FailureConfig(max_failures=launch.max_failures)),
-    )
+    # a restarted worker group resumes from the run's own checkpoints (Session.restore)
+    failure = FailureConfig(max_failures=launch.max_failures)
+    if kind == "jax":
+        from ray.train.v2.jax import JaxTrainer
+
+        env = {"JAX_PLATFORMS": launch.jax_platforms} if launch.jax_platforms else {}
+        trainer = JaxTrainer(
+            _train_worker,
+            train_loop_config=payload,
+            # on a TPU slice Ray derives each host's chips from topology + accelerator_type
+            scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, use_tpu=launch.use_tpu,
+                                         topology=launch.topology, accelerator_type=launch.accelerator_type,
+                                         resources_per_worker=None if launch.use_tpu else resources),
+            run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent), failure_config=failure,
+                                 worker_runtime_env={"env_vars": env}),
+        )
+    else:
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        trainer = TorchTrainer(
+            _train_worker,
+            train_loop_config=payload,
+            scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, resources_per_worker=resources),
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent), failure_config=failure),
+        )
     with run.tracked():
         trainer.fit()
     final = json.loads((run.run_dir / "final_metrics.json").read_text())

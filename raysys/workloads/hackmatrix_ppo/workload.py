@@ -182,6 +182,8 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         print(f"[hackmatrix_ppo] resumed at {env_steps} env steps ({updates} updates)", flush=True)
 
     def save() -> None:
+        if not session.is_main:  # only rank 0 writes; the host copy involves no collective
+            return
         host = _to_host((runner.params, runner.opt_state))
         session.checkpoint({"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
                             "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
@@ -230,11 +232,38 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
             save()
             last_ckpt = time.perf_counter()
+    if jax.process_count() > 1:
+        # before the final checkpoint: a worker group restarted after a mismatch must not resume
+        # from (and so inherit) rank 0's params, which would hide the divergence
+        _check_in_hosts(runner, session)
     save()
     final |= {"eval/quality": final.get("charts/episode_return", float("nan")), "charts/best_episode_return": best,
               "perf/train_seconds": t_train, "perf/env_steps": env_steps,
               "perf/env_steps_per_s_overall": (n_chunks * per_chunk) / t_train if t_train else 0.0}
     return final
+
+
+def _check_in_hosts(runner, session) -> None:
+    """All JAX processes must end with the same params (one model, trained together on disjoint
+    envs): each records what it held under hosts/ in the run folder, and a mismatch fails the run."""
+    import hashlib
+    import json
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    sha = lambda arrays: hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()  # noqa: E731
+    params = _to_host(runner.params)
+    local_keys = [np.asarray(s.data) for s in runner.env_keys.addressable_shards]
+    record = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+              "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+              "local_envs": int(sum(len(k) for k in local_keys)),
+              "params_sha256": sha(jax.tree.leaves(params)), "env_keys_sha256": sha(local_keys)}
+    folder = session.run_dir / "hosts"
+    folder.mkdir(exist_ok=True)
+    (folder / f"process{jax.process_index()}.json").write_text(json.dumps(record, indent=1))
+    multihost_utils.assert_equal(params, "JAX processes ended with different params")
 
 
 def _bench(quick: bool = False) -> dict:
