@@ -124,3 +124,29 @@ def test_four_device_sharding_matches_one_device():
     out = subprocess.run([sys.executable, "-c", FOUR_DEVICES], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "max diff 4 vs 1 device" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_python_loop_path_reaches_the_fused_params():
+    """The bench's slow path (Python loop, host round-trips) and the fused lax.scan path run the
+    same PPO: same keys, permutation and loss, so two updates give the same params."""
+    import dataclasses
+
+    from raysys.workloads.hackmatrix_ppo.bench import python_loop_update
+    from raysys.workloads.hackmatrix_ppo.workload import quick
+
+    cfg = quick()
+    cfg.train = dataclasses.replace(cfg.train, num_envs=16, num_steps=16, num_minibatches=2, update_epochs=2,
+                                    updates_per_chunk=2)
+    mesh = ppo.make_mesh(jax.devices()[:1])
+    fused, _ = ppo.make_train_chunk(cfg, mesh)(ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh))
+    slow = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
+    update = python_loop_update(cfg)
+    for _ in range(2):
+        slow, _ = update(slow)
+    start = jax.tree.leaves(ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh).params)
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(fused.params), start))
+    err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+              for a, b in zip(jax.tree.leaves(fused.params), jax.tree.leaves(slow.params)))
+    assert moved > 1e-4 and err < 1e-5, (moved, err)
+    assert int(fused.env_steps) == int(slow.env_steps) == 2 * 16 * 16

@@ -2,8 +2,9 @@
 
 * optimized: full PPO training (env steps + GAE + epochs of minibatch updates) as jitted
   ``lax.scan`` chunks, env-steps/s after compilation, at 256 x 128 and at 2048 x 128;
-* naive: the same PPO the seed's slow way, a Python loop that calls a jitted policy+env step
-  per time step and a jitted update per minibatch, with the host in between (256 x 128);
+* naive: the same PPO the seed's slow way (``python_loop_update``): a Python loop that calls a jitted
+  policy+env step per time step and a jitted update per minibatch, with the host in between (256 x 128);
+  same keys and loss, so it reaches the same params;
 * RLlib: RLlib's PPO on the same game through the gymnasium adapter (``rllib_compare.py``).
 """
 
@@ -51,8 +52,12 @@ def fused_throughput(num_envs: int, num_steps: int = 128, chunks: int = 3, updat
             "num_steps": num_steps, "mean_return": float(np.mean(returns)) if returns else None}
 
 
-def python_loop_throughput(num_envs: int = 256, num_steps: int = 128, updates: int = 1) -> dict:
-    """The slow way: per-step jitted calls from Python, then per-minibatch jitted updates."""
+def python_loop_update(cfg):
+    """-> ``update(runner) -> runner``: one PPO update the seed's slow way. A jitted policy+env
+    step is called from Python per time step and its transition copied to the host; GAE runs
+    once, then a jitted Adam step per minibatch. It uses the same PRNG streams, permutation, LR
+    schedule and loss (``ppo.ppo_loss``) as ``ppo.make_update``, so on one device both paths give
+    the same params (tests/test_hackmatrix_ppo.py): the speed-up costs no learning."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -60,67 +65,79 @@ def python_loop_throughput(num_envs: int = 256, num_steps: int = 128, updates: i
     from raysys.envs import hackmatrix as hm
     from raysys.workloads.hackmatrix_ppo import ppo
 
-    cfg = _cfg(num_envs, num_steps, 1)
-    key = jax.random.PRNGKey(0)
-    params = ppo.init_params(key)
+    tc = cfg.train
+    dtype = jnp.bfloat16 if tc.precision == "bf16" else jnp.float32
+    env_params = ppo.env_params_of(cfg)
     optimizer = ppo.make_optimizer(cfg)
-    opt_state = optimizer.init(params)
-    obs, env_state = jax.jit(jax.vmap(hm.reset, in_axes=(0, None)))(jax.random.split(key, num_envs), ppo.env_params_of(cfg))
-
-    @jax.jit
-    def act_step(params, env_state, obs, key):
-        k_act, k_env = jax.random.split(key)
-        logits, value = ppo.forward(params, obs.features, obs.action_mask)
-        action = jax.random.categorical(k_act, logits)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
-        next_obs, env_state, reward, done, info = jax.vmap(hm.step, in_axes=(0, 0, 0, None))(
-            jax.random.split(k_env, num_envs), env_state, action, ppo.env_params_of(cfg))
-        return next_obs, env_state, (obs.features, obs.action_mask, action, logp, value, reward, done, info["episode_return"])
-
-    @jax.jit
-    def minibatch_update(params, opt_state, obs, mask, action, logp_old, value_old, adv, targets):
-        def loss_fn(p):
-            logits, value = ppo.forward(p, obs, mask)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
-            ratio = jnp.exp(logp - logp_old)
-            a = (adv - adv.mean()) / (adv.std() + 1e-8)
-            pg = -jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a).mean()
-            return pg + 0.5 * ((value - targets) ** 2).mean()
-
-        grads = jax.grad(loss_fn)(params)
-        upd, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, upd), opt_state
-
     nmb, epochs = ppo.minibatch_plan(cfg)
-    rng = np.random.default_rng(0)
+    n = tc.num_envs * tc.num_steps
 
-    def one_update(params, opt_state, env_state, obs, key):
-        traj = []
-        for _ in range(num_steps):
-            key, k = jax.random.split(key)
-            obs, env_state, tr = act_step(params, env_state, obs, k)
-            traj.append(jax.device_get(tr))  # the host round-trip of the slow path
-        o, m, a, lp, v, r, d, ret = (np.stack([t[i] for t in traj]) for i in range(8))
-        _, last_v = ppo.forward(params, obs.features, obs.action_mask)
-        adv, targets = ppo.gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(d, jnp.float32), last_v, 0.99, 0.95)
-        flat = [x.reshape((-1,) + x.shape[2:]) for x in (o, m, a, lp, v, np.asarray(adv), np.asarray(targets))]
-        n = flat[0].shape[0]
-        for _ in range(epochs):
-            perm = rng.permutation(n)
-            for idx in np.array_split(perm, nmb):
-                params, opt_state = minibatch_update(params, opt_state, *(x[idx] for x in flat))
-        finished = d.astype(bool)
-        return params, opt_state, env_state, obs, key, (ret[finished].mean() if finished.any() else None)
+    @jax.jit
+    def act_step(params, env_state, obs, env_keys):
+        ks = jax.vmap(lambda k: jax.random.split(k, 3))(env_keys)
+        env_keys, k_act, k_env = ks[:, 0], ks[:, 1], ks[:, 2]
+        logits, value = ppo.forward(params, obs.features, obs.action_mask, dtype)
+        action = jax.vmap(jax.random.categorical)(k_act, logits)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
+        next_obs, env_state, reward, done, info = jax.vmap(hm.step, in_axes=(0, 0, 0, None))(k_env, env_state, action, env_params)
+        return next_obs, env_state, env_keys, ppo.Transition(obs.features, obs.action_mask, action, logp, value, reward,
+                                                             done.astype(jnp.float32), info["episode_return"], info["episode_length"])
 
-    params, opt_state, env_state, obs, key, _ = one_update(params, opt_state, env_state, obs, key)  # compile
+    @jax.jit
+    def advantages(params, obs, traj):
+        _, last_value = ppo.forward(params, obs.features, obs.action_mask, dtype)
+        return ppo.gae(traj.reward, traj.value, traj.done, last_value, cfg.ppo.gamma, cfg.ppo.gae_lambda)
+
+    @jax.jit
+    def minibatch_update(params, opt_state, mb, adv, targets):
+        mean = adv.mean()
+        adv = (adv - mean) / (jnp.sqrt(((adv - mean) ** 2).mean()) + 1e-8)
+        grads, _ = jax.grad(ppo.ppo_loss, has_aux=True)(params, mb, adv, targets, cfg, dtype)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def update(runner):
+        params, opt_state, env_state, obs, env_keys = runner.params, runner.opt_state, runner.env_state, runner.obs, runner.env_keys
+        frac = 1.0 - float(runner.env_steps) / tc.total_timesteps
+        opt_state[1].hyperparams["learning_rate"] = jnp.float32(
+            cfg.optim.lr * min(max(frac, 0.0), 1.0) if cfg.optim.anneal_lr else cfg.optim.lr)
+        steps = []
+        for _ in range(tc.num_steps):
+            obs, env_state, env_keys, t = act_step(params, env_state, obs, env_keys)
+            steps.append(jax.device_get(t))  # the slow path's host round-trip, every step
+        traj = jax.tree.map(lambda *xs: np.stack(xs), *steps)
+        adv, targets = jax.device_get(advantages(params, obs, traj))
+        key, k_epochs = jax.random.split(runner.key)
+        for k in jax.random.split(k_epochs, epochs):
+            perm = np.asarray(jax.random.permutation(k, n))
+            flat = jax.tree.map(lambda x: np.asarray(x).reshape((n,) + x.shape[2:])[perm], (traj, adv, targets))
+            for i in range(nmb):
+                mb = jax.tree.map(lambda x: x[i * n // nmb:(i + 1) * n // nmb], flat)
+                params, opt_state = minibatch_update(params, opt_state, *mb)
+        return ppo.Runner(params, opt_state, env_state, obs, env_keys, key, runner.env_steps + n), traj
+
+    return update
+
+
+def python_loop_throughput(num_envs: int = 256, num_steps: int = 128, updates: int = 1) -> dict:
+    """env-steps/s of the slow path (``python_loop_update``), compile excluded."""
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    cfg = _cfg(num_envs, num_steps, 1)
+    update = python_loop_update(cfg)
+    runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), ppo.make_mesh(jax.devices()[:1]))
+    runner, _ = update(runner)  # compile
     t = time.perf_counter()
     rets = []
     for _ in range(updates):
-        params, opt_state, env_state, obs, key, ret = one_update(params, opt_state, env_state, obs, key)
-        rets.append(ret)
-    jax.block_until_ready(params)
+        runner, traj = update(runner)
+        finished = traj.done.astype(bool)
+        if finished.any():
+            rets.append(float(traj.ep_return[finished].mean()))
+    jax.block_until_ready(runner.params)
     dt = time.perf_counter() - t
-    rets = [r for r in rets if r is not None]
     return {"env_steps_per_s": updates * num_envs * num_steps / dt, "num_envs": num_envs, "num_steps": num_steps,
             "mean_return": float(np.mean(rets)) if rets else None}
 

@@ -18,6 +18,7 @@ next one).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -164,6 +165,27 @@ def minibatch_plan(cfg) -> tuple[int, int]:
     return nmb, epochs
 
 
+def ppo_loss(params, mb: Transition, adv, targets, cfg, dtype=jnp.float32):
+    """Clipped policy loss + clipped value loss - entropy bonus on one minibatch (advantages
+    already normalised). -> (total, aux metrics). The fused update and the bench's Python loop
+    both use it, so the two paths optimise the same objective."""
+    pc = cfg.ppo
+    logits, value = forward(params, mb.obs, mb.mask, dtype)
+    logp_all = jax.nn.log_softmax(logits)
+    logp = jnp.take_along_axis(logp_all, mb.action[:, None], axis=-1)[:, 0]
+    # value loss clipped around the rollout's estimate, as in PureJaxRL/CleanRL
+    v_clip = mb.value + jnp.clip(value - mb.value, -pc.clip_eps, pc.clip_eps)
+    v_loss = 0.5 * jnp.maximum((value - targets) ** 2, (v_clip - targets) ** 2).mean()
+    ratio = jnp.exp(logp - mb.logp)
+    pg_loss = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - pc.clip_eps, 1 + pc.clip_eps) * adv).mean()
+    probs = jnp.exp(logp_all)
+    entropy = -jnp.sum(jnp.where(mb.mask, probs * logp_all, 0.0), axis=-1).mean()
+    total = pg_loss + pc.vf_coef * v_loss - pc.ent_coef * entropy
+    approx_kl = ((ratio - 1.0) - (logp - mb.logp)).mean()
+    clipfrac = (jnp.abs(ratio - 1.0) > pc.clip_eps).mean()
+    return total, dict(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
+
+
 def make_update(cfg, n_devices: int):
     """One PPO update on this device's envs (called inside shard_map over AXIS)."""
     tc, pc = cfg.train, cfg.ppo
@@ -187,21 +209,7 @@ def make_update(cfg, n_devices: int):
                        info["episode_return"], info["episode_length"])
         return (params, env_state, next_obs, env_keys), t
 
-    def loss_fn(params, mb, adv, targets):
-        logits, value = forward(params, mb.obs, mb.mask, dtype)
-        logp_all = jax.nn.log_softmax(logits)
-        logp = jnp.take_along_axis(logp_all, mb.action[:, None], axis=-1)[:, 0]
-        # value loss clipped around the rollout's estimate, as in PureJaxRL/CleanRL
-        v_clip = mb.value + jnp.clip(value - mb.value, -pc.clip_eps, pc.clip_eps)
-        v_loss = 0.5 * jnp.maximum((value - targets) ** 2, (v_clip - targets) ** 2).mean()
-        ratio = jnp.exp(logp - mb.logp)
-        pg_loss = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - pc.clip_eps, 1 + pc.clip_eps) * adv).mean()
-        probs = jnp.exp(logp_all)
-        entropy = -jnp.sum(jnp.where(mb.mask, probs * logp_all, 0.0), axis=-1).mean()
-        total = pg_loss + pc.vf_coef * v_loss - pc.ent_coef * entropy
-        approx_kl = ((ratio - 1.0) - (logp - mb.logp)).mean()
-        clipfrac = (jnp.abs(ratio - 1.0) > pc.clip_eps).mean()
-        return total, dict(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
+    loss_fn = partial(ppo_loss, cfg=cfg, dtype=dtype)
 
     def sgd_step(carry, mb_data):
         params, opt_state = carry
