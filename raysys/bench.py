@@ -28,12 +28,15 @@ def device_name() -> str:
 def format_table(res: dict) -> str:
     unit = res.get("throughput_unit", "samples/s")
     qname = res.get("quality_metric", "quality")
+    head_t = f"throughput ({unit})"
+    w_t, w_q = len(head_t) + 2, max(len(qname), 10) + 2  # columns as wide as their headers
     lines = [f"workload {res['workload']} | device {res['device']}",
-             f"{'path':<11}{'throughput (' + unit + ')':>30}{qname:>16}"]
+             f"{'path':<11}{head_t:>{w_t}}{qname:>{w_q}}"]
     for path in ("naive", "optimized"):
         r = res[path]
         q = r.get("quality")
-        lines.append(f"{path:<11}{r['throughput']:>30.1f}{(f'{q:.4f}' if isinstance(q, (int, float)) else str(q)):>16}")
+        q_text = f"{q:.4f}" if isinstance(q, (int, float)) else str(q)
+        lines.append(f"{path:<11}{r['throughput']:>{w_t}.1f}{q_text:>{w_q}}")
     lines.append(f"speedup    {res['speedup']:.2f}x")
     for k, v in res.get("extra", {}).items():
         lines.append(f"{k}: {v}")
