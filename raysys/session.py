@@ -27,6 +27,7 @@ class Session:
         self._report = report  # e.g. ray.tune.report inside a Tune trial
         self._t0 = time.monotonic()
         self.last_metrics: dict[str, float] = {}
+        self.last_step = 0
         self.rank, self.world_size = rank, world_size
 
     @property
@@ -36,6 +37,7 @@ class Session:
     def log(self, metrics: Mapping[str, float], step: int, progress: Optional[str] = None) -> None:
         """Record step metrics (MLflow, and Tune when inside a sweep); print a progress line."""
         self.last_metrics.update(metrics)
+        self.last_step = step
         if not self.is_main:
             return
         self.run.logger.log_metrics(metrics, step)
@@ -43,6 +45,16 @@ class Session:
             print(f"[{self.run.wl.name}] {progress} | elapsed {time.monotonic() - self._t0:.0f}s", flush=True)
         if self._report is not None:
             self._report({**metrics, "step": step})
+
+    def finish(self, final: Mapping[str, Any]) -> dict:
+        """The run's final metrics: the last logged ones updated by what ``train_fn`` returned.
+        Returned values that were never logged (e.g. ``eval/quality``) go to MLflow at the last
+        step, so the run's summary is in the UI and not only in ``final_metrics.json``."""
+        new = {k: float(v) for k, v in final.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and self.last_metrics.get(k) != v}
+        if new and self.is_main:
+            self.run.logger.log_metrics(new, self.last_step)
+        return {**self.last_metrics, **final}
 
     def checkpoint(self, state: dict, step: int) -> None:
         if self.is_main:
@@ -78,7 +90,6 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
         init_ray(run.cfg.launch.address)
     session = Session(run, report=report)
     with run.tracked():
-        final = wl.train_fn(run.cfg, session) or {}
-    final = {**session.last_metrics, **final}
+        final = session.finish(wl.train_fn(run.cfg, session) or {})
     (run.run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)

@@ -196,3 +196,26 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     assert len(children) == 3 and parent.info.status == "FINISHED"
     assert all(c.data.tags["raysys.trial_status"] == "ok" for c in children)
     assert len([p for p in sweep_dir.iterdir() if (p / "result.json").exists()]) == 3
+
+
+def test_sweep_of_a_train_fn_workload(workdir):
+    """hackmatrix_ppo runs its own JAX loop (Workload.train_fn), not the shared PyTorch loop: its
+    trials go through the Session path, report per chunk and land as MLflow child runs too."""
+    space = REPO / "tune_spaces" / "hackmatrix_ppo.yaml"
+    proc = _sweep(workdir, "--space", str(space), "--num-samples", "2", "--preset", "quick", "--name", "jax",
+                  "--set", "train.total_timesteps=10240", "--set", "train.num_envs=32", "--set", "train.num_steps=32",
+                  "--set", "train.compilation_cache_dir=")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| trial | status | perf/env_steps_per_s | eval/quality |" in proc.stdout
+    assert "python -m raysys train hackmatrix_ppo --preset quick " in proc.stdout
+    client = _client(f"sqlite:///{workdir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-hackmatrix_ppo")
+    runs = client.search_runs([exp.experiment_id], max_results=10)
+    (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 2
+    for child in children:
+        assert child.data.tags["raysys.trial_status"] == "ok"
+        assert {"train.precision", "optim.lr"} <= set(child.data.params)
+        assert child.data.metrics["perf/env_steps_per_s"] > 0 and child.data.metrics["eval/quality"] < 0
+        assert len(client.get_metric_history(child.info.run_id, "charts/episode_return")) == 2  # one per chunk

@@ -48,9 +48,9 @@ def _train_worker(payload: dict) -> None:
     if payload["kind"] == "jax":
         _init_jax_distributed(rank, world)
     cfg, session = worker_session(payload, rank, world)
-    final = session.run.wl.train_fn(cfg, session) or {}
+    final = session.finish(session.run.wl.train_fn(cfg, session) or {})
     if rank == 0:
-        final = {**session.last_metrics, **final, "world_size": world}
+        final = {**final, "world_size": world}
         Path(payload["run_dir"], "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
 
 
