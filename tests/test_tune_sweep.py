@@ -37,9 +37,9 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def _runs(uri: str):
+def _runs(uri: str, workload: str = "deep_gpcm"):
     client = _client(uri)
-    exp = client.get_experiment_by_name("raysys-deep_gpcm")
+    exp = client.get_experiment_by_name(f"raysys-{workload}")
     runs = client.search_runs([exp.experiment_id], max_results=100)
     (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
@@ -208,11 +208,7 @@ def test_sweep_of_a_train_fn_workload(workdir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| trial | status | perf/env_steps_per_s | eval/quality |" in proc.stdout
     assert "python -m raysys train hackmatrix_ppo --preset quick " in proc.stdout
-    client = _client(f"sqlite:///{workdir / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("raysys-hackmatrix_ppo")
-    runs = client.search_runs([exp.experiment_id], max_results=10)
-    (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    client, _, _, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}", "hackmatrix_ppo")
     assert len(children) == 2
     for child in children:
         assert child.data.tags["raysys.trial_status"] == "ok"
