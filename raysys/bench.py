@@ -32,12 +32,13 @@ def format_table(res: dict) -> str:
     w_t, w_q = len(head_t) + 2, max(len(qname), 10) + 2  # columns as wide as their headers
     lines = [f"workload {res['workload']} | device {res['device']}",
              f"{'path':<11}{head_t:>{w_t}}{qname:>{w_q}}"]
-    for path in ("naive", "optimized"):
+    for path in res.get("paths", ("naive", "optimized")):
         r = res[path]
         q = r.get("quality")
         q_text = f"{q:.4f}" if isinstance(q, (int, float)) else str(q)
         lines.append(f"{path:<11}{r['throughput']:>{w_t}.1f}{q_text:>{w_q}}")
-    lines.append(f"speedup    {res['speedup']:.2f}x")
+    if "speedup" in res:
+        lines.append(f"speedup    {res['speedup']:.2f}x")
     for k, v in res.get("extra", {}).items():
         lines.append(f"{k}: {v}")
     return "\n".join(lines)
@@ -46,18 +47,30 @@ def format_table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m raysys.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", help="workload name (see `python -m raysys list`)")
+    p.add_argument("workload", help="a built-in or installed workload, or your own as module:attr (see "
+                                    "`python -m raysys list`)")
     p.add_argument("--quick", action="store_true", help="fewer repeats and a short quality run (a minute or two)")
+    p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "
+                                    "(default: quick with --quick where it exists, else default)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
+    from raysys import console
+
+    console.setup_logging()
     try:
         wl = registry.get(args.workload)
+        if wl.bench is not None:
+            res = wl.bench(quick=args.quick)
+        else:
+            from raysys.bench_generic import generic_bench
+
+            res = generic_bench(wl, quick=args.quick, preset=args.preset)
     except ConfigError as e:
         print(f"raysys.bench: {e}", file=sys.stderr)
         return 2
-    res = wl.bench(quick=args.quick)
     res.setdefault("workload", wl.name)
-    res.setdefault("device", device_name())
+    if not res.get("device"):
+        res["device"] = device_name()
     print(format_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=float))

@@ -7,12 +7,13 @@ a job, $RAY_ADDRESS points at the cluster and the run joins it instead of starti
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from typing import Any, Optional
 
 import yaml
 
+from raysys import console
 from raysys import workload as registry
 from raysys.config import ConfigError, apply_overrides, load_yaml, parse_set_args, to_dict
 
@@ -29,8 +30,12 @@ EPILOG = """examples:
 """
 
 
+WORKLOAD_HELP = ("a built-in or installed workload (see `python -m raysys list`), or your own as module:attr, "
+                 "e.g. my_pkg.lm:WORKLOAD, importable from the working directory (docs/your-workload.md)")
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="workload name (see `python -m raysys list`)")
+    p.add_argument("workload", help=WORKLOAD_HELP)
     p.add_argument("--preset", default="default", help="named config preset of the workload (default: %(default)s)")
     p.add_argument("--config", metavar="YAML", help="YAML file of config keys, nested or dotted, applied after the preset")
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
@@ -42,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         "raysys: run training workloads on Ray with their slow (naive) and fast (optimized) paths, "
         "tracked in MLflow. Every knob is a config key: see `show`."),
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show Ray's and Ray Train's own logs (worker output, per-report lines); by default "
+                             "they stay in Ray's log files and the console shows one progress display")
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a workload", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -65,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print a workload's resolved config as YAML (or every key with its meaning)")
     _config_args(s)
     s.add_argument("--keys", action="store_true", help="list every config key with its value and what it does")
-    sub.add_parser("list", help="list the workloads and their presets")
+    sub.add_parser("list", help="list the workloads (built-in and installed plug-ins) and their presets")
     return parser
 
 
@@ -92,13 +100,22 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        os.environ[console.VERBOSE_ENV] = "1"  # child processes and Ray workers started from here inherit it
+    console.setup_logging()
     try:
         if args.command == "list":
+            plugins = set(registry.plugins())
             for name in registry.available():
-                wl = registry.get(name)
-                print(f"{name:16s} {wl.description}\n{'':16s} presets: {', '.join(wl.presets)}")
+                try:
+                    wl = registry.get(name)
+                except ConfigError as e:  # a broken plug-in does not hide the others
+                    print(f"{name:16s} (plug-in failed to load: {e})")
+                    continue
+                kind = "plug-in" if name in plugins else "built-in"
+                print(f"{name:16s} {wl.description} [{kind}]\n{'':16s} presets: {', '.join(wl.presets)}")
+            print("\nYour own: python -m raysys train my_module:WORKLOAD (docs/your-workload.md)")
             return 0
         wl, cfg = build_config(args)
         if args.command == "show" and args.keys:
@@ -117,13 +134,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         elif wl.task is not None:
             from raysys.train.launcher import run_training
 
-            result = run_training(wl.name, cfg)
+            result = run_training(registry.ref(wl), cfg)
         else:
             from raysys.session import run_custom
 
             result = run_custom(wl, cfg)
-        quality = result.metrics.get("eval/quality")
-        print(f"[raysys] done: run '{result.name}' quality={quality} | {result.run_dir}")
+        print(_summary(wl, result))
         return 0
     except ConfigError as e:
         print(f"raysys: config error: {e}", file=sys.stderr)
@@ -136,6 +152,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)
             return 2
         raise
+
+
+def _summary(wl: registry.Workload, result: Any) -> str:
+    """The one summary at the end: quality, speed, where the run lives."""
+    m = result.metrics
+
+    def fmt(key: str) -> str:
+        v = m.get(key)
+        return f"{v:.4g}" if isinstance(v, (int, float)) else "n/a"
+
+    return (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
+            f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {result.run_dir}")
 
 
 def _root_cause(e: BaseException) -> BaseException:

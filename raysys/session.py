@@ -12,7 +12,8 @@ import time
 from typing import Any, Mapping, Optional
 
 from raysys.checkpoint import CheckpointStore
-from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run
+from raysys.console import Sink
+from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run, set_threads
 
 
 class Session:
@@ -20,7 +21,8 @@ class Session:
     :mod:`raysys.train.custom` runs the loop on several). Only rank 0 logs and writes checkpoints;
     every rank restores the same checkpoint."""
 
-    def __init__(self, run: OpenRun, keep_checkpoints: int = 2, report=None, rank: int = 0, world_size: int = 1):
+    def __init__(self, run: OpenRun, keep_checkpoints: int = 2, report=None, rank: int = 0, world_size: int = 1,
+                 sink: Optional[Sink] = None):
         self.run = run
         self.run_dir = run.run_dir
         self.store: CheckpointStore = run.store(keep_checkpoints)
@@ -29,20 +31,24 @@ class Session:
         self.last_metrics: dict[str, float] = {}
         self.last_step = 0
         self.rank, self.world_size = rank, world_size
+        self.sink = sink or Sink()  # the driver's console, wherever this process runs
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def log(self, metrics: Mapping[str, float], step: int, progress: Optional[str] = None) -> None:
-        """Record step metrics (MLflow, and Tune when inside a sweep); print a progress line."""
+    def log(self, metrics: Mapping[str, float], step: int, progress: Optional[str] = None,
+            bar: Optional[tuple[float, float]] = None, unit: str = "step") -> None:
+        """Record step metrics (MLflow, and Tune when inside a sweep) and update the progress display:
+        ``progress`` is its text, ``bar`` = (done, total) in ``unit`` (default: ``step`` of unknown total)."""
         self.last_metrics.update(metrics)
         self.last_step = step
         if not self.is_main:
             return
         self.run.logger.log_metrics(metrics, step)
-        if progress:
-            print(f"[{self.run.wl.name}] {progress} | elapsed {time.monotonic() - self._t0:.0f}s", flush=True)
+        if progress is not None:
+            done, total = bar if bar is not None else (step, None)
+            self.sink.progress(self.run.wl.name, done, total, progress, unit)
         if self._report is not None:
             self._report({**metrics, "step": step})
 
@@ -55,6 +61,11 @@ class Session:
         if new and self.is_main:
             self.run.logger.log_metrics(new, self.last_step)
         return {**self.last_metrics, **final}
+
+    def message(self, text: str) -> None:
+        """A line for the user's console (rank 0 only): resumes, compile times, notable events."""
+        if self.is_main:
+            self.sink.message(f"[{self.run.wl.name}] {text}")
 
     def checkpoint(self, state: dict, step: int) -> None:
         if self.is_main:
@@ -88,8 +99,11 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     run = open_run(wl, cfg, prepare, parent_run_id, tags)
     if wl.extra.get("needs_ray", False):
         init_ray(run.cfg.launch.address)
+    set_threads(run.cfg.launch)
     session = Session(run, report=report)
     with run.tracked():
         final = session.finish(wl.train_fn(run.cfg, session) or {})
+
     (run.run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)
+

@@ -1,4 +1,4 @@
-"""The small interface every workload implements, and the registry that finds them by name.
+"""The small interface every workload implements, and how raysys finds one by name.
 
 A workload is a config class, presets, and one of two ways to train:
 
@@ -8,24 +8,44 @@ A workload is a config class, presets, and one of two ways to train:
 * ``train_fn``: a workload with its own loop (RL learners, JAX). It receives the config and a
   :class:`raysys.session.Session` that gives it tracking, checkpoints and metrics.
 
-Either way it also supplies ``bench``: naive vs optimized measured in one process.
+``bench`` is optional: without one, ``python -m raysys.bench`` times the training step of a
+``TorchTask`` itself (both paths where the workload names its ``path_key``).
 Workload modules never import Ray; the shared layer does that for them.
+
+Where a workload comes from (:func:`get`), in this order:
+
+1. a built-in name (``deep_gpcm``, ...);
+2. an installed plug-in: an entry point in the ``raysys.workloads`` group whose name is the
+   workload name and whose value is the ``Workload`` object (``my_pkg.lm:WORKLOAD``);
+3. a ``module:attr`` spec (``my_pkg.lm:WORKLOAD``) importable from the working directory.
+
+Every process of a run (the driver, each Ray Train worker, each Tune trial, a ``ray job``) finds the
+workload again with :func:`ref`, the string that names it; a plug-in loaded from a local file is
+carried to the cluster's workers with :func:`runtime_env`.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import sys
 from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
 
 import torch
+
+ENTRY_POINT_GROUP = "raysys.workloads"
 
 
 class TorchTask(Protocol):
     """What a supervised PyTorch workload provides to the shared Ray Train loop."""
 
     quality_metric: str
-    """Name of the evaluation metric that measures quality (higher is better), e.g. 'qwk'."""
+    """Name of the evaluation metric (a key of ``evaluate``'s dict) that measures quality, higher is
+    better, e.g. 'qwk'. Named once: the workload's ``eval/<name>`` and sweeps' objective follow."""
     token_name: str
     """What a 'token' is for tokens/s (e.g. 'responses', 'tokens'); samples/s is always reported."""
 
@@ -50,20 +70,46 @@ class TorchTask(Protocol):
         """Quality metrics over already-on-device eval batches."""
 
 
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
+    """Short name: MLflow experiment ``raysys-<name>``, default run names ``<name>-<time>``."""
     description: str
+    """One line for ``python -m raysys list``."""
     config_cls: type
+    """The root config dataclass; it must have a ``launch`` section (``raysys.train.config.LaunchConfig``)."""
     presets: Mapping[str, Callable[[], Any]]
     """Named config constructors; 'default' must exist. Presets derive from each other in code."""
-    bench: Callable[..., dict]
-    """bench(quick: bool) -> {'device', 'naive': {...}, 'optimized': {...}, 'speedup', ...}."""
+    bench: Optional[Callable[..., dict]] = None
+    """bench(quick: bool) -> {'device', 'naive': {...}, 'optimized': {...}, 'speedup', ...}. Optional:
+    without it ``python -m raysys.bench`` times the task's training step (raysys.bench.generic_bench)."""
     task: Optional[TorchTask] = None
     train_fn: Optional[Callable[[Any, Any], dict]] = None
     throughput_metric: str = "perf/samples_per_s"
-    quality_metric: str = "eval/quality"
+    """What sweeps maximise as speed."""
+    quality_metric: Optional[str] = None
+    """What sweeps maximise as quality. Default: ``eval/<task.quality_metric>`` for a task, else
+    ``eval/quality`` (which a ``train_fn`` returns)."""
+    path_key: Optional[str] = None
+    """Dotted config key choosing the slow ('naive') or fast ('optimized') path, where the workload has
+    both (e.g. 'model.path'); the generic bench then measures both and their ratio."""
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        from raysys.config import ConfigError
+
+        if not _NAME.match(str(self.name)):
+            raise ConfigError(f"workload name {self.name!r}: use letters, digits, '_', '-', '.' (at most 64)")
+        if (self.task is None) == (self.train_fn is None):
+            raise ConfigError(f"workload {self.name}: give exactly one of task= (a TorchTask) or train_fn=")
+        if "default" not in self.presets:
+            raise ConfigError(f"workload {self.name}: presets must include 'default'")
+        if self.quality_metric is None:
+            q = getattr(self.task, "quality_metric", None) if self.task is not None else None
+            object.__setattr__(self, "quality_metric", f"eval/{q}" if q else "eval/quality")
 
     def config(self, preset: str = "default") -> Any:
         if preset not in self.presets:
@@ -73,7 +119,6 @@ class Workload:
         return self.presets[preset]()
 
 
-_REGISTRY: dict[str, Workload] = {}
 # Built-in workloads: imported lazily so `python -m raysys --help` stays fast.
 BUILTIN = {
     "deep_gpcm": "raysys.workloads.deep_gpcm.workload",
@@ -81,19 +126,36 @@ BUILTIN = {
     "hackmatrix_ppo": "raysys.workloads.hackmatrix_ppo.workload",
 }
 
+_LOADED: dict[str, Workload] = {}   # ref -> workload
+_REFS: dict[int, str] = {}          # id(workload) -> the ref it was found by
+_LOCAL_ROOTS: set[str] = set()      # files/folders of plug-ins imported from outside installed packages
 
-def register(workload: Workload) -> Workload:
-    _REGISTRY[workload.name] = workload
+
+def register(workload: Workload, ref_: Optional[str] = None) -> Workload:
+    """Make ``workload`` findable in this process as ``ref_`` (default: its name)."""
+    key = ref_ or workload.name
+    _LOADED[key] = workload
+    _REFS.setdefault(id(workload), key)
     return workload
 
 
+def ref(wl: Workload) -> str:
+    """The string that finds ``wl`` again in any process of the run (payloads, trials, jobs)."""
+    return _REFS.get(id(wl), wl.name)
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def plugins() -> list[str]:
+    """Names of the installed plug-ins (entry points of the ``raysys.workloads`` group)."""
+    return sorted(n for n in _entry_points() if n not in BUILTIN)
+
+
 def available() -> list[str]:
-    """Names of the built-in workloads whose module is importable, plus any registered ones."""
-    names = set(_REGISTRY)
-    for name, module in BUILTIN.items():
-        if _has_workload(module):
-            names.add(name)
-    return sorted(names)
+    """Built-in workloads whose module is importable, then installed plug-ins."""
+    return [n for n in BUILTIN if _has_workload(BUILTIN[n])] + plugins()
 
 
 def _has_workload(module: str) -> bool:
@@ -103,16 +165,84 @@ def _has_workload(module: str) -> bool:
         return False
 
 
-def get(name: str) -> Workload:
-    if name not in _REGISTRY and name in BUILTIN:
-        try:
-            mod = importlib.import_module(BUILTIN[name])
-        except ModuleNotFoundError:
-            mod = None
-        if mod is not None and hasattr(mod, "WORKLOAD"):
-            register(mod.WORKLOAD)
-    if name not in _REGISTRY:
-        from raysys.config import ConfigError
+def _as_workload(obj: Any, where: str) -> Workload:
+    from raysys.config import ConfigError
 
-        raise ConfigError(f"unknown workload '{name}'; available: {', '.join(available()) or '(none)'}")
-    return _REGISTRY[name]
+    if not isinstance(obj, Workload):
+        raise ConfigError(f"{where} is a {type(obj).__name__}, not a raysys.workload.Workload")
+    return obj
+
+
+def _import(module: str, spec: str):
+    from raysys.config import ConfigError
+
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)  # `module:attr` names code in the working directory, as `python -m` does
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            raise ConfigError(f"workload '{spec}': no module named '{e.name}' (looked in {cwd} and the installed "
+                              "packages)") from None
+        raise ConfigError(f"workload '{spec}': importing {module} failed: {e}") from None
+    except ImportError as e:
+        raise ConfigError(f"workload '{spec}': importing {module} failed: {e}") from None
+    return mod
+
+
+def _note_local(mod) -> None:
+    """Remember the top-level file/folder of a plug-in that is not an installed package, to carry it."""
+    path = getattr(mod, "__file__", None)
+    if not path:
+        return
+    top = sys.modules.get(mod.__name__.split(".")[0])
+    top_path = Path(getattr(top, "__file__", path) or path).resolve()
+    root = top_path.parent if top_path.name == "__init__.py" else top_path
+    if not any(part in ("site-packages", "dist-packages") for part in root.parts):
+        _LOCAL_ROOTS.add(str(root))
+
+
+def get(name: str) -> Workload:
+    """The workload called ``name``: a built-in, an installed plug-in, or a ``module:attr`` spec."""
+    from raysys.config import ConfigError
+
+    if name in _LOADED:
+        return _LOADED[name]
+    if name in BUILTIN:
+        mod = importlib.import_module(BUILTIN[name])
+        return register(mod.WORKLOAD, name)
+    eps = _entry_points()
+    if name in eps:
+        try:
+            obj = eps[name].load()
+        except Exception as e:  # a broken plug-in: name it, with its cause
+            raise ConfigError(f"workload '{name}': loading entry point {eps[name].value} failed: "
+                              f"{type(e).__name__}: {e}") from None
+        return register(_as_workload(obj, f"entry point {name} = {eps[name].value}"), name)
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        if not module or not attr:
+            raise ConfigError(f"workload '{name}': a plug-in spec is module:attr, e.g. my_pkg.lm:WORKLOAD")
+        mod = _import(module, name)
+        obj = mod
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise ConfigError(f"workload '{name}': module {module} has no attribute '{attr}'")
+            obj = getattr(obj, part)
+        wl = _as_workload(obj, f"'{name}'")
+        _note_local(mod)
+        register(wl, name)
+        return wl
+    raise ConfigError(f"unknown workload '{name}'; available: {', '.join(available()) or '(none)'}; "
+                      "or name your own as module:attr (docs/your-workload.md)")
+
+
+def runtime_env() -> Optional[dict]:
+    """A Ray runtime_env that carries the plug-ins imported from local files to every node, or None.
+
+    Inside a ``ray job`` the job's own working_dir already carries them (and a second py_modules
+    would conflict with the job's runtime_env), so nothing is added there."""
+    if not _LOCAL_ROOTS or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return None
+    return {"py_modules": sorted(_LOCAL_ROOTS)}

@@ -14,14 +14,18 @@ Precision = Literal["fp32", "fp16", "bf16"]
 class OptimConfig:
     """Optimizer, learning-rate schedule and gradient clipping."""
 
-    name: Literal["adam", "adamw"] = "adam"
-    """Adam (the originals) or AdamW (decoupled weight decay)."""
+    name: Literal["adam", "adamw", "sgd"] = "adam"
+    """Adam (the originals), AdamW (decoupled weight decay) or SGD (with ``momentum``/``nesterov``)."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0
     """L2 (adam) or decoupled (adamw) weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
+    """Adam/AdamW betas."""
+    momentum: float = 0.0
+    """SGD momentum (0 = plain SGD)."""
+    nesterov: bool = False
+    """SGD with Nesterov momentum (needs momentum > 0)."""
     schedule: Literal["constant", "cosine", "cosine_warm_restarts", "linear"] = "constant"
     """LR schedule after warmup: constant, cosine decay to lr*min_lr_ratio, cosine with warm restarts
     (SGDR; period ``restart_period`` optimizer steps, doubling by ``restart_mult``), or linear decay."""
@@ -37,8 +41,14 @@ class OptimConfig:
     """Clip the global gradient norm to this value (None disables clipping)."""
 
     def validate(self) -> None:
-        if self.lr <= 0:
+        if not self.lr > 0:  # also refuses nan
             raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ConfigError("optim.nesterov needs optim.name=sgd and optim.momentum > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two values in [0, 1), got {list(self.betas)}")
         if self.warmup_steps < 0 or self.restart_period < 1 or self.restart_mult < 1:
             raise ConfigError("optim.warmup_steps >= 0, optim.restart_period >= 1 and optim.restart_mult >= 1 are required")
 
@@ -128,11 +138,17 @@ class LaunchConfig:
     resume: bool = False
     """Continue the run called ``name`` (or the newest run of this workload) from its last checkpoint."""
     max_failures: int = 2
-    """Worker-group restarts (from the last checkpoint) before the run fails."""
+    """Worker-group restarts (from the last checkpoint) before the run fails. Errors a restart cannot fix
+    (config, unknown workload, bad data) fail at once."""
+    threads: Optional[int] = None
+    """torch intra-op threads per training process. None: one per physical core (half the usable logical
+    CPUs) for an in-process run (workers=0); Ray's default (cpus_per_worker) on Ray Train workers."""
 
     def validate(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"launch.workers must be >= 0, got {self.workers}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"launch.threads must be >= 1, got {self.threads}")
         if self.gpus_per_worker < 0 or self.max_failures < 0:
             raise ConfigError("launch.gpus_per_worker and launch.max_failures must be >= 0")
 

@@ -23,11 +23,12 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from raysys import tracking
+from raysys import console, tracking
 from raysys import workload as registry
 from raysys.config import from_dict
 from raysys.session import Session
-from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run
+from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, set_threads,
+                                   train_logging)
 
 
 def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Session]:
@@ -37,7 +38,8 @@ def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Sess
     logger = tracking.MLflowLogger(payload["tracking_uri"], payload["run_id"]) if rank == 0 else tracking.NullLogger()
     run = OpenRun(wl, cfg, payload["config"], payload["name"], Path(payload["run_dir"]), payload["identity"],
                   payload["tracking_uri"], payload["run_id"], logger)
-    return cfg, Session(run, rank=rank, world_size=world_size)
+    set_threads(cfg.launch)
+    return cfg, Session(run, rank=rank, world_size=world_size, sink=console.Sink(payload.get("console")))
 
 
 def _train_worker(payload: dict) -> None:
@@ -81,23 +83,35 @@ def distributed_kind(wl: registry.Workload) -> Optional[str]:
 
 def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str] = None,
                     tags: Optional[dict] = None) -> RunResult:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig
 
     kind = distributed_kind(wl)
     run = open_run(wl, cfg, wl.extra.get("prepare"), parent_run_id, tags)
     launch = run.cfg.launch
     init_ray(launch.address)
-    payload = {"workload": wl.name, "kind": kind, "config": run.cfg_dict, "name": run.name, "run_dir": str(run.run_dir),
-               "identity": run.identity, "tracking_uri": run.tracking_uri, "run_id": run.run_id}
     use_gpu = launch.gpus_per_worker > 0
     resources = {"CPU": launch.cpus_per_worker, **({"GPU": launch.gpus_per_worker} if use_gpu else {})}
-    # a restarted worker group resumes from the run's own checkpoints (Session.restore)
-    failure = FailureConfig(max_failures=launch.max_failures)
+    # a restarted worker group resumes from the run's own checkpoints (Session.restore); restarts are
+    # fit_with_restarts', which fails at once on errors a restart cannot fix
+    failure = FailureConfig(max_failures=0)
+    with run.tracked(), console.live(remote=True) as sink:
+        payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
+                   "run_dir": str(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
+                   "run_id": run.run_id, "console": sink.handle}
+        fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure),
+                          launch.max_failures, run.run_dir, sink)
+    final = json.loads((run.run_dir / "final_metrics.json").read_text())
+    return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)
+
+
+def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool, resources: dict, failure: Any):
+    from ray.train import RunConfig, ScalingConfig
+
     if kind == "jax":
         from ray.train.v2.jax import JaxTrainer
 
         env = {"JAX_PLATFORMS": launch.jax_platforms} if launch.jax_platforms else {}
-        trainer = JaxTrainer(
+        return JaxTrainer(
             _train_worker,
             train_loop_config=payload,
             # on a TPU slice Ray derives each host's chips from topology + accelerator_type
@@ -105,19 +119,15 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
                                          topology=launch.topology, accelerator_type=launch.accelerator_type,
                                          resources_per_worker=None if launch.use_tpu else resources),
             run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent), failure_config=failure,
-                                 worker_runtime_env={"env_vars": env}),
+                                 worker_runtime_env={"env_vars": env}, logging_config=train_logging()),
         )
-    else:
-        from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
-        trainer = TorchTrainer(
-            _train_worker,
-            train_loop_config=payload,
-            scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, resources_per_worker=resources),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent), failure_config=failure),
-        )
-    with run.tracked():
-        trainer.fit()
-    final = json.loads((run.run_dir / "final_metrics.json").read_text())
-    return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)
+    return TorchTrainer(
+        _train_worker,
+        train_loop_config=payload,
+        scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent), failure_config=failure,
+                             logging_config=train_logging()),
+    )

@@ -15,13 +15,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
-from raysys import tracking
+from raysys import console, tracking
 from raysys import workload as registry
-from raysys.checkpoint import CheckpointStore
+from raysys.checkpoint import CheckpointError, CheckpointStore
 from raysys.config import ConfigError, flatten, to_dict
 
 log = logging.getLogger(__name__)
@@ -72,12 +72,90 @@ def init_ray(address: Optional[str]) -> None:
     # Train V2 reroutes a worker's print() into its logger *and* tees it to the wrapped stdout, so
     # every progress line reached the console twice; workers inherit this from the local raylet.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # Workers' and actors' own output stays in Ray's log files: progress reaches the console through
+    # raysys.console. `-v` forwards it all, as Ray does by default.
+    quiet = not console.verbose()
+    # a plug-in imported from a local file travels to every node's workers (registry.runtime_env)
+    env = registry.runtime_env()
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=not quiet, runtime_env=env,
+                 logging_level=logging.WARNING if quiet else logging.INFO)
     else:
         # The dashboard process also serves the State API that Train V2's controller polls; it binds
         # to 127.0.0.1 only, so nothing listens beyond this machine.
-        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True, configure_logging=False)
+        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet, configure_logging=False,
+                 runtime_env=env)
+
+
+def train_logging():
+    """Ray Train's own INFO lines ('Reporting training result N: TrainingReport(...)') only with -v."""
+    from ray.train import LoggingConfig
+
+    return LoggingConfig(log_level="INFO" if console.verbose() else "WARNING")
+
+
+def set_threads(launch: Any) -> None:
+    """torch intra-op threads of this process: ``launch.threads``, or for an in-process run one per
+    physical core (half the logical CPUs this process may use; on a busy 2-core machine 1 thread ran
+    5x faster than 2). Ray workers keep Ray's default (their ``cpus_per_worker``) unless it is set."""
+    import torch
+
+    n = getattr(launch, "threads", None)
+    if n is None and launch.workers == 0:
+        n = max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else None
+    if n:
+        torch.set_num_threads(int(n))
+
+
+PERMANENT = (ConfigError, CheckpointError, ImportError)
+"""Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint)."""
+
+
+def permanent_cause(e: BaseException) -> Optional[BaseException]:
+    """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, PERMANENT):
+            return err
+        failures = getattr(err, "worker_failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+        stack.extend([err.__cause__, err.__context__])
+    return None
+
+
+def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_dir: Path, sink: Any = None) -> Any:
+    """``make_trainer().fit()``, restarted from the run's last checkpoint after a worker failure, up to
+    ``max_failures`` times. Ray's own FailureConfig would retry every error alike; here a config error,
+    an unknown workload or bad data fails at once with its own message (the trainers are built with
+    ``max_failures=0``; node preemptions keep Ray's separate budget)."""
+    attempt = 0
+    while True:
+        try:
+            return make_trainer().fit()
+        except Exception as e:
+            cause = permanent_cause(e)
+            if cause is not None:
+                raise cause from None
+            if attempt >= max_failures:
+                raise
+            attempt += 1
+            line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            _event(run_dir, f"restart {attempt}/{max_failures} after: {line}")
+            (sink or console.Sink()).message(f"[raysys] workers failed ({line}); restarting from the last "
+                                             f"checkpoint ({attempt}/{max_failures})")
+
+
+def _event(run_dir: Path, line: str) -> None:
+    """Append to <run>/events.log: resumes and restarts, for users and tests to audit a run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "events.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
 
 @dataclass
@@ -157,25 +235,29 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
 
-    payload = {"workload": wl.name, "config": cfg_dict, "run_dir": str(run_dir), "identity": identity,
-               "tracking_uri": uri, "run_id": run_id}
     use_gpu = launch.gpus_per_worker > 0
     if launch.workers > 0:
         init_ray(launch.address)
     resources = {"CPU": launch.cpus_per_worker, **({"GPU": launch.gpus_per_worker} if use_gpu else {})}
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=payload,
-        scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu,
-                                     resources_per_worker=resources if launch.workers > 0 else None),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name=name, storage_path=str(run_dir.parent), callbacks=callbacks,
-                             failure_config=FailureConfig(max_failures=launch.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=1)),
-    )
+
+    def make_trainer():
+        payload = {"workload": registry.ref(wl), "config": cfg_dict, "run_dir": str(run_dir), "identity": identity,
+                   "tracking_uri": uri, "run_id": run_id, "console": sink.handle}
+        return TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config=payload,
+            scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu,
+                                         resources_per_worker=resources if launch.workers > 0 else None),
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            run_config=RunConfig(name=name, storage_path=str(run_dir.parent), callbacks=callbacks,
+                                 failure_config=FailureConfig(max_failures=0), logging_config=train_logging(),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=1)),
+        )
+
     status = "FAILED"
     try:
-        trainer.fit()
+        with console.live(remote=launch.workers > 0) as sink:
+            fit_with_restarts(make_trainer, launch.max_failures, run_dir, sink)
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"

@@ -21,6 +21,7 @@ import torch
 
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointStore
+from raysys.console import Sink
 from raysys.config import from_dict
 from raysys.metrics import PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import MLflowLogger, NullLogger
@@ -72,11 +73,15 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     # Train's local mode logs every report at INFO; our progress lines already say it once.
     for noisy in ("ray.train.v2._internal.execution.train_fn_utils", "ray.train.v2._internal.execution.context"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from raysys.train.launcher import _event, set_threads
+
     wl = registry.get(payload["workload"])
     task = wl.task
     cfg = from_dict(wl.config_cls, payload["config"])
     tc = cfg.train
     rank, world = _ray_context()
+    set_threads(cfg.launch)
+    sink = Sink(payload.get("console"))
     device = _device(cfg.launch.gpus_per_worker)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
@@ -124,7 +129,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         # the last step's loss: an epoch-end report right after the resume must not say NaN
         loss_val = float(state.get("loss", float("nan")))
         if rank == 0:
-            print(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})", flush=True)
+            sink.message(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})")
             _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
 
     logger = MLflowLogger(payload["tracking_uri"], payload["run_id"]) if rank == 0 and payload.get("run_id") else NullLogger()
@@ -152,7 +157,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         return out
 
     last_ckpt_time = time.monotonic()
-    t_run, step_at_start = time.monotonic(), step
+    step_at_start = step
     last_eval: dict[str, float] = {}
     diverged = False
     nonfinite_streak = 0
@@ -214,8 +219,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                            **speed.rates(world), **monitor.metrics()}
                 logger.log_metrics(metrics, step)
                 if rank == 0:
-                    _progress(wl.name, epoch, tc.epochs, step, total_steps, metrics, time.monotonic() - t_run,
-                              step - step_at_start, task.token_name)
+                    sink.progress(wl.name, step, total_steps, _progress_text(epoch, tc.epochs, metrics, task.token_name))
                 ray.train.report({**metrics, "step": step})
                 minutes = tc.checkpoint_every_minutes
                 due = minutes is not None and time.monotonic() - last_ckpt_time >= 60 * minutes
@@ -237,8 +241,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 metrics.update(last_eval)
             logger.log_metrics(metrics, step)
             if rank == 0:
-                print(f"[{wl.name}] epoch {epoch}/{tc.epochs} done | " + " ".join(
-                    f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)
+                text = f"epoch {epoch}/{tc.epochs} done, loss {loss_val:.4f}"
+                if last_eval:
+                    text += f" | {task.quality_metric} {last_eval.get('eval/quality', float('nan')):.4g}"
+                sink.progress(wl.name, step, total_steps, text)
             save_checkpoint()
             last_ckpt_time = time.monotonic()
             ray.train.report(metrics)
@@ -257,19 +263,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         logger.log_text(timer.table(), "breakdown.md")
         (run_dir / "breakdown.md").write_text(timer.table())
         (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
-        print(f"[{wl.name}] step-time breakdown (measured):\n{timer.table()}", flush=True)
+        sink.message(f"[{wl.name}] step-time breakdown (measured):\n{timer.table()}")
     ray.train.report({**final, "done": 1.0})
 
 
-def _event(run_dir: Path, line: str) -> None:
-    """Append to <run>/events.log: resumes and restarts, for users and tests to audit a run."""
-    with open(run_dir / "events.log", "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
-
-
-def _progress(name: str, epoch: int, epochs: int, step: int, total: int, m: dict, elapsed: float, done_here: int,
-              token_name: str) -> None:
-    eta = elapsed / max(done_here, 1) * (total - step)
-    print(f"[{name}] epoch {epoch + 1}/{epochs} step {step}/{total} ({100 * step / total:.0f}%) "
-          f"loss {m['train/loss']:.4f} | {m['perf/samples_per_s']:.0f} samples/s {m['perf/tokens_per_s']:.0f} {token_name}/s "
-          f"| elapsed {elapsed:.0f}s eta {eta:.0f}s", flush=True)
+def _progress_text(epoch: int, epochs: int, m: dict, token_name: str) -> str:
+    return (f"epoch {epoch + 1}/{epochs} loss {m['train/loss']:.4f} | {m['perf/samples_per_s']:.0f} samples/s "
+            f"{m['perf/tokens_per_s']:.0f} {token_name}/s")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from typing import Optional
 
+from raysys import console
 from raysys.config import ConfigError, parse_set_args
 
 EPILOG = """examples:
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "compile, loader workers, naive vs optimized path, lr) for the Pareto "
                                             "front of throughput vs quality, and recommend a configuration.",
                                 epilog=EPILOG)
+    p.add_argument("-v", "--verbose", action="store_true", help="also show Ray's, Tune's and MLflow's own INFO logs")
     p.add_argument("--space", required=True, metavar="YAML",
                    help="tune space file (tune_spaces/<workload>.yaml): workload, base preset, fixed overrides, knobs")
     p.add_argument("--num-samples", type=int, default=8, metavar="N",
@@ -61,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        os.environ[console.VERBOSE_ENV] = "1"
+    console.setup_logging()
     try:
         if args.num_samples < 1 or (args.max_concurrent is not None and args.max_concurrent < 1):
             raise ConfigError("--num-samples and --max-concurrent must be >= 1")

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
     try:
-        run_training(wl.name, cfg, parent_run_id=payload["parent_run_id"], tags=payload["tags"])
+        run_training(payload["workload"], cfg, parent_run_id=payload["parent_run_id"], tags=payload["tags"])
     except KeyboardInterrupt:
         print("[raysys.tune] trial training interrupted", flush=True)
         return 130

@@ -99,10 +99,11 @@ def _init_ray(address: Optional[str]) -> None:
     if ray.is_initialized():
         return
     # Trial output goes to per-trial logs and our progress lines; the driver stays readable.
+    env = registry.runtime_env()  # a plug-in from a local file travels to every trial's node
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, runtime_env=env)
     else:
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=env)
 
 
 def _prepare(wl: registry.Workload, cfg: Any) -> Any:
@@ -154,7 +155,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
             "space": sp.to_dict(), "space_file": sp.source, "tracking_uri": uri, "experiment": experiment,
             "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance}, indent=1, default=str))
 
-    setup = TrialSetup(workload=wl.name, base_config=to_dict(base), sweep_name=name, sweep_dir=str(sweep_dir),
+    setup = TrialSetup(workload=registry.ref(wl), base_config=to_dict(base), sweep_name=name, sweep_dir=str(sweep_dir),
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
                        stability=sp.stability, quality_penalty=float(sp.objectives.get("quality_penalty",

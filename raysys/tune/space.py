@@ -201,7 +201,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
         StabilityRules.from_dict(stability)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{source}: stability: {e}") from None
-    return SweepSpace(wl.name, preset, fixed, knobs, objectives, stability, source)
+    return SweepSpace(registry.ref(wl), preset, fixed, knobs, objectives, stability, source)
 
 
 def flatten_space(space: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -108,7 +108,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     elif wl.task is not None:
         from raysys.train.launcher import run_training
 
-        run_training(wl.name, cfg, callbacks=[SweepReportCallback(tracker)], parent_run_id=setup.parent_run_id, tags=tags)
+        run_training(setup.workload, cfg, callbacks=[SweepReportCallback(tracker)], parent_run_id=setup.parent_run_id, tags=tags)
     else:
         from raysys.session import run_custom
 

@@ -212,6 +212,5 @@ WORKLOAD = Workload(
     task=DeepGPCMTask(),
     bench=_bench,
     throughput_metric="perf/tokens_per_s",
-    quality_metric="eval/qwk",
     extra={"folds": ("data.n_folds", "data.fold")},
 )

@@ -179,7 +179,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
                              for tree, leaves in zip(shapes, (ckpt["params"], ckpt["opt_state"])))
         env_steps, updates = int(ckpt["env_steps"]), int(ckpt["updates"])
         runner = ppo.init_runner(cfg, jax.random.fold_in(key, updates), mesh, params, opt_state, env_steps)
-        print(f"[hackmatrix_ppo] resumed at {env_steps} env steps ({updates} updates)", flush=True)
+        session.message(f"resumed at {env_steps} env steps ({updates} updates)")
 
     def save() -> None:
         if not session.is_main:  # only rank 0 writes; the host copy involves no collective
@@ -195,8 +195,8 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     compile_s = time.perf_counter() - t0
     per_chunk = cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
     n_chunks = max(0, -(-(cfg.train.total_timesteps - env_steps) // per_chunk))
-    print(f"[hackmatrix_ppo] {mesh.size} device(s) ({jax.devices()[0].platform}), {jax.process_count()} process(es); "
-          f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps", flush=True)
+    session.message(f"{mesh.size} device(s) ({jax.devices()[0].platform}), {jax.process_count()} process(es); "
+                    f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps")
     last_ckpt, t_train, best = time.perf_counter(), 0.0, -float("inf")
     final: dict = {"perf/compile_s": compile_s}
     for _ in range(n_chunks):
@@ -227,8 +227,9 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
             best = max(best, m["charts/episode_return"])
         final |= m
         session.log(m, env_steps, progress=(
-            f"{env_steps}/{cfg.train.total_timesteps} env steps | return {m['charts/episode_return']:.3f} | "
-            f"entropy {m['charts/entropy']:.2f} | kl {m['charts/approx_kl']:.4f} | {m['perf/env_steps_per_s']:.0f} env-steps/s"))
+            f"return {m['charts/episode_return']:.3f} | entropy {m['charts/entropy']:.2f} | "
+            f"kl {m['charts/approx_kl']:.4f} | {m['perf/env_steps_per_s']:.0f} env-steps/s"),
+            bar=(env_steps, cfg.train.total_timesteps), unit="env-step")
         if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
             save()
             last_ckpt = time.perf_counter()
@@ -280,7 +281,6 @@ WORKLOAD = Workload(
     bench=_bench,
     train_fn=train,
     throughput_metric="perf/env_steps_per_s",
-    quality_metric="eval/quality",
     # resume only needs the same network: num_envs / num_steps may change
     extra={"identity_sections": ("model",), "runner": "jax"},
 )

@@ -194,7 +194,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         monitor.load_state_dict(ckpt["stability"])
         _load_replay(replay, ckpt["replay"])
         rng = np.random.default_rng([cfg.seed, rank, c["updates"]])
-        print(f"[mpn_dqn] resumed at episode {c['episodes']} ({c['env_steps']} env steps, {c['updates']} updates)")
+        session.message(f"resumed at episode {c['episodes']} ({c['env_steps']} env steps, {c['updates']} updates)")
 
     every = sync_period(cfg, world)
     collector = Collector(cfg, rank)
@@ -277,9 +277,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                     m |= monitor.metrics()
                 losses, grad_norms = [], []
                 session.log(m, c["env_steps"], progress=(
-                    f"episode {c['episodes']}/{cfg.num_episodes} | avg reward {m['charts/avg_reward']:.2f} | "
-                    f"eps {m['charts/epsilon']:.2f} | {m['perf/env_steps_per_s']:.0f} env-steps/s | "
-                    f"{m['perf/updates_per_s']:.1f} updates/s"))
+                    f"avg reward {m['charts/avg_reward']:.2f} | eps {m['charts/epsilon']:.2f} | "
+                    f"{m['perf/env_steps_per_s']:.0f} env-steps/s | {m['perf/updates_per_s']:.1f} updates/s"),
+                    bar=(c["episodes"], cfg.num_episodes), unit="episode")
                 t_log, steps_at_log, updates_at_log = now, c["env_steps"], c["updates"]
                 next_log = (c["episodes"] // cfg.print_freq + 1) * cfg.print_freq
             if c["episodes"] >= next_ckpt and not done:  # the end of the run is saved below
@@ -314,10 +314,10 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                   "eval/random_reward_per_trial": rand["reward_per_trial"], "eval/quality": greedy["reward_per_trial"]}
     else:
         final["eval/quality"] = final["charts/final_avg_reward"]
-    session.log(final, c["env_steps"], progress=(
-        f"done: {c['episodes']} episodes | final avg reward {final['charts/final_avg_reward']:.2f} | "
-        f"eval reward/trial {final.get('eval/reward_per_trial', float('nan')):.3f} "
-        f"(random {final.get('eval/random_reward_per_trial', float('nan')):.3f})"))
+    session.log(final, c["env_steps"])
+    session.message(f"done: {c['episodes']} episodes | final avg reward {final['charts/final_avg_reward']:.2f} | "
+                    f"eval reward/trial {final.get('eval/reward_per_trial', float('nan')):.3f} "
+                    f"(random {final.get('eval/random_reward_per_trial', float('nan')):.3f})")
     return final
 
 

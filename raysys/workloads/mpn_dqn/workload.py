@@ -189,7 +189,6 @@ WORKLOAD = Workload(
     bench=_bench,
     train_fn=_train,
     throughput_metric="perf/env_steps_per_s",
-    quality_metric="eval/quality",
     # launch.workers > 0: the learner runs data-parallel on that many Ray Train workers
     extra={"identity_sections": ("task", "hidden", "eta", "lam", "freeze_plasticity"), "distributed": "torch"},
 )

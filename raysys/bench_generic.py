@@ -1,0 +1,125 @@
+"""The bench a workload gets without writing one: its training step, timed in this process.
+
+For a ``TorchTask``: the same items are collated and put through forward, backward and the
+optimizer step of the configured path, warm-up first, then timed repeats (median). Where the
+workload names its ``path_key`` both paths run, interleaved so that drift on a shared machine hits
+both alike, from the same initial weights; their losses on the same weights and batch are compared
+(the fast path must compute the same function) and each path's quality is its evaluation after the
+same timed steps. A workload with its own bench (``Workload.bench``) is measured by that instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from raysys import workload as registry
+from raysys.config import ConfigError, apply_overrides
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None) -> dict:
+    from raysys.train.data import to_device
+    from raysys.train.launcher import set_threads
+    from raysys.train.optim import build_optimizer
+
+    if wl.task is None:
+        raise ConfigError(f"{wl.name} trains with its own loop (train_fn) and has no bench: give "
+                          "Workload(bench=...) a function that measures it")
+    task = wl.task
+    preset = preset or ("quick" if quick and "quick" in wl.presets else "default")
+    cfg = wl.config(preset)
+    cfg = task.prepare(cfg) or cfg
+    launch = apply_overrides(cfg, {"launch.workers": 0}).launch
+    set_threads(launch)
+    device = _device()
+    paths = ["naive", "optimized"] if wl.path_key else [None]
+    cfgs = {p: apply_overrides(cfg, {wl.path_key: p}) if p else cfg for p in paths}
+    label = {p: p or "configured" for p in paths}
+
+    train_ds, eval_ds = task.datasets(cfg)
+    bs = cfg.train.batch_size
+    n_batches = max(1, min(len(train_ds) // bs, 4 if quick else 8))
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(train_ds), generator=g).tolist()
+    items = [[train_ds[i] for i in order[b * bs:(b + 1) * bs]] for b in range(n_batches)]
+    eval_batches = [to_device(task.collate([eval_ds[i] for i in range(s, min(s + bs, len(eval_ds)))]), device)
+                    for s in range(0, min(len(eval_ds), bs * (2 if quick else 8)), bs)]
+
+    models, opts = {}, {}
+    for p in paths:
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every path
+        models[p] = task.build_model(cfgs[p]).to(device)
+        opts[p] = build_optimizer(cfgs[p].optim, models[p])
+    parity = None
+    if len(paths) == 2:
+        a, b = models["naive"], models["optimized"]
+        try:
+            b.load_state_dict(a.state_dict())
+        except RuntimeError as e:
+            raise ConfigError(f"{wl.name}: the naive and optimized models differ in parameters, so the paths "
+                              f"cannot be compared on the same weights: {str(e).splitlines()[0]}") from None
+        batch = to_device(task.collate(items[0]), device)
+        a.eval(), b.eval()  # no dropout: the same function must give the same loss
+        with torch.no_grad():
+            la, lb = float(task.loss(a, batch)[0]), float(task.loss(b, batch)[0])
+        a.train(), b.train()
+        parity = abs(la - lb)
+
+    def step(p: str, batch_items: list) -> tuple[int, int]:
+        batch = to_device(task.collate(batch_items), device)
+        opts[p].zero_grad(set_to_none=True)
+        loss, stats = task.loss(models[p], batch)
+        loss.backward()
+        clip = cfg.optim.clip_grad_norm
+        if clip:
+            torch.nn.utils.clip_grad_norm_(models[p].parameters(), clip)
+        opts[p].step()
+        return int(stats.get("samples", 0)), int(stats.get("tokens", 0))
+
+    for p in paths:  # warm-up: allocator, lazy init, kernels
+        step(p, items[0])
+    repeats = 3 if quick else 7
+    times = {p: [] for p in paths}
+    counts = {p: (0, 0) for p in paths}
+    for _ in range(repeats):
+        for p in paths:
+            _sync(device)
+            t0 = time.perf_counter()
+            samples = tokens = 0
+            for it in items:
+                s, t = step(p, it)
+                samples, tokens = samples + s, tokens + t
+            _sync(device)
+            times[p].append(time.perf_counter() - t0)
+            counts[p] = (samples, tokens)
+
+    res: dict = {"workload": wl.name, "preset": preset, "device": None,
+                 "throughput_unit": "samples/s (collate + forward + backward + optimizer, same batches)",
+                 "quality_metric": f"{task.quality_metric} after {1 + repeats * n_batches} steps",
+                 "paths": [label[p] for p in paths],
+                 "batch": {"size": bs, "batches": n_batches, "repeats": repeats}}
+    for p in paths:
+        models[p].eval()
+        with torch.no_grad():
+            ev = task.evaluate(models[p], eval_batches) if eval_batches else {}
+        med = statistics.median(times[p])
+        samples, tokens = counts[p]
+        res[label[p]] = {"step_s": med / n_batches, "throughput": samples / med, "tokens_per_s": tokens / med,
+                         "quality": ev.get(task.quality_metric), "eval": ev}
+    if len(paths) == 2:
+        res["speedup"] = res["naive"]["step_s"] / res["optimized"]["step_s"]
+        res["loss_abs_diff_same_weights"] = parity
+        res["extra"] = {"|loss naive - loss optimized| on the same weights and batch": f"{parity:.2e}"}
+    return res

@@ -1,0 +1,193 @@
+"""What a person sees while a run trains: one live progress display, messages, one summary.
+
+Ray's own chatter (worker prefixes, Train's per-report INFO lines) stays in Ray's log files
+(``/tmp/ray/session_latest/logs``); ``-v`` brings it back. Training code never prints progress
+itself: rank 0 sends events to a :class:`Console`, either directly (the loop runs in this process)
+or through a Ray queue that the driver drains (the loop runs on Ray Train workers, maybe on other
+nodes), so the display is drawn once, by the driver, wherever the workers are.
+
+On a terminal the display is a tqdm bar updating in place (step, ETA, loss, throughput); elsewhere
+(CI logs, ``ray job logs``, a pipe) it is plain lines, at most one per tenth of the run or per
+minute, so the length of the output does not grow with the length of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from typing import Any, Iterator, Optional, TextIO
+
+VERBOSE_ENV = "RAYSYS_VERBOSE"
+PLAIN_EVERY_FRACTION = 0.1   # plain mode: a line per tenth of the run...
+PLAIN_EVERY_S = 60.0         # ...or per minute when the total is unknown or the run is slow
+
+
+def verbose() -> bool:
+    """``-v``: Ray's and Train's own logs on the console too (inherited by child processes)."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def setup_logging() -> None:
+    """Python logging for a raysys command: warnings only, unless ``-v``. MLflow's store set-up lines and
+    Ray's start-up notices are INFO-level chatter for a person waiting on a run; ``-v`` shows them."""
+    import logging
+
+    level = logging.INFO if verbose() else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose():
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        # "Token authentication is enabled for this Ray cluster": the safe default, said at every start
+        logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
+
+
+class Console:
+    """Draws progress and messages for one process's console (thread-safe)."""
+
+    def __init__(self, stream: Optional[TextIO] = None, tty: Optional[bool] = None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._bar = None
+        self._bar_key: Optional[tuple] = None
+        self._last_plain: dict[str, tuple[float, float]] = {}  # name -> (fraction, time) of the last line
+        self._first: dict[str, tuple[float, float]] = {}  # name -> (done, time) when first seen: for the ETA
+        self._lock = threading.Lock()
+
+    # ---- events ------------------------------------------------------------------------------
+    def progress(self, name: str, done: float, total: Optional[float], text: str = "", unit: str = "step") -> None:
+        with self._lock:
+            if self.tty:
+                self._draw_bar(name, done, total, text, unit)
+            else:
+                self._plain(name, done, total, text)
+
+    def message(self, text: str) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.write(text, file=self.stream)
+            else:
+                print(text, file=self.stream, flush=True)
+
+    def handle(self, event: dict) -> None:
+        if event.get("kind") == "progress":
+            self.progress(event["name"], event["done"], event.get("total"), event.get("text", ""),
+                          event.get("unit", "step"))
+        else:
+            self.message(event.get("text", ""))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    # ---- drawing -----------------------------------------------------------------------------
+    def _draw_bar(self, name: str, done: float, total: Optional[float], text: str, unit: str) -> None:
+        from tqdm import tqdm
+
+        key = (name, total, unit)
+        if self._bar is None or self._bar_key != key:
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = tqdm(total=total, desc=name, unit=unit, file=self.stream, dynamic_ncols=True, leave=True,
+                             initial=done, smoothing=0.1)
+            self._bar_key = key
+        self._bar.n = done
+        self._bar.set_postfix_str(text, refresh=False)
+        self._bar.refresh()
+
+    def _plain(self, name: str, done: float, total: Optional[float], text: str) -> None:
+        now = time.monotonic()
+        frac = done / total if total else 0.0
+        first = self._first.setdefault(name, (done, now))
+        last = self._last_plain.get(name)
+        due = (last is None or (total and (frac - last[0] >= PLAIN_EVERY_FRACTION or done >= total))
+               or now - last[1] >= PLAIN_EVERY_S)
+        if not due:
+            return
+        self._last_plain[name] = (frac, now)
+        where = f"{done:g}/{total:g} ({100 * frac:.0f}%)" if total else f"{done:g}"
+        elapsed = now - first[1]
+        timing = f" | {elapsed:.0f}s"
+        if total and done > first[0] and done < total:
+            timing += f", eta {elapsed / (done - first[0]) * (total - done):.0f}s"
+        print(f"[{name}] {where} {text}{timing}".rstrip(), file=self.stream, flush=True)
+
+
+_CONSOLE: Optional[Console] = None
+
+
+def current() -> Console:
+    """This process's console (created on first use)."""
+    global _CONSOLE
+    if _CONSOLE is None:
+        _CONSOLE = Console()
+    return _CONSOLE
+
+
+class Sink:
+    """Where training code sends its progress: this process's console or, from a Ray worker, the
+    driver's (through a Ray queue). What the payload carries is ``handle`` (None or the queue)."""
+
+    def __init__(self, queue: Any = None):
+        self.handle = queue
+
+    def progress(self, name: str, done: float, total: Optional[float], text: str = "", unit: str = "step") -> None:
+        self._send({"kind": "progress", "name": name, "done": done, "total": total, "text": text, "unit": unit})
+
+    def message(self, text: str) -> None:
+        self._send({"kind": "message", "text": text})
+
+    def _send(self, event: dict) -> None:
+        if self.handle is None:
+            current().handle(event)
+            return
+        try:
+            self.handle.put_nowait(event)
+        except Exception:  # the driver went away: training goes on, its metrics are tracked anyway
+            pass
+
+
+@contextlib.contextmanager
+def live(remote: bool) -> Iterator[Sink]:
+    """The driver side of a run's display. ``remote``: training runs on Ray workers, so events come
+    through a Ray queue (an actor using no CPU) drained here by a thread; else they are drawn directly."""
+    con = current()
+    if not remote:
+        try:
+            yield Sink()
+        finally:
+            con.close()
+        return
+    from ray.util.queue import Empty, Queue
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    stop = threading.Event()
+
+    def drain(block: bool) -> None:
+        while True:
+            try:
+                con.handle(queue.get(block=block, timeout=0.25) if block else queue.get_nowait())
+            except Empty:
+                return
+
+    def pump() -> None:
+        while not stop.is_set():
+            try:
+                drain(block=True)
+            except Exception:  # the queue actor is gone (Ray shutting down)
+                return
+
+    thread = threading.Thread(target=pump, daemon=True, name="raysys-console")
+    thread.start()
+    try:
+        yield Sink(queue)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            drain(block=False)
+            queue.shutdown()
+        con.close()

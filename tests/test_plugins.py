@@ -1,0 +1,199 @@
+"""Bring your own workload: the plug-in path end to end, in fresh processes, from a folder outside
+the repository. Nothing is installed into raysys; the entry-point test installs the example into a
+temporary folder of its own."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "your-workload.md"
+EXAMPLE = REPO / "examples" / "digits"
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAYSYS_VERBOSE", "RAY_ADDRESS")}
+    return {**env, **extra}
+
+
+def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    if cmd[0] == "python":
+        cmd = [sys.executable, *cmd[1:]]
+    proc = subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    print(" ".join(cmd), "->", proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    return proc
+
+
+def test_the_doc_shows_the_shipped_example():
+    (code,) = _blocks("python")
+    (space,) = _blocks("yaml")
+    assert code == (EXAMPLE / "digits_mlp.py").read_text()
+    assert space == (EXAMPLE / "digits_space.yaml").read_text()
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """The reader's empty folder, with the two files the doc tells them to save."""
+    d = tmp_path / "my_project"
+    d.mkdir()
+    (code,) = _blocks("python")
+    (space,) = _blocks("yaml")
+    (d / "digits_mlp.py").write_text(code)
+    (d / "digits_space.yaml").write_text(space)
+    return d
+
+
+def test_the_doc_runs_as_written(project):
+    """Its three commands: 2 Ray Train workers, the generic bench, a 2-trial sweep, all through module:attr."""
+    (bash,) = _blocks("bash")
+    commands = [shlex.split(line) for line in bash.strip().splitlines()]
+    assert [c[:3] for c in commands] == [["python", "-m", "raysys"], ["python", "-m", "raysys.bench"],
+                                         ["python", "-m", "raysys.tune"]]
+    outs = []
+    for cmd in commands:
+        proc = _run(cmd, project)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout)
+
+    # train: two DDP workers, learned, tracked
+    (final_file,) = (project / "raysys_runs").glob("digits_mlp-*/final_metrics.json")
+    final = json.loads(final_file.read_text())
+    assert final["world_size"] == 2
+    assert final["eval/accuracy"] > 0.6, final["eval/accuracy"]  # 10 classes: chance is 0.1
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-digits_mlp")
+    runs = client.search_runs([exp.experiment_id])
+    train_run = [r for r in runs if r.data.tags.get("raysys.run_name") == final_file.parent.name][0]
+    assert train_run.info.status == "FINISHED" and train_run.data.params["optim.name"] == "sgd"
+    assert "eval/accuracy" in train_run.data.metrics and "eval/quality" in train_run.data.metrics
+
+    # bench: both paths, same loss on the same weights, the fast one faster
+    bench = outs[1]
+    assert re.search(r"^naive\s+[\d.]+", bench, re.M) and re.search(r"^optimized\s+[\d.]+", bench, re.M)
+    diff = float(re.search(r"same weights and batch: ([\d.e+-]+)", bench).group(1))
+    assert diff < 1e-5
+    assert float(re.search(r"speedup\s+([\d.]+)x", bench).group(1)) > 1.0
+
+    # sweep: a parent and its 2 trials, with the knobs as params and both objectives
+    parents = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(children) == 2
+    for child in children:
+        assert {"train.batch_size", "model.path", "optim.lr"} <= set(child.data.params)
+        assert "eval/accuracy" in child.data.metrics
+    assert "Recommended" in outs[2] or "recommended" in outs[2].lower()
+
+
+def test_an_installed_entry_point_plugin_is_listed_and_trains(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("raysys_runs", "mlflow.db", "*.egg-info", "build"))
+    site = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", str(site), str(src)], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    assert list(site.glob("*.dist-info/entry_points.txt"))
+    elsewhere = tmp_path / "elsewhere"  # no digits_mlp.py here: only the installed package has it
+    elsewhere.mkdir()
+    env = _env(PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    listed = _run(["python", "-m", "raysys", "list"], elsewhere, env)
+    assert listed.returncode == 0
+    line = next(l for l in listed.stdout.splitlines() if l.startswith("digits_mlp"))
+    assert "[plug-in]" in line
+    trained = _run(["python", "-m", "raysys", "train", "digits_mlp", "--preset", "quick", "--workers", "0",
+                    "--name", "ep"], elsewhere, env)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads((elsewhere / "raysys_runs" / "ep" / "final_metrics.json").read_text())["eval/accuracy"] > 0.5
+
+
+BROKEN = '''
+import dataclasses
+import os
+
+from raysys.config import ConfigError
+
+import digits_mlp
+
+
+class BrokenTask(digits_mlp.DigitsTask):
+    def build_model(self, cfg):  # runs inside each Ray Train worker
+        with open(os.environ["ATTEMPTS_FILE"], "a") as f:
+            f.write("attempt\\n")
+        raise ConfigError("model.hidden=128 needs a GPU on this worker")
+
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="broken", task=BrokenTask())
+'''
+
+
+def test_a_config_error_inside_a_ray_train_run_fails_once_with_its_message(project):
+    (project / "broken.py").write_text(BROKEN)
+    attempts = project / "attempts.txt"
+    proc = _run(["python", "-m", "raysys", "train", "broken:WORKLOAD", "--preset", "quick", "--workers", "1",
+                 "--max-failures", "2"], project, _env(ATTEMPTS_FILE=str(attempts)))
+    assert proc.returncode == 2
+    assert "raysys: config error: model.hidden=128 needs a GPU on this worker" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert attempts.read_text().count("attempt") == 1  # not retried by max_failures
+
+
+def test_unknown_workloads_and_specs_fail_before_anything(tmp_path):
+    for spec, words in [("nope", "unknown workload 'nope'"), ("no_such_module:WORKLOAD", "no module named"),
+                        ("json:WORKLOAD", "has no attribute"), ("json:dumps", "not a raysys.workload.Workload")]:
+        proc = _run(["python", "-m", "raysys", "train", spec, "--workers", "0"], tmp_path)
+        assert proc.returncode == 2, spec
+        assert words in proc.stderr, (spec, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_permanent_errors_are_found_inside_rays_wrappers():
+    from raysys.config import ConfigError
+    from raysys.train.launcher import permanent_cause
+
+    class Wrapped(RuntimeError):
+        def __init__(self, failures):
+            super().__init__("Training failed")
+            self.worker_failures = failures
+
+    inner = ConfigError("bad")
+    outer = Wrapped({0: RuntimeError("collective aborted"), 1: inner})
+    assert permanent_cause(outer) is inner
+    try:
+        try:
+            raise ModuleNotFoundError("no module named x")
+        except ModuleNotFoundError as e:
+            raise RuntimeError("worker died") from e
+    except RuntimeError as e:
+        assert isinstance(permanent_cause(e), ImportError)
+    assert permanent_cause(Wrapped({0: RuntimeError("actor died")})) is None
+
+
+def test_sgd_with_nesterov_and_the_quality_metric_named_once():
+    import torch
+
+    from raysys.config import ConfigError, apply_overrides
+    from raysys.train.config import OptimConfig
+    from raysys.train.optim import build_optimizer
+    from raysys.workload import get
+
+    opt = build_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.9, nesterov=True), torch.nn.Linear(2, 2))
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.9
+    cfg = get("deep_gpcm").config("quick")
+    with pytest.raises(ConfigError, match="nesterov"):
+        apply_overrides(cfg, {"optim.nesterov": True})  # adam has no Nesterov momentum
+    assert get("deep_gpcm").quality_metric == "eval/qwk"  # from the task's quality_metric
+    assert get("mpn_dqn").quality_metric == "eval/quality"
