@@ -36,6 +36,8 @@ def setup_logging() -> None:
     import logging
 
     level = logging.INFO if verbose() else logging.WARNING
+    # MLflow sets its own logger's level when first imported: tell it through its variable
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose() else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not verbose():
         logging.getLogger("mlflow").setLevel(logging.WARNING)
@@ -91,8 +93,11 @@ class Console:
         if self._bar is None or self._bar_key != key:
             if self._bar is not None:
                 self._bar.close()
-            self._bar = tqdm(total=total, desc=name, unit=unit, file=self.stream, dynamic_ncols=True, leave=True,
-                             initial=done, smoothing=0.1)
+            # a pty nobody sized reports 0x0, and tqdm then hides the bar (as if off screen): assume 100x40
+            sized = _terminal_width(self.stream) > 0
+            self._bar = tqdm(total=total, desc=name, unit=unit, file=self.stream, dynamic_ncols=sized,
+                             ncols=None if sized else 100, nrows=None if sized else 40, leave=True, initial=done,
+                             smoothing=0.1)
             self._bar_key = key
         self._bar.n = done
         self._bar.set_postfix_str(text, refresh=False)
@@ -114,6 +119,13 @@ class Console:
         if total and done > first[0] and done < total:
             timing += f", eta {elapsed / (done - first[0]) * (total - done):.0f}s"
         print(f"[{name}] {where} {text}{timing}".rstrip(), file=self.stream, flush=True)
+
+
+def _terminal_width(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 _CONSOLE: Optional[Console] = None

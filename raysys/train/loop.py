@@ -268,5 +268,4 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
 
 def _progress_text(epoch: int, epochs: int, m: dict, token_name: str) -> str:
-    return (f"epoch {epoch + 1}/{epochs} loss {m['train/loss']:.4f} | {m['perf/samples_per_s']:.0f} samples/s "
-            f"{m['perf/tokens_per_s']:.0f} {token_name}/s")
+    return f"epoch {epoch + 1}/{epochs} loss {m['train/loss']:.4f} | {m['perf/tokens_per_s']:.0f} {token_name}/s"

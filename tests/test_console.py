@@ -1,0 +1,75 @@
+"""What a person sees: the README's main job under a pseudo-terminal draws one progress bar and a
+summary, with none of Ray Train's per-report lines; piped, it prints a bounded number of plain lines."""
+
+import os
+import pty
+import re
+import shlex
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The main job takes ~7 min here at its 30 epochs; the same job shortened to 2 epochs shows the same console.
+SHORTEN = ["--set", "train.epochs=2"]
+
+
+def _main_job() -> list[str]:
+    """The README's 'install and run the main job' command, without the install."""
+    readme = (REPO / "README.md").read_text()
+    line = next(l for l in readme.splitlines() if l.startswith("bash scripts/install.sh && "))
+    cmd = shlex.split(line.split("&&", 1)[1])
+    assert cmd[:3] == ["python", "-m", "raysys"]
+    return [sys.executable, *cmd[1:]]
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAYSYS_VERBOSE", "RAY_ADDRESS")}
+
+
+def test_main_job_on_a_terminal_shows_a_bar_and_a_summary(tmp_path):
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(_main_job() + SHORTEN, cwd=tmp_path, env={**_env(), "COLUMNS": "120"},
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read() -> None:  # drain the terminal, or the job blocks once its buffer fills
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the job closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    rc = proc.wait(timeout=900)
+    reader.join(timeout=10)
+    os.close(master)
+    out = b"".join(chunks).decode(errors="replace")
+    print(out[-5000:])
+    assert rc == 0
+    assert "TrainingReport(" not in out and "Reporting training result" not in out
+    assert "(RayTrainWorker" not in out and "(TrainController" not in out  # Ray's chatter stays in its logs
+    assert re.search(r"\d+%\|", out), "no tqdm bar drawn"  # the live bar, redrawn in place with \r
+    assert "\r" in out
+    lines = out.replace("\r\n", "\n").split("\n")
+    assert len(lines) <= 40, f"{len(lines)} lines"
+    assert re.search(r"\[raysys\] done: run '.*' \| eval/qwk [\d.-]+ \| perf/tokens_per_s", out)
+
+
+def test_main_job_piped_prints_plain_bounded_lines(tmp_path):
+    proc = subprocess.run(_main_job() + SHORTEN + ["--set", "train.log_every_steps=1"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    print(out[-5000:])
+    assert proc.returncode == 0
+    assert "TrainingReport(" not in out and "\r" not in out
+    progress = [l for l in out.splitlines() if l.startswith("[deep_gpcm] ") and "%)" in l]
+    # 40 steps, a report each: at most one line per tenth of the run (+ the first and the epoch ends)
+    assert 3 <= len(progress) <= 14, progress
+    assert len(out.splitlines()) <= 40
