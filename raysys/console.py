@@ -49,13 +49,26 @@ class Console:
     """Draws progress and messages for one process's console (thread-safe)."""
 
     def __init__(self, stream: Optional[TextIO] = None, tty: Optional[bool] = None):
-        self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty() if tty is None else tty
+        self._stream, self._tty = stream, tty
         self._bar = None
         self._bar_key: Optional[tuple] = None
         self._last_plain: dict[str, tuple[float, float]] = {}  # name -> (fraction, time) of the last line
         self._first: dict[str, tuple[float, float]] = {}  # name -> (done, time) when first seen: for the ETA
         self._lock = threading.Lock()
+
+    @property
+    def stream(self) -> TextIO:
+        # looked up at each write: sys.stdout may be replaced (pytest's capture, a redirect) after start
+        return self._stream or sys.stdout
+
+    @property
+    def tty(self) -> bool:
+        if self._tty is not None:
+            return self._tty
+        try:
+            return self.stream.isatty()
+        except (ValueError, AttributeError):
+            return False
 
     # ---- events ------------------------------------------------------------------------------
     def progress(self, name: str, done: float, total: Optional[float], text: str = "", unit: str = "step") -> None:
@@ -80,7 +93,10 @@ class Console:
             self.message(event.get("text", ""))
 
     def close(self) -> None:
+        """End of a run: the bar stays on screen; the next run starts its own display."""
         with self._lock:
+            self._last_plain.clear()
+            self._first.clear()
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None

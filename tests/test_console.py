@@ -62,14 +62,23 @@ def test_main_job_on_a_terminal_shows_a_bar_and_a_summary(tmp_path):
     assert re.search(r"\[raysys\] done: run '.*' \| eval/qwk [\d.-]+ \| perf/tokens_per_s", out)
 
 
-def test_main_job_piped_prints_plain_bounded_lines(tmp_path):
-    proc = subprocess.run(_main_job() + SHORTEN + ["--set", "train.log_every_steps=1"], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    print(out[-5000:])
-    assert proc.returncode == 0
-    assert "TrainingReport(" not in out and "\r" not in out
-    progress = [l for l in out.splitlines() if l.startswith("[deep_gpcm] ") and "%)" in l]
-    # 40 steps, a report each: at most one line per tenth of the run (+ the first and the epoch ends)
-    assert 3 <= len(progress) <= 14, progress
-    assert len(out.splitlines()) <= 40
+def test_piped_progress_is_plain_and_bounded_whatever_the_run_length():
+    import io
+
+    from raysys.console import Console
+
+    for steps in (40, 4000):
+        out = io.StringIO()
+        con = Console(out, tty=False)
+        for step in range(1, steps + 1):
+            con.progress("wl", step, steps, f"loss {1 / step:.3f}")
+        con.message("summary")
+        con.close()
+        lines = out.getvalue().splitlines()
+        assert "\r" not in out.getvalue()
+        assert lines[0].startswith("[wl] 1/") and lines[-2].startswith(f"[wl] {steps}/{steps} (100%)")
+        assert lines[-1] == "summary"
+        assert 10 <= len(lines) <= 13, lines  # a line per tenth, the first and the last: not one per step
+        # a second run in the same process starts its own count
+        con.progress("wl", 1, 10)
+        assert out.getvalue().splitlines()[-1].startswith("[wl] 1/10")

@@ -54,9 +54,10 @@ def head(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _submit(url: str, env: dict, *entrypoint: str) -> str:
+def _submit(url: str, env: dict, *entrypoint: str, working_dir: Path = REPO) -> str:
     for _ in range(30):  # the head's job agent can come up a little after its HTTP server
-        r = subprocess.run(["ray", "job", "submit", "--address", url, "--working-dir", str(REPO), "--", *entrypoint],
+        r = subprocess.run(["ray", "job", "submit", "--address", url, "--working-dir", str(working_dir), "--",
+                            *entrypoint],
                            env=env, capture_output=True, text=True, timeout=900)
         if "No available agent to submit job" not in r.stdout + r.stderr:
             break
@@ -104,3 +105,21 @@ def test_submit_tiny_sweep_job(head):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 1 and len(children) == 2
+
+
+def test_submit_a_plugin_workload_from_its_own_folder(head, tmp_path):
+    """A user's module:attr workload, shipped as the job's working_dir, found by the job's driver and by
+    both Ray Train workers."""
+    url, env, tmp = head
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "examples" / "digits", project,
+                    ignore=shutil.ignore_patterns("raysys_runs", "mlflow.db", "*.egg-info", "build"))
+    db = tmp / "plugin.db"
+    out = _submit(url, env, "python", "-m", "raysys", "train", "digits_mlp:WORKLOAD", "--preset", "quick",
+                  "--workers", "2", "--name", "plugin-job", "--tracking-uri", f"sqlite:///{db}",
+                  "--storage-path", str(tmp / "runs"), working_dir=project)
+    assert "[raysys] done: run 'plugin-job'" in out and "TrainingReport(" not in out
+    import json
+
+    final = json.loads((tmp / "runs" / "plugin-job" / "final_metrics.json").read_text())
+    assert final["world_size"] == 2 and final["eval/accuracy"] > 0.5

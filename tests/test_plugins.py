@@ -197,3 +197,22 @@ def test_sgd_with_nesterov_and_the_quality_metric_named_once():
         apply_overrides(cfg, {"optim.nesterov": True})  # adam has no Nesterov momentum
     assert get("deep_gpcm").quality_metric == "eval/qwk"  # from the task's quality_metric
     assert get("mpn_dqn").quality_metric == "eval/quality"
+
+
+def test_threads_knob_and_the_in_process_default():
+    import torch
+
+    from raysys.train.config import LaunchConfig
+    from raysys.train.launcher import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(LaunchConfig(workers=0, threads=3))
+        assert torch.get_num_threads() == 3
+        set_threads(LaunchConfig(workers=0))  # one per physical core: half the usable logical CPUs
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+        torch.set_num_threads(2)
+        set_threads(LaunchConfig(workers=2))  # Ray workers keep Ray's own setting unless asked
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from raysys import tracking
+from raysys import workload as registry
 from raysys.config import ConfigError, apply_overrides, flatten, to_dict
 from raysys.train.launcher import RunResult, run_training
 
@@ -31,7 +32,7 @@ def run_cross_validation(wl, cfg: Any) -> RunResult:
     try:
         for fold in range(k):
             fold_cfg = apply_overrides(cfg, {fold_key: fold, "launch.name": f"{base}-fold{fold}"})
-            results.append(run_training(wl.name, fold_cfg, parent_run_id=parent))
+            results.append(run_training(registry.ref(wl), fold_cfg, parent_run_id=parent))
     except BaseException:
         tracking.end_run(uri, parent, "FAILED")
         raise
