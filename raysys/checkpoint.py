@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -38,6 +39,10 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+STEP_DIR = re.compile(r"step_(\d{9})")
+"""The only folder names raysys reads or prunes: anything else (``step_6.bad``, a user's copy) is ignored."""
+
+
 class CheckpointStore:
     def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2):
         """``identity``: the config subset a checkpoint must match to be resumed (model shape, data)."""
@@ -46,10 +51,32 @@ class CheckpointStore:
         self.workload, self.identity, self.keep = workload, json.loads(json.dumps(identity, default=str)), keep
 
     def complete(self) -> list[Path]:
+        """Checkpoints raysys wrote completely, oldest first: ``step_<9 digits>`` folders whose
+        ``meta.json`` (written last) exists. Others are never read, and never deleted."""
         if not self.root.is_dir():
             return []
-        done = [p for p in self.root.glob("step_*") if (p / "meta.json").is_file()]
-        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+        done = [p for p in self.root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file()]
+        return sorted(done, key=lambda p: int(p.name[len("step_"):]))
+
+    def clean_stale(self) -> list[str]:
+        """Finish or undo what a crash mid-save left behind (call only while holding the run's lock, so no
+        other process is writing): a complete ``.tmp-step_N`` or ``.old-step_N`` whose ``step_N`` is
+        missing is moved into place; the rest of those hidden folders is removed."""
+        if not self.root.is_dir():
+            return []
+        done = []
+        for p in sorted(self.root.iterdir()):
+            m = re.fullmatch(r"\.(tmp|old)-(step_\d{9})-[0-9a-f]{8}", p.name)
+            if not m or not p.is_dir():
+                continue
+            final = self.root / m.group(2)
+            if (p / "meta.json").is_file() and not (final / "meta.json").is_file() and not final.exists():
+                os.replace(p, final)
+                done.append(f"{p.name} -> {final.name}")
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+                done.append(f"removed {p.name}")
+        return done
 
     def latest(self) -> Optional[Path]:
         done = self.complete()
@@ -69,6 +96,9 @@ class CheckpointStore:
         # meta.json is written last: its presence marks the checkpoint complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         _fsync_dir(tmp)
+        if final.exists() and not (final / "meta.json").is_file():
+            # not a checkpoint raysys completed (a user's or a foreign folder): moved aside, never deleted
+            os.replace(final, self.root / f"{final.name}.incomplete-{uuid.uuid4().hex[:8]}")
         if final.exists():  # same step saved again after a restart: keep the old one until the swap
             old = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)

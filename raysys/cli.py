@@ -85,6 +85,8 @@ LAUNCH_FLAGS = {"workers": "workers", "gpus_per_worker": "gpus_per_worker", "add
 def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     wl = registry.get(args.workload)
     cfg = wl.config(args.preset)
+    if getattr(args, "resume", False):
+        cfg = _resumed_base(wl, cfg, args) or cfg
     if args.config:
         cfg = apply_overrides(cfg, load_yaml(args.config))
     cfg = apply_overrides(cfg, parse_set_args(args.sets))
@@ -99,7 +101,34 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     return wl, apply_overrides(cfg, launch)
 
 
+def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> Any:
+    """``--resume`` continues from the run's own saved config; --config/--set given now apply on top."""
+    from raysys.config import from_dict
+    from raysys.train.launcher import resolve_run_dir, saved_config
+
+    launch = dict(name=args.name, resume=True, storage_path=args.storage_path or cfg.launch.storage_path)
+    _, run_dir = resolve_run_dir(wl.name, type(cfg.launch)(**launch))
+    snap = saved_config(run_dir)
+    if snap is None:
+        return None
+    saved = yaml.safe_load(snap.read_text())
+    saved.get("launch", {}).update(resume=False, name=run_dir.name)
+    return from_dict(wl.config_cls, saved)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    import signal
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    finally:
+        from raysys import lifecycle
+
+        lifecycle.restore_signal_handlers(handlers)
+
+
+def _main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verbose:
         os.environ[console.VERBOSE_ENV] = "1"  # child processes and Ray workers started from here inherit it
@@ -127,6 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "show":
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
+        from raysys import lifecycle
+
+        lifecycle.install_signal_handlers()  # SIGINT/SIGTERM: checkpoint at the next step, then stop
         if getattr(args, "cv", False):
             from raysys.train.cv import run_cross_validation
 
@@ -139,11 +171,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             from raysys.session import run_custom
 
             result = run_custom(wl, cfg)
+        if getattr(result, "stopped_by", None) is not None:
+            import signal
+
+            print(f"[raysys] {signal.Signals(result.stopped_by).name}: run '{result.name}' stopped with a checkpoint "
+                  f"(MLflow: KILLED). Resume with:\n  {result.resume_command}", flush=True)
+            return lifecycle.exit_code(result.stopped_by)
         print(_summary(wl, result))
         return 0
     except ConfigError as e:
-        print(f"raysys: config error: {e}", file=sys.stderr)
+        from raysys.train.launcher import DataError
+
+        kind = "data error" if isinstance(e, DataError) else "config error"
+        print(f"raysys: {kind}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
+        return 130
     except Exception as e:
         from raysys.checkpoint import CheckpointError
 
@@ -151,6 +195,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if isinstance(root, (CheckpointError, ConfigError)):
             print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)
             return 2
+        line = _environment_error(root)
+        if line:  # a full disk, a lost tracking server: one line, the run resumable
+            print(f"raysys: {line}; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
+            return 1
         raise
 
 
@@ -164,6 +212,20 @@ def _summary(wl: registry.Workload, result: Any) -> str:
 
     return (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
             f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {result.run_dir}")
+
+
+def _environment_error(e: BaseException) -> Optional[str]:
+    """A one-line account of errors that come from the machine or a service, not from raysys: disk
+    (full, read-only, permissions) and the tracking server. Anything else keeps its traceback."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno is not None:
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return f"I/O error: {errno.errorcode.get(e.errno, e.errno)} {e.strerror}{where}"
+    if type(e).__name__ == "MlflowException" or type(e).__module__.startswith(("mlflow", "requests", "urllib3")):
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return f"tracking error: {msg}"
+    return None
 
 
 def _root_cause(e: BaseException) -> BaseException:

@@ -161,15 +161,33 @@ def _deepcopy(cfg: Any) -> Any:
     return copy.deepcopy(cfg)
 
 
-def _validate(cfg: Any) -> None:
-    """Run ``validate()`` hooks bottom-up so sections can check cross-field constraints."""
+def _validate(cfg: Any, prefix: str = "") -> None:
+    """Run ``validate()`` hooks bottom-up so sections can check cross-field constraints; NaN is never a
+    meaningful value of any number, so it fails everywhere."""
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
-            _validate(v)
+            _validate(v, f"{prefix}{f.name}.")
+        elif isinstance(v, float) and v != v:
+            raise ConfigError(f"{prefix}{f.name}: NaN is not a valid value")
     hook = getattr(cfg, "validate", None)
     if callable(hook):
         hook()
+
+
+def require(cond: bool, message: str) -> None:
+    """One range/shape rule of a ``validate()`` hook: a ConfigError with ``message`` when ``cond`` fails."""
+    if not cond:
+        raise ConfigError(message)
+
+
+def at_least(section: Any, prefix: str, minimum: float, *names: str) -> None:
+    """``prefix.name >= minimum`` for each (None, meaning 'off', passes)."""
+    for name in names:
+        v = getattr(section, name)
+        values = v if isinstance(v, (list, tuple)) else [v]
+        if v is not None and (not values or any(x < minimum for x in values)):
+            raise ConfigError(f"{prefix}{name} must be >= {minimum:g}, got {v!r}")
 
 
 def read_yaml(path: str | Path, what: str = "config file") -> Any:

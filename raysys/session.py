@@ -12,6 +12,7 @@ import time
 from typing import Any, Mapping, Optional
 
 from raysys.checkpoint import CheckpointStore
+from raysys.lifecycle import StopPoller, stop_requested
 from raysys.console import Sink
 from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run, set_threads
 
@@ -22,7 +23,7 @@ class Session:
     every rank restores the same checkpoint."""
 
     def __init__(self, run: OpenRun, keep_checkpoints: int = 2, report=None, rank: int = 0, world_size: int = 1,
-                 sink: Optional[Sink] = None):
+                 sink: Optional[Sink] = None, stop: Any = None):
         self.run = run
         self.run_dir = run.run_dir
         self.store: CheckpointStore = run.store(keep_checkpoints)
@@ -32,6 +33,13 @@ class Session:
         self.last_step = 0
         self.rank, self.world_size = rank, world_size
         self.sink = sink or Sink()  # the driver's console, wherever this process runs
+        self._stop = StopPoller(stop)
+
+    def should_stop(self) -> bool:
+        """True once the run was asked to stop (SIGINT/SIGTERM of the driver). A loop that checks it at a
+        step boundary saves a checkpoint there and returns; the run is then marked KILLED and can be
+        resumed. With several workers, agree on it collectively (e.g. an all-reduce) before acting."""
+        return self._stop() is not None
 
     @property
     def is_main(self) -> bool:
@@ -104,6 +112,8 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     with run.tracked():
         final = session.finish(wl.train_fn(run.cfg, session) or {})
 
-    (run.run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
-    return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)
+    if stop_requested() is None:
+        (run.run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
+    return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
+                     resume_command=run.resume_command())
 

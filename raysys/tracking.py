@@ -12,6 +12,7 @@ run must append to the run it already has.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -63,10 +64,49 @@ def _artifact_root(uri: str) -> Optional[str]:
     return None
 
 
+_ready: set[str] = set()
+
+
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
+    if uri not in _ready and uri.startswith("sqlite:///"):
+        # The first use of a fresh sqlite store creates its schema (alembic migrations); two processes doing
+        # that at once crash one of them. A file lock beside the database serialises the first touch.
+        from filelock import FileLock
+
+        db = Path(uri[len("sqlite:///"):])
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(db) + ".lock"):
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    _ready.add(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server cannot be reached."""
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, not after minutes of retries, when an HTTP tracking server does not answer."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+    except requests.RequestException as e:
+        reason = type(e).__name__
+        raise TrackingUnavailable(f"the MLflow tracking server at {uri} does not answer ({reason}); start it or pass "
+                                  "another --tracking-uri (nothing was created)") from None
+
+
+def quick_failures() -> None:
+    """Inside a run, a tracking call that fails should fail fast and be buffered (MLflowLogger), not hold
+    training for MLflow's default seven retries with exponential backoff and 120 s timeouts."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
 def get_or_create_experiment(uri: str, name: str) -> str:
@@ -113,14 +153,94 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     _client(uri).set_terminated(run_id, status=status)
 
 
-class MLflowLogger:
-    """Logs to one existing MLflow run by id."""
+BUFFER_FILE = "tracking-buffer.jsonl"
 
-    def __init__(self, uri: str, run_id: str):
+
+class MLflowLogger:
+    """Logs to one existing MLflow run by id.
+
+    With a ``buffer`` file (the run folder's ``tracking-buffer.jsonl``), tracking never stops training:
+    a call that fails is appended to the buffer and retried later in order (after 30 s, then backing
+    off to 5 min), on the next call that finds the server back, at the end of the run, or on
+    ``--resume``. Without one, errors propagate.
+    """
+
+    def __init__(self, uri: str, run_id: str, buffer: Optional[str | Path] = None):
         self.uri, self.run_id = uri, run_id
         self.client = _client(uri)
+        self.buffer = Path(buffer) if buffer is not None else None
+        self._retry_at, self._backoff = 0.0, 30.0
+        if self.buffer is not None:
+            quick_failures()
 
-    def log_params(self, params: Mapping[str, Any]) -> None:
+    # -- the buffer ---------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Records waiting in the buffer."""
+        if self.buffer is None or not self.buffer.is_file():
+            return 0
+        return sum(1 for line in self.buffer.read_text().splitlines() if line.strip())
+
+    def _send(self, rec: dict) -> None:
+        kind = rec["kind"]
+        if kind == "params":
+            self._log_params(rec["data"])
+        elif kind == "metrics":
+            self._log_metrics(rec["data"], rec["step"], rec.get("ts"))
+        elif kind == "artifact":
+            self.client.log_artifact(self.run_id, rec["path"], artifact_path=rec.get("subdir"))
+        elif kind == "text":
+            self.client.log_text(self.run_id, rec["text"], rec["name"])
+        elif kind == "tags":
+            for k, v in rec["data"].items():
+                self.client.set_tag(self.run_id, k, str(v))
+        elif kind == "end":
+            self.client.set_terminated(self.run_id, status=rec["status"])
+
+    def flush(self) -> bool:
+        """Send what the buffer holds, in order; True when it is empty afterwards."""
+        if self.buffer is None or not self.buffer.is_file():
+            return True
+        lines = [line for line in self.buffer.read_text().splitlines() if line.strip()]
+        sent = 0
+        try:
+            for line in lines:
+                self._send(json.loads(line))
+                sent += 1
+        except Exception:
+            self._write_rest(lines[sent:])
+            return False
+        self.buffer.unlink()
+        return True
+
+    def _write_rest(self, lines: list[str]) -> None:
+        tmp = self.buffer.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, self.buffer)
+
+    def _call(self, rec: dict) -> None:
+        if self.buffer is None:
+            return self._send(rec)
+        now = time.monotonic()
+        if self.buffer.is_file():  # an outage: queue behind what is waiting, retry now and then
+            if now < self._retry_at or not self.flush():
+                return self._append(rec, now)
+            self._backoff = 30.0
+        try:
+            self._send(rec)
+        except Exception as e:
+            log.warning("tracking call failed (%s); buffering in %s", type(e).__name__, self.buffer)
+            self._append(rec, now)
+
+    def _append(self, rec: dict, now: float) -> None:
+        if now >= self._retry_at:
+            self._retry_at, self._backoff = now + self._backoff, min(self._backoff * 2, 300.0)
+        self.buffer.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.buffer, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+
+    # -- the Logger interface -----------------------------------------------------------------------
+    def _log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
         existing = self.client.get_run(self.run_id).data.params
@@ -129,20 +249,31 @@ class MLflowLogger:
         for i in range(0, len(new), 100):
             self.client.log_batch(self.run_id, params=new[i:i + 100])
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def _log_metrics(self, metrics: Mapping[str, float], step: int, ts: Optional[int] = None) -> None:
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
+        ts = ts or int(time.time() * 1000)
         ms = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(ms), 500):
             self.client.log_batch(self.run_id, metrics=ms[i:i + 500])
 
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        self._call({"kind": "params", "data": {k: str(v) for k, v in params.items()}})
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        data = {k: float(v) for k, v in metrics.items() if v is not None}
+        self._call({"kind": "metrics", "data": data, "step": int(step), "ts": int(time.time() * 1000)})
+
     def log_artifact(self, path: str | Path, subdir: Optional[str] = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path=subdir)
+        self._call({"kind": "artifact", "path": str(Path(path).resolve()), "subdir": subdir})
 
     def log_text(self, text: str, name: str) -> None:
-        self.client.log_text(self.run_id, text, name)
+        self._call({"kind": "text", "text": text, "name": name})
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, str(v))
+        self._call({"kind": "tags", "data": {k: str(v) for k, v in tags.items()}})
+
+    def end(self, status: str) -> bool:
+        """Close the run; False when the close itself waits in the buffer (the server is down)."""
+        self._call({"kind": "end", "status": status})
+        return self.pending == 0

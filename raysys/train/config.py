@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from raysys.config import ConfigError
+from raysys.config import ConfigError, at_least, require
 
 Precision = Literal["fp32", "fp16", "bf16"]
 
@@ -51,6 +51,10 @@ class OptimConfig:
             raise ConfigError(f"optim.betas must be two values in [0, 1), got {list(self.betas)}")
         if self.warmup_steps < 0 or self.restart_period < 1 or self.restart_mult < 1:
             raise ConfigError("optim.warmup_steps >= 0, optim.restart_period >= 1 and optim.restart_mult >= 1 are required")
+        at_least(self, "optim.", 0, "weight_decay")
+        require(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.clip_grad_norm is None or self.clip_grad_norm > 0,
+                f"optim.clip_grad_norm must be > 0 (or none to disable clipping), got {self.clip_grad_norm}")
 
 
 @dataclass
@@ -113,6 +117,11 @@ class TrainConfig:
                      "breakdown_every_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        # max_steps=0 trained nothing and reported success; a run must take at least one step
+        at_least(self, "train.", 1, "max_steps", "checkpoint_every_steps")
+        require(self.checkpoint_every_minutes is None or self.checkpoint_every_minutes > 0,
+                f"train.checkpoint_every_minutes must be > 0, got {self.checkpoint_every_minutes}")
+        require(self.spike_factor > 1, f"train.spike_factor must be > 1, got {self.spike_factor}")
 
 
 @dataclass
@@ -151,6 +160,11 @@ class LaunchConfig:
             raise ConfigError(f"launch.threads must be >= 1, got {self.threads}")
         if self.gpus_per_worker < 0 or self.max_failures < 0:
             raise ConfigError("launch.gpus_per_worker and launch.max_failures must be >= 0")
+        require(self.cpus_per_worker > 0, f"launch.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        if self.name is not None:
+            from raysys.lifecycle import validate_name
+
+            validate_name(self.name, "launch.name")
 
 
 @dataclass

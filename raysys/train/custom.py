@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from raysys import console, tracking
+from raysys import console, lifecycle, tracking
 from raysys import workload as registry
 from raysys.config import from_dict
 from raysys.session import Session
@@ -35,11 +35,14 @@ def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Sess
     """Rebuild the config and a rank-aware Session inside a worker from the driver's payload."""
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
-    logger = tracking.MLflowLogger(payload["tracking_uri"], payload["run_id"]) if rank == 0 else tracking.NullLogger()
+    logger = (tracking.MLflowLogger(payload["tracking_uri"], payload["run_id"],
+                                    buffer=Path(payload["run_dir"]) / tracking.BUFFER_FILE)
+              if rank == 0 else tracking.NullLogger())
     run = OpenRun(wl, cfg, payload["config"], payload["name"], Path(payload["run_dir"]), payload["identity"],
                   payload["tracking_uri"], payload["run_id"], logger)
     set_threads(cfg.launch)
-    return cfg, Session(run, rank=rank, world_size=world_size, sink=console.Sink(payload.get("console")))
+    return cfg, Session(run, rank=rank, world_size=world_size, sink=console.Sink(payload.get("console")),
+                        stop=payload.get("stop"))
 
 
 def _train_worker(payload: dict) -> None:
@@ -51,7 +54,7 @@ def _train_worker(payload: dict) -> None:
         _init_jax_distributed(rank, world)
     cfg, session = worker_session(payload, rank, world)
     final = session.finish(session.run.wl.train_fn(cfg, session) or {})
-    if rank == 0:
+    if rank == 0 and not session.should_stop():
         final = {**final, "world_size": world}
         Path(payload["run_dir"], "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
 
@@ -97,11 +100,13 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     with run.tracked(), console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
-                   "run_id": run.run_id, "console": sink.handle}
+                   "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor()}
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure),
                           launch.max_failures, run.run_dir, sink)
-    final = json.loads((run.run_dir / "final_metrics.json").read_text())
-    return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final)
+    final_path = run.run_dir / "final_metrics.json"
+    final = json.loads(final_path.read_text()) if final_path.is_file() else {}
+    return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),
+                     resume_command=run.resume_command())
 
 
 def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool, resources: dict, failure: Any):

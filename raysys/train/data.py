@@ -45,8 +45,12 @@ class ShardSampler(Sampler[int]):
         return self.per_rank - self.start
 
 
-def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: LoaderConfig, device: torch.device) -> DataLoader:
-    kwargs = {}
+def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: LoaderConfig, device: torch.device,
+                seed: int = 0) -> DataLoader:
+    # A generator of its own: by default each new iterator draws its base seed from torch's global RNG,
+    # which also drives dropout, so a run resumed mid-epoch (one iterator more) would drift off the
+    # uninterrupted run's dropout masks. Seeded per epoch, loader workers get reproducible seeds too.
+    kwargs = {"generator": torch.Generator().manual_seed(seed)}
     if cfg.num_workers > 0:
         kwargs.update(persistent_workers=cfg.persistent_workers)
         if cfg.prefetch_factor is not None:

@@ -12,6 +12,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from raysys import console, tracking
+from raysys import console, lifecycle, tracking
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointError, CheckpointStore
 from raysys.config import ConfigError, flatten, to_dict
@@ -34,6 +36,9 @@ class RunResult:
     run_id: Optional[str]
     tracking_uri: str
     metrics: dict[str, Any]
+    stopped_by: Optional[int] = None
+    """The signal that stopped the run at a step boundary (its checkpoint saved), or None."""
+    resume_command: str = ""
 
 
 def identity_of(wl: registry.Workload, cfg: Any) -> dict:
@@ -42,9 +47,27 @@ def identity_of(wl: registry.Workload, cfg: Any) -> dict:
     return {k: d[k] for k in wl.extra.get("identity_sections", ("model", "data")) if k in d}
 
 
+URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def storage_root(path: str) -> Path:
+    """The local folder of ``launch.storage_path`` (``file://`` URIs included)."""
+    if path.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return Path(unquote(urlparse(path).path)).resolve()
+    if URI.match(path):
+        raise ConfigError(f"storage path {path!r}: only local folders and file:// URIs are supported so far; "
+                          "on a cluster use a folder every node mounts (nothing was created)")
+    return Path(path).resolve()
+
+
 def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
-    storage = Path(launch.storage_path).resolve()
+    """The run's name and folder, validated; nothing is created here."""
+    storage = storage_root(launch.storage_path)
     name = launch.name
+    if name is not None:
+        lifecycle.validate_name(name)
     if launch.resume and not name:  # newest run of this workload
         runs = sorted((p for p in storage.glob(f"{wl_name}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
         if not runs:
@@ -54,10 +77,27 @@ def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
     run_dir = storage / name
     if launch.resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: no run called '{name}' under {storage}")
-    if not launch.resume and run_dir.exists() and any(run_dir.iterdir()):
+    if not launch.resume and run_dir.exists() and any(p.name != lifecycle.LOCK_FILE for p in run_dir.iterdir()):
         raise ConfigError(f"a run called '{name}' already exists at {run_dir}; pass --resume to continue it "
                           "or choose another --name (nothing was changed)")
     return name, run_dir
+
+
+def saved_config(run_dir: Path) -> Optional[Path]:
+    """The config snapshot a resume continues from: the newest of config.yaml, config.resume-N.yaml."""
+    snaps = [p for p in run_dir.glob("config.resume-*.yaml") if p.stem.split("-")[-1].isdigit()]
+    if snaps:
+        return max(snaps, key=lambda p: int(p.stem.split("-")[-1]))
+    return run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else None
+
+
+def _next_snapshot(run_dir: Path, resume: bool) -> Path:
+    if not resume or not (run_dir / "config.yaml").exists():
+        return run_dir / "config.yaml"
+    n = 1
+    while (run_dir / f"config.resume-{n}.yaml").exists():  # every resume keeps its own snapshot
+        n += 1
+    return run_dir / f"config.resume-{n}.yaml"
 
 
 def init_ray(address: Optional[str]) -> None:
@@ -85,6 +125,7 @@ def init_ray(address: Optional[str]) -> None:
         # to 127.0.0.1 only, so nothing listens beyond this machine.
         ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet, configure_logging=False,
                  runtime_env=env)
+    lifecycle.reinstall_if_active()  # ray.init replaced our SIGTERM handler with its own
 
 
 def train_logging():
@@ -158,6 +199,10 @@ def _event(run_dir: Path, line: str) -> None:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
 
+class DataError(ConfigError):
+    """The user's data cannot be used (missing or wrong columns, bad values, unreadable files)."""
+
+
 @dataclass
 class OpenRun:
     """A run whose folder, config snapshot and MLflow run exist; what both kinds of loop start from."""
@@ -176,15 +221,25 @@ class OpenRun:
         return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep)
 
     def finish(self, status: str) -> None:
-        tracking.end_run(self.tracking_uri, self.run_id, status=status)
+        lifecycle.RunLock.release_dir(self.run_dir)
+        if not self.logger.end(status):
+            console.Sink().message(f"[raysys] the tracking server is unreachable: {self.logger.pending} records wait in "
+                                   f"{self.logger.buffer}; they are sent on --resume of this run")
+
+    def resume_command(self) -> str:
+        launch = self.cfg.launch
+        cmd = f"python -m raysys train {registry.ref(self.wl)} --name {self.name} --resume"
+        if Path(launch.storage_path).resolve() != Path("raysys_runs").resolve():
+            cmd += f" --storage-path {launch.storage_path}"
+        return cmd
 
     @contextlib.contextmanager
     def tracked(self):
-        """Close the MLflow run as FINISHED, KILLED (Ctrl-C) or FAILED, however the block ends."""
+        """Close the MLflow run as FINISHED, KILLED (a signal, Ctrl-C) or FAILED, however the block ends."""
         status = "FAILED"
         try:
             yield
-            status = "FINISHED"
+            status = "KILLED" if lifecycle.stop_requested() is not None else "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
             raise
@@ -192,28 +247,60 @@ class OpenRun:
             self.finish(status)
 
 
+def _prepare(prepare, cfg: Any) -> Any:
+    """Make or validate the data once, before any run folder or MLflow run exists; a data problem is one
+    line (DataError), not a traceback."""
+    if prepare is None:
+        return cfg
+    try:
+        return prepare(cfg) or cfg
+    except ConfigError:
+        raise
+    except (ValueError, LookupError, OSError) as e:  # pyarrow's ArrowInvalid/ArrowIOError are among these
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"data: {msg}") from None
+
+
 def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optional[str] = None,
              tags: Optional[dict] = None) -> OpenRun:
-    """Resolve the run folder, check an existing checkpoint before anything starts, snapshot the config
-    and open (or, when resuming, reopen) the MLflow run with the config as params."""
+    """Validate everything, then create: the run folder (locked), the config snapshot and the MLflow run
+    (reopened when resuming). Any problem found before the folder exists leaves nothing behind."""
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
     identity = identity_of(wl, cfg)
-    store = CheckpointStore(run_dir, wl.name, identity)
-    if launch.resume and store.latest() is not None:
-        store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if prepare is not None:
-        cfg = prepare(cfg) or cfg  # data made/validated once here; paths made absolute for workers
-    cfg_dict = to_dict(cfg)
-    cfg_file = run_dir / ("config.resumed.yaml" if launch.resume else "config.yaml")
-    cfg_file.write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
-    experiment = launch.experiment or f"raysys-{wl.name}"
-    run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, **(tags or {})},
-                                parent_run_id=parent_run_id, resume=launch.resume)
-    logger = tracking.MLflowLogger(uri, run_id)
+    try:
+        tracking.check_reachable(uri)
+    except tracking.TrackingUnavailable as e:
+        raise ConfigError(str(e)) from None
+    store = CheckpointStore(run_dir, wl.name, identity)
+    if launch.resume:
+        lifecycle.RunLock.acquire(run_dir, name)
+        for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
+            _event(run_dir, f"checkpoint cleanup: {line}")
+        if store.latest() is not None:
+            store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
+    cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
+    created = not launch.resume
+    if created:
+        lifecycle.create_run_dir(run_dir, name)
+    try:
+        cfg_dict = to_dict(cfg)
+        cfg_file = _next_snapshot(run_dir, launch.resume)
+        cfg_file.write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+        experiment = launch.experiment or f"raysys-{wl.name}"
+        run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, **(tags or {})},
+                                    parent_run_id=parent_run_id, resume=launch.resume)
+    except BaseException:
+        if created:  # nothing of this run exists elsewhere yet: do not let a half-made folder block the name
+            lifecycle.RunLock.release_dir(run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    logger = tracking.MLflowLogger(uri, run_id, buffer=run_dir / tracking.BUFFER_FILE)
+    if launch.resume and logger.pending:
+        sent = logger.pending
+        if logger.flush():
+            _event(run_dir, f"tracking buffer sent ({sent} records)")
     logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
     logger.log_artifact(cfg_file)
@@ -240,9 +327,11 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         init_ray(launch.address)
     resources = {"CPU": launch.cpus_per_worker, **({"GPU": launch.gpus_per_worker} if use_gpu else {})}
 
+    stop = lifecycle.stop_flag_actor() if launch.workers > 0 else None
+
     def make_trainer():
         payload = {"workload": registry.ref(wl), "config": cfg_dict, "run_dir": str(run_dir), "identity": identity,
-                   "tracking_uri": uri, "run_id": run_id, "console": sink.handle}
+                   "tracking_uri": uri, "run_id": run_id, "console": sink.handle, "stop": stop}
         return TorchTrainer(
             train_loop_per_worker,
             train_loop_config=payload,
@@ -258,7 +347,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     try:
         with console.live(remote=launch.workers > 0) as sink:
             fit_with_restarts(make_trainer, launch.max_failures, run_dir, sink)
-        status = "FINISHED"
+        status = "KILLED" if lifecycle.stop_requested() is not None else "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -268,4 +357,5 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
             logger.log_artifact(run_dir / "breakdown.md")
         run.finish(status)
     metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
-    return RunResult(name, run_dir, run_id, uri, metrics)
+    return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
+                     resume_command=run.resume_command())

@@ -24,7 +24,7 @@ from raysys.checkpoint import CheckpointStore
 from raysys.console import Sink
 from raysys.config import from_dict
 from raysys.metrics import PhaseTimer, StabilityMonitor, Throughput
-from raysys.tracking import MLflowLogger, NullLogger
+from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
 from raysys.train.data import ShardSampler, make_loader, to_device
 from raysys.train.optim import build_optimizer, build_scheduler
 
@@ -54,17 +54,34 @@ def _autocast(precision: str, device: torch.device):
 
 
 def _rng_state() -> dict:
-    # torch's generator drives init, shuffling (via ShardSampler seeds) and dropout; tensors load weights_only
-    return {"torch": torch.get_rng_state()}
+    """Every RNG stream a step may draw from (dropout, a user's collate or augmentation), as what
+    ``torch.load(weights_only=True)`` accepts; data order is a pure function of (seed, epoch)."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "numpy": [torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def _broadcast_flag(flag: bool, world: int, device: torch.device) -> bool:
-    """Rank 0's decision for everyone (time-based checkpoints must be taken by all ranks together)."""
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "python" in state:
+        random.setstate((3, tuple(state["python"]), None))
+    if "numpy" in state:
+        keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _broadcast_flags(flags: tuple[bool, ...], world: int, device: torch.device) -> tuple[bool, ...]:
+    """Rank 0's decisions for everyone (time-based checkpoints and stops are taken by all ranks together)."""
     if world == 1:
-        return flag
-    t = torch.tensor([int(flag)], device=device)
+        return flags
+    t = torch.tensor([int(f) for f in flags], device=device)
     torch.distributed.broadcast(t, src=0)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
@@ -73,6 +90,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     # Train's local mode logs every report at INFO; our progress lines already say it once.
     for noisy in ("ray.train.v2._internal.execution.train_fn_utils", "ray.train.v2._internal.execution.context"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from raysys.lifecycle import StopPoller
     from raysys.train.launcher import _event, set_threads
 
     wl = registry.get(payload["workload"])
@@ -124,7 +142,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         scaler.load_state_dict(state["scaler"])
         timer.load_state_dict(state["timer"])
         monitor.load_state_dict(state["monitor"])
-        torch.set_rng_state(state["rng"]["torch"])
+        _set_rng_state(state["rng"])
         step, epoch, micro_done = state["step"], state["epoch"], state["micro_in_epoch"]
         # the last step's loss: an epoch-end report right after the resume must not say NaN
         loss_val = float(state.get("loss", float("nan")))
@@ -132,7 +150,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             sink.message(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})")
             _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
 
-    logger = MLflowLogger(payload["tracking_uri"], payload["run_id"]) if rank == 0 and payload.get("run_id") else NullLogger()
+    logger = (MLflowLogger(payload["tracking_uri"], payload["run_id"], buffer=run_dir / BUFFER_FILE)
+              if rank == 0 and payload.get("run_id") else NullLogger())
+    stop_requested = StopPoller(payload.get("stop"))  # the driver's SIGINT/SIGTERM, seen at step boundaries
     eval_loader_items = None
 
     def save_checkpoint() -> None:
@@ -159,12 +179,13 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     last_ckpt_time = time.monotonic()
     step_at_start = step
     last_eval: dict[str, float] = {}
-    diverged = False
+    diverged = stopped = False
     nonfinite_streak = 0
     model.train()
-    while epoch < tc.epochs and step < total_steps and not diverged:
+    while epoch < tc.epochs and step < total_steps and not diverged and not stopped:
         sampler.set_epoch(epoch, start=micro_done * tc.batch_size)
-        it = iter(make_loader(train_ds, tc.batch_size, sampler, task.collate, cfg.loader, device))
+        it = iter(make_loader(train_ds, tc.batch_size, sampler, task.collate, cfg.loader, device,
+                              seed=tc.seed * 100_003 + epoch))
         exhausted = False
         while not exhausted and step < total_steps:
             timer.start_step(step)
@@ -221,17 +242,20 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 if rank == 0:
                     sink.progress(wl.name, step, total_steps, _progress_text(epoch, tc.epochs, metrics, task.token_name))
                 ray.train.report({**metrics, "step": step})
-                minutes = tc.checkpoint_every_minutes
-                due = minutes is not None and time.monotonic() - last_ckpt_time >= 60 * minutes
-                if _broadcast_flag(due, world, device):
-                    save_checkpoint()
-                    last_ckpt_time = time.monotonic()
+            minutes = tc.checkpoint_every_minutes
+            due = minutes is not None and time.monotonic() - last_ckpt_time >= 60 * minutes
+            due, stopped = _broadcast_flags((due, rank == 0 and stop_requested() is not None), world, device)
             if micro_done >= micro_per_epoch:
                 exhausted = True  # the epoch-end checkpoint below covers this step: no second save of it
-            if tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0 and not exhausted:
+            every = tc.checkpoint_every_steps
+            if (due or stopped or (every and step % every == 0)) and not exhausted:
                 save_checkpoint()
                 last_ckpt_time = time.monotonic()
+            if stopped:
+                break
 
+        if stopped and not exhausted:
+            break
         if exhausted:  # epoch finished: evaluate, report, checkpoint at the boundary
             epoch += 1
             micro_done = 0
@@ -249,6 +273,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             last_ckpt_time = time.monotonic()
             ray.train.report(metrics)
 
+    if stopped:  # a signal: the checkpoint of this step is saved; the driver marks the run KILLED
+        if rank == 0:
+            sink.message(f"[{wl.name}] stopped at step {step}/{total_steps}; checkpoint saved")
+        ray.train.report({"step": step, "stopped": 1.0})
+        return
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
              "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
     if rank == 0:

@@ -182,7 +182,14 @@ def load_sequences(path: PathLike) -> SequenceData:
         raise ValueError(f"{file}: question ids must be >= 1 (0 is reserved for padding), found {q.min()}")
     if len(r) and r.min() < 0:
         raise ValueError(f"{file}: responses must be >= 0, found {r.min()}")
-    n_questions = int(meta.get("n_questions", q.max() if len(q) else 0))
+    if not len(q):
+        raise ValueError(f"{file}: no responses (the table is empty)")
+    n_questions = int(meta.get("n_questions", q.max()))
+    distinct = len(np.unique(q))
+    if n_questions > max(10 * distinct, 100_000):
+        # the model keeps one embedding row per id up to the largest: 10^9 ids would be a 32 GB table
+        raise ValueError(f"{file}: question ids are sparse ({distinct} distinct, largest {n_questions}); renumber them "
+                         f"1..{distinct} (the model has one embedding row per id up to the largest)")
     n_cats = int(meta.get("n_cats", r.max() + 1 if len(r) else 0))
     if len(q) and q.max() > n_questions:
         raise ValueError(f"{file}: question id {q.max()} exceeds n_questions={n_questions} from {meta_path}")

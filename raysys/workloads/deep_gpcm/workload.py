@@ -16,7 +16,7 @@ from typing import Any, Iterable, Literal, Mapping, Optional
 
 import torch
 
-from raysys.config import ConfigError
+from raysys.config import ConfigError, at_least, require
 from raysys.train.config import LaunchConfig, LoaderConfig, OptimConfig, TrainConfig
 from raysys.workload import Workload
 
@@ -50,6 +50,10 @@ class DataConfig:
             raise ConfigError(f"data.fold must be in 0..{self.n_folds - 1}, got {self.fold}")
         if self.min_len < 2 or self.max_len <= self.min_len:
             raise ConfigError("data.min_len >= 2 and data.max_len > data.min_len are required")
+        at_least(self, "data.", 1, "n_questions")
+        at_least(self, "data.", 2, "n_cats", "n_folds")
+        require(self.path is not None or self.n_students >= self.n_folds,
+                f"data.n_students ({self.n_students}) must be >= data.n_folds ({self.n_folds})")
 
 
 @dataclass
@@ -68,6 +72,9 @@ class ModelConfig:
     """optimized: memory states kept every `chunk` steps; the backward recomputes the rest."""
     recurrence_threads: Optional[int] = None
     """optimized: torch threads for the memory loop only (1 is faster on a busy CPU); None leaves it."""
+
+    def validate(self) -> None:
+        at_least(self, "model.", 1, "memory_size", "key_dim", "value_dim", "final_fc_dim", "chunk", "recurrence_threads")
 
 
 @dataclass
@@ -140,7 +147,8 @@ class DeepGPCMTask:
         d = cfg.data
         if d.path:
             d.path = str(Path(d.path).resolve())
-            data.load_sequences(d.path)  # fail now, with the column named, not inside a worker
+            seqs = data.load_sequences(d.path)  # fail now, with the column named, not inside a worker
+            data.kfold_indices(len(seqs.questions), d.n_folds, d.fold, d.seed)  # enough rows for the folds
         else:
             d.data_dir = str(Path(d.data_dir).resolve())
             data.write_synthetic_oc(d.data_dir, n_students=d.n_students, n_questions=d.n_questions, n_cats=d.n_cats,

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from raysys.config import ConfigError
+from raysys.config import ConfigError, at_least, require
 from raysys.train.config import JaxLaunchConfig
 from raysys.workload import Workload
 
@@ -24,11 +24,17 @@ class EnvConfig:
     max_steps_in_episode: int = 1000
     """Episode truncation of the HackMatrix env (episodes last ~20 steps in practice)."""
 
+    def validate(self) -> None:
+        at_least(self, "env.", 1, "max_steps_in_episode")
+
 
 @dataclass
 class ModelConfig:
     hidden: tuple[int, ...] = (256, 256)
     """Shared MLP trunk widths (ReLU), then a 28-logit actor head and a value head."""
+
+    def validate(self) -> None:
+        at_least(self, "model.", 1, "hidden")
 
 
 @dataclass
@@ -62,6 +68,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if (self.num_envs * self.num_steps) % self.num_minibatches:
             raise ConfigError("train.num_envs * train.num_steps must be divisible by train.num_minibatches")
+        require(self.checkpoint_every_minutes > 0,
+                f"train.checkpoint_every_minutes must be > 0, got {self.checkpoint_every_minutes}")
 
 
 @dataclass
@@ -72,6 +80,9 @@ class OptimConfig:
     """Linear decay to 0 over total_timesteps (by env steps, so it survives a changed batch on resume)."""
     max_grad_norm: float = 0.5
     """Global-norm gradient clip."""
+
+    def validate(self) -> None:
+        require(self.lr > 0 and self.max_grad_norm > 0, "optim.lr and optim.max_grad_norm must be > 0")
 
 
 @dataclass
@@ -86,6 +97,11 @@ class PPOConfig:
     """Entropy bonus (the original's 0.1: HackMatrix needs a lot of exploration)."""
     vf_coef: float = 0.5
     """Value-loss weight."""
+
+    def validate(self) -> None:
+        require(0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1, "ppo.gamma must be in (0, 1], ppo.gae_lambda in [0, 1]")
+        require(self.clip_eps > 0, f"ppo.clip_eps must be > 0, got {self.clip_eps}")
+        at_least(self, "ppo.", 0, "ent_coef", "vf_coef")
 
 
 @dataclass
@@ -233,6 +249,10 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
             save()
             last_ckpt = time.perf_counter()
+        if jax.process_count() == 1 and session.should_stop():  # SIGINT/SIGTERM: save below and stop
+            save()
+            session.message(f"stopped at {env_steps}/{cfg.train.total_timesteps} env steps; checkpoint saved")
+            return final
     if jax.process_count() > 1:
         # before the final checkpoint: a worker group restarted after a mismatch must not resume
         # from (and so inherit) rank 0's params, which would hide the divergence

@@ -211,6 +211,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         return cfg.max_seconds is not None and time.perf_counter() - t_start >= cfg.max_seconds
 
     done = c["episodes"] >= cfg.num_episodes
+    signalled = 0.0
     if not done:
         collector.start(epsilon_at(cfg, c["episodes"]))
     try:
@@ -222,9 +223,11 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                 returns.append(ret), window.append(ret)
                 best_avg = max(best_avg, float(np.mean(window)))
             # episodes count over all learners' envs; any learner out of time stops them all
-            new_episodes, stop = all_sum([len(finished), float(out_of_time())], world, device)
+            # a SIGINT/SIGTERM of the run stops every learner at this boundary, with a checkpoint
+            new_episodes, stop, signalled = all_sum([len(finished), float(out_of_time()), float(session.should_stop())],
+                                                    world, device)
             c["episodes"] += int(new_episodes)
-            done = c["episodes"] >= cfg.num_episodes or stop > 0
+            done = c["episodes"] >= cfg.num_episodes or stop > 0 or signalled > 0
             if not done:
                 collector.set_weights(online)  # actors are idle now: cheap, and next sample uses it
                 collector.start(epsilon_at(cfg, c["episodes"]))
@@ -291,6 +294,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     if world > 1:
         _check_in_step(online, session, rank, world, device)
     session.checkpoint(_state(online, target, opt, c, returns, replay, monitor), c["env_steps"])
+    if signalled > 0:
+        session.message(f"stopped at {c['episodes']}/{cfg.num_episodes} episodes; checkpoint saved")
+        return {"charts/episodes": c["episodes"]}
 
     tail = returns[-cfg.avg_window:]
     final = {

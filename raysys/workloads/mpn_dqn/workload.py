@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from raysys.config import ConfigError
+from raysys.config import ConfigError, at_least, require
 from raysys.train.config import LaunchConfig
 from raysys.workload import Workload
 from raysys.workloads.mpn_dqn.env import NEUROGYM_TASK
@@ -114,6 +114,13 @@ class MPNDQNConfig:
             raise ConfigError("num_actors, burn_in and eval_trials must be >= 0")
         if not 0.0 < self.target_tau <= 1.0:
             raise ConfigError(f"target_tau must be in (0, 1], got {self.target_tau}")
+        require(0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}")
+        require(self.lr > 0 and self.max_grad_norm > 0, "lr and max_grad_norm must be > 0")
+        require(all(0 <= e <= 1 for e in (self.epsilon_start, self.epsilon_end, self.epsilon_fraction)),
+                "epsilon_start, epsilon_end and epsilon_fraction must be in [0, 1]")
+        require(self.burn_in < self.sequence_length, f"burn_in ({self.burn_in}) must be < sequence_length "
+                f"({self.sequence_length})")
+        at_least(self, "", 0, "learning_starts", "target_sync_every")
         if self.buffer_capacity < self.num_envs:
             raise ConfigError(f"buffer_capacity ({self.buffer_capacity}) must hold one step of all {self.num_envs} envs")
         if self.path == "naive" and (self.precision != "fp32" or self.compile):

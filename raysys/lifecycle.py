@@ -1,0 +1,208 @@
+"""A run's life: its name, its lock, and stopping it cleanly.
+
+- **Names.** A run name is a name, never a path: it becomes one folder under the storage path and
+  the MLflow run name.
+- **One process per run.** Creating a run makes its folder atomically (``mkdir`` fails if another
+  process got there first); creating or resuming takes an exclusive ``flock`` on
+  ``<run>/.raysys.lock`` held for the life of the process, so a second process is refused with the
+  holder's pid instead of training into the same folder. The OS drops the lock when the process
+  dies, so a crashed run never needs manual unlocking.
+- **Signals.** The first SIGINT/SIGTERM asks the training loop to stop at the next step boundary:
+  it saves a checkpoint, the MLflow run is marked KILLED, the resume command is printed and the
+  process exits 130/143. A second signal stops at once (the last checkpoint is still there).
+  Ray workers learn about the request from a tiny actor (:class:`StopFlag`) the driver sets.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from raysys.config import ConfigError
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,127}")
+LOCK_FILE = ".raysys.lock"
+
+
+def validate_name(name: str, what: str = "--name") -> str:
+    """A run name: letters, digits and ``. _ + = @ -``, at most 128 characters, no ``..``."""
+    if not NAME.fullmatch(name) or ".." in name:
+        raise ConfigError(f"{what} {name!r} is not a valid run name: use letters, digits and . _ + = @ - "
+                          "(no '/', no '..', at most 128 characters); a run name is a name, not a path")
+    return name
+
+
+class RunLock:
+    """An exclusive, process-lifetime lock on a run folder."""
+
+    _held: dict[str, "RunLock"] = {}  # one per run folder per process (a re-entrant acquire is a no-op)
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: Optional[int] = None
+
+    @classmethod
+    def acquire(cls, run_dir: Path, name: str) -> "RunLock":
+        key = str(Path(run_dir).resolve())
+        if key in cls._held:
+            return cls._held[key]
+        lock = cls(run_dir)
+        fd = os.open(lock.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"run '{name}' is in use by {holder}; wait for it to finish, or choose another --name "
+                              "(nothing was changed)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        lock.fd = fd
+        cls._held[key] = lock
+        return lock
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self._held.pop(str(self.path.parent.resolve()), None)
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+    @classmethod
+    def release_dir(cls, run_dir: Path) -> None:
+        lock = cls._held.get(str(Path(run_dir).resolve()))
+        if lock is not None:
+            lock.release()
+
+
+def create_run_dir(run_dir: Path, name: str) -> RunLock:
+    """Make a new run's folder and lock it. Of two processes creating the same run at once, one gets
+    the lock first and the other is refused (by the lock, or by the folder it then finds in use)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.acquire(run_dir, name)
+    if any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        lock.release()
+        raise ConfigError(f"a run called '{name}' already exists at {run_dir}; pass --resume to continue it "
+                          "or choose another --name (nothing was changed)")
+    return lock
+
+
+# ---- stopping at a step boundary -------------------------------------------------------------------
+
+_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None}
+
+
+def stop_requested() -> Optional[int]:
+    """The signal that asked this process to stop (SIGINT/SIGTERM), or None."""
+    return _stop["signum"]
+
+
+def request_stop(signum: int = signal.SIGINT) -> None:
+    if _stop["signum"] is None:
+        _stop["signum"] = signum
+    actor = _stop["actor"]
+    if actor is not None:
+        try:
+            actor.set.remote(signum)
+        except Exception:  # Ray already gone: the workers are too
+            pass
+
+
+def _handler(signum, frame) -> None:
+    if _stop["signum"] is not None:  # the second signal: stop now
+        raise KeyboardInterrupt
+    request_stop(signum)
+    from raysys import console
+
+    console.Sink().message(f"[raysys] {signal.Signals(signum).name}: stopping at the next step boundary with a "
+                           "checkpoint (send it again to stop at once)")
+
+
+def install_signal_handlers() -> None:
+    """Graceful SIGINT/SIGTERM for this (driver) process. Call again after ``ray.init``, which installs
+    its own SIGTERM handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
+    _stop["installed"] = True
+
+
+def restore_signal_handlers(handlers: dict) -> None:
+    """Put back the handlers a caller had (``main`` called from Python, e.g. a notebook or a test)."""
+    if threading.current_thread() is threading.main_thread() and _stop["installed"]:
+        for signum, h in handlers.items():
+            signal.signal(signum, h if h is not None else signal.SIG_DFL)
+        _stop["installed"] = False
+
+
+def reinstall_if_active() -> None:
+    if _stop["installed"]:
+        install_signal_handlers()
+
+
+def reset() -> None:
+    """Forget a stop request (tests, and a process that runs several runs)."""
+    _stop["signum"], _stop["actor"] = None, None
+
+
+def exit_code(signum: int) -> int:
+    return 128 + int(signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class StopFlag:
+    """Holds the driver's stop request for Ray workers on any node (a 0-CPU actor)."""
+
+    def __init__(self):
+        self.signum = None
+
+    def set(self, signum: int) -> None:
+        self.signum = signum
+
+    def get(self) -> Optional[int]:
+        return self.signum
+
+
+def stop_flag_actor():
+    """The driver's StopFlag actor (created on first use; already set if a signal came first)."""
+    import ray
+
+    if _stop["actor"] is None:
+        _stop["actor"] = ray.remote(num_cpus=0)(StopFlag).remote()
+        if _stop["signum"] is not None:
+            _stop["actor"].set.remote(_stop["signum"])
+    return _stop["actor"]
+
+
+class StopPoller:
+    """What a training loop asks at each step boundary. In the driver's process it reads the local flag;
+    in a Ray worker it asks the driver's :class:`StopFlag`, at most every ``interval`` seconds."""
+
+    def __init__(self, actor: Any = None, interval: float = 1.0):
+        self.actor, self.interval, self._next, self._seen = actor, interval, 0.0, None
+
+    def __call__(self) -> Optional[int]:
+        if self._seen is not None:
+            return self._seen
+        local = stop_requested()
+        if local is not None:
+            self._seen = local
+        elif self.actor is not None:
+            import time
+
+            now = time.monotonic()
+            if now >= self._next:
+                self._next = now + self.interval
+                import ray
+
+                try:
+                    self._seen = ray.get(self.actor.get.remote(), timeout=10)
+                except Exception:
+                    pass
+        return self._seen
