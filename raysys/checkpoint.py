@@ -10,6 +10,7 @@ difference. A corrupt checkpoint is reported, never deleted or overwritten.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -41,6 +42,11 @@ def _fsync_dir(path: Path) -> None:
 
 STEP_DIR = re.compile(r"step_(\d{9})")
 """The only folder names raysys reads or prunes: anything else (``step_6.bad``, a user's copy) is ignored."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, file too large, read-only storage). The half-written
+    copy is removed; earlier checkpoints are untouched, so the run resumes from the last one."""
 
 
 class CheckpointStore:
@@ -86,16 +92,24 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:09d}"
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        with open(tmp / "state.pt", "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        meta = {"workload": self.workload, "identity": self.identity, "step": step, "time": time.time(),
-                "torch": torch.__version__, **(extra_meta or {})}
-        # meta.json is written last: its presence marks the checkpoint complete.
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        _fsync_dir(tmp)
+        try:
+            tmp.mkdir()
+            with open(tmp / "state.pt", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            meta = {"workload": self.workload, "identity": self.identity, "step": step, "time": time.time(),
+                    "torch": torch.__version__, **(extra_meta or {})}
+            # meta.json is written last: its presence marks the checkpoint complete.
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+            _fsync_dir(tmp)
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = _os_error(e)
+            reason = f"{errno.errorcode.get(err.errno, err.errno)} {err.strerror}" if err else str(e).splitlines()[0][:200]
+            raise CheckpointWriteError(err.errno if err else errno.EIO,
+                                       f"could not write checkpoint {final.name} in {self.root} ({reason}); "
+                                       "the earlier checkpoints are intact") from e
         if final.exists() and not (final / "meta.json").is_file():
             # not a checkpoint raysys completed (a user's or a foreign folder): moved aside, never deleted
             os.replace(final, self.root / f"{final.name}.incomplete-{uuid.uuid4().hex[:8]}")
@@ -135,6 +149,14 @@ class CheckpointStore:
                 f"checkpoint {path} is corrupt or unsafe to load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
                 "It was left untouched; move it aside to resume from an earlier one.") from None
         return state, meta
+
+
+def _os_error(e: BaseException) -> Optional[OSError]:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _diff(saved: dict, current: dict) -> list[str]:

@@ -189,17 +189,46 @@ def _main(argv: Optional[list[str]] = None) -> int:
         print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
         return 130
     except Exception as e:
-        from raysys.checkpoint import CheckpointError
+        from raysys.checkpoint import CheckpointError, CheckpointWriteError
+        from raysys.train.launcher import find_cause
 
-        root = _root_cause(e)
-        if isinstance(root, (CheckpointError, ConfigError)):
+        root = find_cause(e, (CheckpointError, ConfigError))
+        if root is not None:
             print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)
             return 2
-        line = _environment_error(root)
+        line = _environment_error(find_cause(e, (CheckpointWriteError,)) or _service_error(e) or find_cause(e, (OSError,)))
         if line:  # a full disk, a lost tracking server: one line, the run resumable
             print(f"raysys: {line}; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
             return 1
         raise
+
+
+def _service_error(e: BaseException) -> Optional[BaseException]:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0] in ("mlflow", "requests", "urllib3"):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _environment_error(e: Optional[BaseException]) -> Optional[str]:
+    """A one-line account of errors that come from the machine or a service, not from raysys: disk
+    (full, read-only, permissions) and the tracking server. Anything else keeps its traceback."""
+    import errno
+
+    if e is None:
+        return None
+    if isinstance(e, OSError) and e.errno is not None and type(e).__module__ != "requests.exceptions":
+        if isinstance(e.strerror, str) and e.strerror.startswith("could not write"):
+            return f"I/O error: {e.strerror}"
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return f"I/O error: {errno.errorcode.get(e.errno, e.errno)} {e.strerror}{where}"
+    if type(e).__module__.split(".")[0] in ("mlflow", "requests", "urllib3"):
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return f"tracking error: {msg}"
+    return None
 
 
 def _summary(wl: registry.Workload, result: Any) -> str:
@@ -212,37 +241,6 @@ def _summary(wl: registry.Workload, result: Any) -> str:
 
     return (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
             f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {result.run_dir}")
-
-
-def _environment_error(e: BaseException) -> Optional[str]:
-    """A one-line account of errors that come from the machine or a service, not from raysys: disk
-    (full, read-only, permissions) and the tracking server. Anything else keeps its traceback."""
-    import errno
-
-    if isinstance(e, OSError) and e.errno is not None:
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        return f"I/O error: {errno.errorcode.get(e.errno, e.errno)} {e.strerror}{where}"
-    if type(e).__name__ == "MlflowException" or type(e).__module__.startswith(("mlflow", "requests", "urllib3")):
-        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        return f"tracking error: {msg}"
-    return None
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """Ray wraps worker exceptions (possibly several levels); find ours for a one-line message."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        from raysys.checkpoint import CheckpointError
-
-        if isinstance(e, (CheckpointError, ConfigError)):
-            return e
-        inner = getattr(e, "worker_failures", None)
-        if isinstance(inner, dict) and inner:
-            e = next(iter(inner.values()))
-            continue
-        e = e.__cause__ or e.__context__
-    return e
 
 
 if __name__ == "__main__":

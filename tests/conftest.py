@@ -18,3 +18,68 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RAYSYS_TRACKING_URI", raising=False)
     return tmp_path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 (sqlite backend, served artifacts) that a test can stop and
+    start again on the same port and store, as an outage does."""
+
+    def __init__(self, store: Path):
+        self.store, self.port, self.proc = store, free_port(), None
+        store.mkdir(parents=True, exist_ok=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "MlflowServer":
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{self.store / 'm.db'}", "--artifacts-destination", str(self.store / "art")],
+            stdout=open(self.store / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"mlflow server did not become healthy:\n{(self.store / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the server and its uvicorn worker
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """The URL of a real `mlflow server`, stopped at the end of the test."""
+    server = MlflowServer(tmp_path / "mlflow-server").start()
+    yield server.url
+    server.stop()

@@ -5,13 +5,10 @@ and compile pinned off, so that a trial takes seconds on 2 cores; see docs/tune.
 full-size command and its timing.
 """
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,43 +41,6 @@ def _runs(uri: str, workload: str = "deep_gpcm"):
     (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     return client, runs, parent, children
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    """A real `mlflow server` on 127.0.0.1 (sqlite backend, served artifacts), stopped at the end."""
-    port = _free_port()
-    store = tmp_path / "mlflow-server"
-    store.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", f"sqlite:///{store / 'm.db'}",
-                             "--artifacts-destination", str(store / "art")],
-                            stdout=open(store / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"mlflow server did not become healthy:\n{(store / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and its uvicorn worker
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_server):

@@ -23,7 +23,7 @@ import yaml
 
 from raysys import console, lifecycle, tracking
 from raysys import workload as registry
-from raysys.checkpoint import CheckpointError, CheckpointStore
+from raysys.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError
 from raysys.config import ConfigError, flatten, to_dict
 
 log = logging.getLogger(__name__)
@@ -148,12 +148,12 @@ def set_threads(launch: Any) -> None:
         torch.set_num_threads(int(n))
 
 
-PERMANENT = (ConfigError, CheckpointError, ImportError)
-"""Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint)."""
+PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError)
+"""Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint, a full disk)."""
 
 
-def permanent_cause(e: BaseException) -> Optional[BaseException]:
-    """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
+def find_cause(e: BaseException, types: tuple) -> Optional[BaseException]:
+    """The first error of ``types`` in ``e`` and Ray's wrappers around it (worker failures, causes)."""
     seen: set[int] = set()
     stack = [e]
     while stack:
@@ -161,13 +161,18 @@ def permanent_cause(e: BaseException) -> Optional[BaseException]:
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
-        if isinstance(err, PERMANENT):
+        if isinstance(err, types):
             return err
         failures = getattr(err, "worker_failures", None)
         if isinstance(failures, dict):
             stack.extend(failures.values())
         stack.extend([err.__cause__, err.__context__])
     return None
+
+
+def permanent_cause(e: BaseException) -> Optional[BaseException]:
+    """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
+    return find_cause(e, PERMANENT)
 
 
 def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_dir: Path, sink: Any = None) -> Any:
@@ -267,20 +272,21 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     (reopened when resuming). Any problem found before the folder exists leaves nothing behind."""
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
-    identity = identity_of(wl, cfg)
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
     try:
         tracking.check_reachable(uri)
     except tracking.TrackingUnavailable as e:
         raise ConfigError(str(e)) from None
-    store = CheckpointStore(run_dir, wl.name, identity)
     if launch.resume:
         lifecycle.RunLock.acquire(run_dir, name)
+    cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
+    identity = identity_of(wl, cfg)
+    store = CheckpointStore(run_dir, wl.name, identity)
+    if launch.resume:
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
             _event(run_dir, f"checkpoint cleanup: {line}")
         if store.latest() is not None:
             store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
-    cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     created = not launch.resume
     if created:
         lifecycle.create_run_dir(run_dir, name)

@@ -1,0 +1,306 @@
+"""A run that loses nothing: every case of issue #15's table, tried as a user would, in fresh
+processes (``python -m raysys``) against real files, a real MLflow store and a real server."""
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MlflowServer
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "digits"
+QUICK = ["deep_gpcm", "--preset", "quick", "--workers", "0", "--set", "train.epochs=1"]
+
+# The digits example, asking its own run to stop (exactly what SIGINT does) when micro-batch STOP_AT
+# begins: a deterministic interruption, for the step-for-step resume comparison.
+STOPPER = '''
+import dataclasses, os
+from digits_mlp import WORKLOAD as BASE, DigitsTask
+from raysys import lifecycle
+
+class StoppingTask(DigitsTask):
+    calls = 0
+    def loss(self, model, batch):
+        StoppingTask.calls += 1
+        if StoppingTask.calls == int(os.environ.get("STOP_AT", "0")):
+            lifecycle.request_stop()
+        return super().loss(model, batch)
+
+WORKLOAD = dataclasses.replace(BASE, name="digits_stop", task=StoppingTask())
+'''
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAYSYS_VERBOSE", "RAY_ADDRESS")}
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLE), env.get("PYTHONPATH")])), **extra}
+
+
+def _train(cwd: Path, *args: str, env: dict | None = None, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "raysys", "train", *args], cwd=cwd, env=env or _env(),
+                          capture_output=True, text=True, timeout=timeout, **kw)
+    print(args, "->", proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    return proc
+
+
+def _start(cwd: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "raysys", "train", *args], cwd=cwd, env=env or _env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _mlflow_runs(uri: str, experiment: str) -> list:
+    c = _client(uri)
+    exp = c.get_experiment_by_name(experiment)
+    return [] if exp is None else c.search_runs([exp.experiment_id])
+
+
+def _losses(uri: str, run_id: str) -> dict[int, float]:
+    return {m.step: m.value for m in _client(uri).get_metric_history(run_id, "train/loss")}
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert proc.returncode == code
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("raysys:")]
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+# ---- validation before anything exists --------------------------------------------------------------
+
+@pytest.mark.parametrize("args, needle", [
+    (["--name", "../../x"], "not a valid run name"),
+    (["--name", "/abs/path", "--resume"], "not a valid run name"),
+    (["--set", "train.max_steps=0"], "train.max_steps must be >= 1"),
+    (["--set", "model.memory_size=0"], "model.memory_size must be >= 1"),
+    (["--set", "model.chunk=0"], "model.chunk must be >= 1"),
+    (["--set", "optim.lr=nan"], "optim.lr"),
+    (["--set", "optim.betas=[0.9]"], "optim.betas must be two values"),
+    (["--storage-path", "s3://my-bucket/runs"], "storage path"),
+    (["--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
+])
+def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
+    t0 = time.monotonic()
+    proc = _train(tmp_path, *QUICK, *args, timeout=120)
+    _one_line_error(proc, 2, needle)
+    assert time.monotonic() - t0 < 60  # seconds, not MLflow's minutes of retries
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+    assert not list(tmp_path.glob("s3*")) and not (tmp_path.parent.parent / "x").exists()
+
+
+def _parquet(path: Path, questions: list, responses: list) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"questions": questions, "responses": responses}), path)
+    return path
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("huge_id", "sparse"),
+    ("missing_column", "missing required column"),
+    ("not_parquet", "data:"),
+    ("too_few_rows", "cannot split"),
+])
+def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
+    rows = [[1, 2, 3, 4]] * 20
+    if case == "huge_id":
+        data = _parquet(tmp_path / "d.parquet", rows[:-1] + [[1, 2, 3, 10**9]], [[0, 1, 0, 1]] * 20)
+    elif case == "missing_column":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        data = tmp_path / "d.parquet"
+        pq.write_table(pa.table({"questions": rows}), data)
+    elif case == "not_parquet":
+        data = tmp_path / "d.parquet"
+        data.write_bytes(b"this is not parquet")
+    else:
+        data = _parquet(tmp_path / "d.parquet", rows[:3], [[0, 1, 0, 1]] * 3)
+    proc = _train(tmp_path, *QUICK, "--set", f"data.path={data}", timeout=120)
+    _one_line_error(proc, 2, "data error", needle)
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+# ---- one process per run --------------------------------------------------------------------------
+
+def test_the_same_name_twice_at_once_runs_once(tmp_path):
+    procs = [_start(tmp_path, *QUICK, "--name", "twin") for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], outs
+    refused = outs[[p.returncode for p in procs].index(2)][1]
+    assert "in use by process" in refused or "already exists" in refused
+    runs = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
+    assert [r.info.run_name for r in runs] == ["twin"] and runs[0].info.status == "FINISHED"
+    assert not list((tmp_path / "raysys_runs" / "twin").glob("config.resume-*"))
+
+
+def test_three_runs_at_once_on_a_fresh_store(tmp_path):
+    procs = [_start(tmp_path, *QUICK, "--name", f"r{i}") for i in range(3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    runs = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
+    assert sorted((r.info.run_name, r.info.status) for r in runs) == [(f"r{i}", "FINISHED") for i in range(3)]
+
+
+# ---- checkpoint folders are never guessed at --------------------------------------------------------
+
+def test_foreign_and_moved_aside_folders_are_kept_and_stale_ones_cleaned(tmp_path):
+    first = _train(tmp_path, *QUICK, "--name", "ck", "--set", "train.epochs=2", "--set", "train.checkpoint_every_steps=2")
+    assert first.returncode == 0
+    ckpts = tmp_path / "raysys_runs" / "ck" / "checkpoints"
+    latest = sorted(ckpts.iterdir())[-1]
+    latest.rename(ckpts / f"{latest.name}.bad")  # what the corrupt-checkpoint message advises
+    (ckpts / "step_000000001").mkdir()  # no meta.json: not a complete raysys checkpoint
+    (ckpts / "step_000000001" / "notes.txt").write_text("mine")
+    (ckpts / "step_000000999").mkdir()  # a later-looking folder without meta.json must not win
+    (ckpts / ".tmp-step_000000007-0123abcd").mkdir()  # a crash mid-save
+    (ckpts / ".tmp-step_000000007-0123abcd" / "state.pt").write_bytes(b"half")
+
+    proc = _train(tmp_path, "deep_gpcm", "--name", "ck", "--resume", "--set", "train.epochs=4")
+    assert proc.returncode == 0
+    names = {p.name for p in ckpts.iterdir()}
+    assert f"{latest.name}.bad" in names and (ckpts / "step_000000001" / "notes.txt").read_text() == "mine"
+    assert "step_000000999" in names and not any(n.startswith(".tmp-") for n in names)
+    events = (tmp_path / "raysys_runs" / "ck" / "events.log").read_text()
+    assert "removed .tmp-step_000000007-0123abcd" in events and "resumed" in events
+
+
+def test_unit_checkpoint_store_finishes_an_interrupted_swap(tmp_path):
+    import torch
+
+    from raysys.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path, "w", {"model": {}}, keep=1)
+    store.save({"x": torch.ones(1)}, 3)
+    # a crash between moving step 3 aside and moving its replacement in: only the .old copy is complete
+    os.replace(store.root / "step_000000003", store.root / ".old-step_000000003-89abcdef")
+    assert store.latest() is None
+    assert store.clean_stale() == [".old-step_000000003-89abcdef -> step_000000003"]
+    assert store.load()[0]["x"].item() == 1.0
+
+
+# ---- faults of the machine and the services --------------------------------------------------------
+
+def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
+    def small_files():  # every file of the run limited to 3 MB: the checkpoint (about 5 MB) cannot be written
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))
+
+    args = ["deep_gpcm", "--workers", "0", "--name", "full", "--set", "train.max_steps=3",
+            "--set", "train.checkpoint_every_steps=2"]
+    proc = _train(tmp_path, *args, preexec_fn=small_files)
+    _one_line_error(proc, 1, "I/O error", "EFBIG")
+    ckpts = tmp_path / "raysys_runs" / "full" / "checkpoints"
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]  # the half copy was removed
+    runs = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
+    assert [r.info.status for r in runs] == ["FAILED"]
+    again = _train(tmp_path, "deep_gpcm", "--name", "full", "--resume")
+    assert again.returncode == 0 and "done: run 'full'" in again.stdout
+
+
+def test_tracking_outage_mid_run_loses_nothing(tmp_path):
+    server = MlflowServer(tmp_path / "server").start()
+    try:
+        run = _start(tmp_path, *QUICK, "--name", "outage", "--tracking-uri", server.url, "--set", "train.epochs=6",
+                     "--set", "train.log_every_steps=1", "--set", "train.checkpoint_every_steps=2")
+        _wait_for(tmp_path / "raysys_runs" / "outage" / "checkpoints" / "step_000000002", run)
+        server.stop()  # the server dies mid-run
+        out, err = run.communicate(timeout=600)
+        print(out[-3000:], err[-3000:])
+        assert run.returncode == 0, err  # training never stopped for tracking
+        buffer = tmp_path / "raysys_runs" / "outage" / "tracking-buffer.jsonl"
+        assert buffer.is_file() and "records wait in" in out
+        final = json.loads((tmp_path / "raysys_runs" / "outage" / "final_metrics.json").read_text())
+
+        server.start()  # back; resuming the finished run sends what waited
+        again = _train(tmp_path, "deep_gpcm", "--name", "outage", "--resume", "--tracking-uri", server.url)
+        assert again.returncode == 0 and not buffer.exists()
+        (r,) = _mlflow_runs(server.url, "raysys-deep_gpcm")
+        assert r.info.status == "FINISHED"
+        assert sorted(_losses(server.url, r.info.run_id)) == list(range(1, final["step"] + 1))  # every step arrived
+    finally:
+        server.stop()
+
+
+# ---- signals and resume -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_marks_killed_and_says_how_to_resume(tmp_path, sig):
+    args = ["deep_gpcm", "--workers", "0", "--name", "sig", "--set", "train.checkpoint_every_steps=3"]
+    run = _start(tmp_path, *args)
+    ckpts = tmp_path / "raysys_runs" / "sig" / "checkpoints"
+    _wait_for(ckpts / "step_000000003", run)
+    run.send_signal(sig)
+    out, err = run.communicate(timeout=300)
+    print(out[-3000:], err[-3000:])
+    assert run.returncode == 128 + sig
+    assert "stopped with a checkpoint" in out and "python -m raysys train deep_gpcm --name sig --resume" in out
+    stopped_at = int(out.split("stopped at step ")[1].split("/")[0])
+    assert (ckpts / f"step_{stopped_at:09d}" / "meta.json").is_file()
+    (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
+    assert r.info.status == "KILLED"
+
+
+def test_sigint_with_ray_workers_stops_them_at_a_step_boundary(tmp_path):
+    args = ["digits_mlp:WORKLOAD", "--workers", "2", "--name", "ddp", "--set", "train.epochs=200",
+            "--set", "train.checkpoint_every_steps=5"]
+    run = _start(tmp_path, *args)
+    ckpts = tmp_path / "raysys_runs" / "ddp" / "checkpoints"
+    _wait_for(ckpts / "step_000000005", run, timeout=400)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=300)
+    print(out[-3000:], err[-3000:])
+    assert run.returncode == 130 and "--name ddp --resume" in out
+    stopped_at = int(out.split("stopped at step ")[1].split("/")[0])
+    assert (ckpts / f"step_{stopped_at:09d}" / "meta.json").is_file()
+    (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-digits_mlp")
+    assert r.info.status == "KILLED"
+
+
+@pytest.mark.parametrize("workload, stop_at, sets", [
+    ("stopper:WORKLOAD", 13, ["--preset", "quick"]),  # a small model with dropout, stopped mid-epoch
+    ("deep_gpcm", 0, ["--set", "train.epochs=2"]),
+])
+def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, stop_at, sets):
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    common = [workload, "--workers", "0", *sets, "--set", "train.log_every_steps=1"]
+    assert _train(tmp_path, *common, "--name", "whole").returncode == 0
+    if stop_at:
+        first = _train(tmp_path, *common, "--name", "cut", env=_env(STOP_AT=str(stop_at)))
+        assert first.returncode == 130
+    else:  # stopped by a real signal, wherever it lands
+        run = _start(tmp_path, *common, "--name", "cut", "--set", "train.checkpoint_every_steps=2")
+        _wait_for(tmp_path / "raysys_runs" / "cut" / "checkpoints" / "step_000000004", run)
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=300)
+        assert run.returncode == 130
+    # no --preset and no --set: the run's own config.yaml is reused
+    again = _train(tmp_path, workload, "--name", "cut", "--resume")
+    assert again.returncode == 0
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ids = {r.info.run_name: r.info.run_id for r in _mlflow_runs(uri, f"raysys-{'digits_stop' if stop_at else 'deep_gpcm'}")}
+    whole, cut = _losses(uri, ids["whole"]), _losses(uri, ids["cut"])
+    assert len(whole) > 20 and whole == cut  # step for step, to the last bit
