@@ -52,16 +52,25 @@ class CheckpointWriteError(OSError):
 class CheckpointStore:
     def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2):
         """``identity``: the config subset a checkpoint must match to be resumed (model shape, data)."""
+        from raysys import storage
+
         self.root = Path(run_dir) / "checkpoints"
+        # a run on remote storage (raysys.storage): the folder here is a working copy, the storage the truth
+        self.remote = storage.remote_of(Path(run_dir))
         # through JSON once, so tuples compare equal to the lists a saved meta.json holds
         self.workload, self.identity, self.keep = workload, json.loads(json.dumps(identity, default=str)), keep
 
     def complete(self) -> list[Path]:
         """Checkpoints raysys wrote completely, oldest first: ``step_<9 digits>`` folders whose
         ``meta.json`` (written last) exists. Others are never read, and never deleted."""
-        if not self.root.is_dir():
+        if self.remote is not None:
+            remote, name = self.remote
+            done = [self.root / n for n in remote.listdir(name, "checkpoints")
+                    if STEP_DIR.fullmatch(n) and remote.kind(name, "checkpoints", n, "meta.json") == "file"]
+        elif not self.root.is_dir():
             return []
-        done = [p for p in self.root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file()]
+        else:
+            done = [p for p in self.root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / "meta.json").is_file()]
         return sorted(done, key=lambda p: int(p.name[len("step_"):]))
 
     def clean_stale(self) -> list[str]:
@@ -121,7 +130,18 @@ class CheckpointStore:
         else:
             os.replace(tmp, final)
         _fsync_dir(self.root)
+        if self.remote is not None:
+            remote, name = self.remote
+            try:  # the state first, meta.json last: a half upload is never taken for a checkpoint
+                for f in ("state.pt", "meta.json"):
+                    remote.put(final / f, name, "checkpoints", final.name, f)
+            except OSError as e:
+                raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "
+                                           f"{remote.display}/{name} ({str(e).splitlines()[0][:200]}); the earlier "
+                                           "checkpoints are intact") from e
         for stale in self.complete()[:-self.keep]:
+            if self.remote is not None:
+                self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
             shutil.rmtree(stale, ignore_errors=True)
         return final
 
@@ -130,6 +150,10 @@ class CheckpointStore:
         path = path or self.latest()
         if path is None:
             raise CheckpointError(f"no checkpoint in {self.root}")
+        if self.remote is not None and not (path / "meta.json").is_file():
+            remote, name = self.remote
+            for f in ("state.pt", "meta.json"):  # meta.json last here too
+                remote.get(path / f, name, "checkpoints", path.name, f)
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError) as e:

@@ -233,6 +233,8 @@ def _environment_error(e: Optional[BaseException]) -> Optional[str]:
 
 def _summary(wl: registry.Workload, result: Any) -> str:
     """The one summary at the end: quality, speed, where the run lives."""
+    from raysys import storage
+
     m = result.metrics
 
     def fmt(key: str) -> str:
@@ -240,7 +242,7 @@ def _summary(wl: registry.Workload, result: Any) -> str:
         return f"{v:.4g}" if isinstance(v, (int, float)) else "n/a"
 
     return (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
-            f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {result.run_dir}")
+            f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {storage.where(result.run_dir)}")
 
 
 if __name__ == "__main__":

@@ -43,16 +43,20 @@ class RunLock:
 
     _held: dict[str, "RunLock"] = {}  # one per run folder per process (a re-entrant acquire is a no-op)
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK_FILE
+    def __init__(self, run_dir: Path, lock_dir: Optional[Path] = None, name: str = ""):
+        self.key = str(Path(run_dir).resolve())
+        if lock_dir is not None:
+            lock_dir.mkdir(parents=True, exist_ok=True)
+        self.path = (lock_dir / f"{name}.lock") if lock_dir is not None else Path(run_dir) / LOCK_FILE
         self.fd: Optional[int] = None
 
     @classmethod
-    def acquire(cls, run_dir: Path, name: str) -> "RunLock":
+    def acquire(cls, run_dir: Path, name: str, lock_dir: Optional[Path] = None) -> "RunLock":
+        """``lock_dir``: where the lock file lives when not in the run folder (runs on remote storage)."""
         key = str(Path(run_dir).resolve())
         if key in cls._held:
             return cls._held[key]
-        lock = cls(run_dir)
+        lock = cls(run_dir, lock_dir, name)
         fd = os.open(lock.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,7 +73,7 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            self._held.pop(str(self.path.parent.resolve()), None)
+            self._held.pop(self.key, None)
             os.close(self.fd)  # closing drops the flock
             self.fd = None
 
@@ -81,11 +85,11 @@ class RunLock:
             lock.release()
 
 
-def create_run_dir(run_dir: Path, name: str) -> RunLock:
+def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) -> RunLock:
     """Make a new run's folder and lock it. Of two processes creating the same run at once, one gets
     the lock first and the other is refused (by the lock, or by the folder it then finds in use)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock.acquire(run_dir, name)
+    lock = RunLock.acquire(run_dir, name, lock_dir)
     if any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         lock.release()
         raise ConfigError(f"a run called '{name}' already exists at {run_dir}; pass --resume to continue it "

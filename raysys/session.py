@@ -11,6 +11,7 @@ import json
 import time
 from typing import Any, Mapping, Optional
 
+from raysys import storage
 from raysys.checkpoint import CheckpointStore
 from raysys.lifecycle import StopPoller, stop_requested
 from raysys.console import Sink
@@ -89,7 +90,7 @@ class Session:
     def artifact_text(self, text: str, name: str) -> None:
         if not self.is_main:
             return
-        (self.run_dir / name).write_text(text)
+        storage.write_text(self.run_dir / name, text)
         self.run.logger.log_text(text, name)
 
 
@@ -113,7 +114,7 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
         final = session.finish(wl.train_fn(run.cfg, session) or {})
 
     if stop_requested() is None:
-        (run.run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
+        storage.write_text(run.run_dir / "final_metrics.json", json.dumps(final, indent=1, default=float))
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
                      resume_command=run.resume_command())
 

@@ -23,12 +23,12 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from raysys import console, lifecycle, tracking
+from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import from_dict
 from raysys.session import Session
-from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, set_threads,
-                                   train_logging)
+from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, ray_storage,
+                                   set_threads, train_logging)
 
 
 def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Session]:
@@ -36,9 +36,10 @@ def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Sess
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
     logger = (tracking.MLflowLogger(payload["tracking_uri"], payload["run_id"],
-                                    buffer=Path(payload["run_dir"]) / tracking.BUFFER_FILE)
+                                    buffer=run_dir / tracking.BUFFER_FILE)
               if rank == 0 else tracking.NullLogger())
-    run = OpenRun(wl, cfg, payload["config"], payload["name"], Path(payload["run_dir"]), payload["identity"],
+    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
+    run = OpenRun(wl, cfg, payload["config"], payload["name"], run_dir, payload["identity"],
                   payload["tracking_uri"], payload["run_id"], logger)
     set_threads(cfg.launch)
     return cfg, Session(run, rank=rank, world_size=world_size, sink=console.Sink(payload.get("console")),
@@ -56,7 +57,8 @@ def _train_worker(payload: dict) -> None:
     final = session.finish(session.run.wl.train_fn(cfg, session) or {})
     if rank == 0 and not session.should_stop():
         final = {**final, "world_size": world}
-        Path(payload["run_dir"], "final_metrics.json").write_text(json.dumps(final, indent=1, default=float))
+        storage.write_text(storage.worker_run_dir(payload) / "final_metrics.json",
+                           json.dumps(final, indent=1, default=float))
 
 
 def _init_jax_distributed(rank: int, world: int) -> None:
@@ -99,12 +101,12 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     failure = FailureConfig(max_failures=0)
     with run.tracked(), console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
-                   "run_dir": str(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
+                   "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
                    "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor()}
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure),
                           launch.max_failures, run.run_dir, sink)
     final_path = run.run_dir / "final_metrics.json"
-    final = json.loads(final_path.read_text()) if final_path.is_file() else {}
+    final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command())
 
@@ -123,7 +125,7 @@ def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool,
             scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, use_tpu=launch.use_tpu,
                                          topology=launch.topology, accelerator_type=launch.accelerator_type,
                                          resources_per_worker=None if launch.use_tpu else resources),
-            run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent), failure_config=failure,
+            run_config=RunConfig(name=run.name, **ray_storage(run.run_dir), failure_config=failure,
                                  worker_runtime_env={"env_vars": env}, logging_config=train_logging()),
         )
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -133,6 +135,6 @@ def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool,
         train_loop_config=payload,
         scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name=run.name, storage_path=str(run.run_dir.parent), failure_config=failure,
+        run_config=RunConfig(name=run.name, **ray_storage(run.run_dir), failure_config=failure,
                              logging_config=train_logging()),
     )

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from raysys import console, lifecycle, tracking
+from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError
 from raysys.config import ConfigError, flatten, to_dict
@@ -47,40 +47,53 @@ def identity_of(wl: registry.Workload, cfg: Any) -> dict:
     return {k: d[k] for k in wl.extra.get("identity_sections", ("model", "data")) if k in d}
 
 
-URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def storage_root(path: str) -> Path:
     """The local folder of ``launch.storage_path`` (``file://`` URIs included)."""
     if path.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
         return Path(unquote(urlparse(path).path)).resolve()
-    if URI.match(path):
-        raise ConfigError(f"storage path {path!r}: only local folders and file:// URIs are supported so far; "
-                          "on a cluster use a folder every node mounts (nothing was created)")
     return Path(path).resolve()
 
 
 def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
-    """The run's name and folder, validated; nothing is created here."""
-    storage = storage_root(launch.storage_path)
+    """The run's name and folder, validated; nothing is created here. On remote storage the folder is this
+    process's working copy (raysys.storage), with the run's files pulled when resuming."""
+    remote = storage.Remote(launch.storage_path) if storage.is_remote(launch.storage_path) else None
+    root = remote.display if remote else storage_root(launch.storage_path)
     name = launch.name
     if name is not None:
         lifecycle.validate_name(name)
     if launch.resume and not name:  # newest run of this workload
-        runs = sorted((p for p in storage.glob(f"{wl_name}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        if remote:
+            runs = [n for n in remote.listdir() if n.startswith(f"{wl_name}-")]  # <workload>-<time>: sorts by time
+        else:
+            runs = [p.name for p in sorted((p for p in root.glob(f"{wl_name}-*") if p.is_dir()),
+                                           key=lambda p: p.stat().st_mtime)]
         if not runs:
-            raise ConfigError(f"--resume: no earlier {wl_name} run under {storage}")
-        name = runs[-1].name
+            raise ConfigError(f"--resume: no earlier {wl_name} run under {root}")
+        name = runs[-1]
     name = name or f"{wl_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = storage / name
-    if launch.resume and not run_dir.is_dir():
-        raise ConfigError(f"--resume: no run called '{name}' under {storage}")
-    if not launch.resume and run_dir.exists() and any(p.name != lifecycle.LOCK_FILE for p in run_dir.iterdir()):
-        raise ConfigError(f"a run called '{name}' already exists at {run_dir}; pass --resume to continue it "
+    if remote:
+        exists = remote.kind(name) == "dir" and bool(remote.listdir(name))
+        run_dir = storage.working_copy(remote, name)
+        if exists and launch.resume:
+            storage.pull_run_files(remote, name, run_dir)
+    else:
+        run_dir = root / name
+        exists = run_dir.is_dir() and any(p.name != lifecycle.LOCK_FILE for p in run_dir.iterdir())
+    if launch.resume and not exists:
+        raise ConfigError(f"--resume: no run called '{name}' under {root}")
+    if not launch.resume and exists:
+        raise ConfigError(f"a run called '{name}' already exists at {root}/{name}; pass --resume to continue it "
                           "or choose another --name (nothing was changed)")
     return name, run_dir
+
+
+def ray_storage(run_dir: Path) -> dict:
+    """``RunConfig`` storage arguments: Ray Train keeps its own run state in the run's storage too."""
+    owner = storage.remote_of(run_dir)
+    return owner[0].ray_storage() if owner else {"storage_path": str(run_dir.parent)}
 
 
 def saved_config(run_dir: Path) -> Optional[Path]:
@@ -200,8 +213,10 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
 def _event(run_dir: Path, line: str) -> None:
     """Append to <run>/events.log: resumes and restarts, for users and tests to audit a run."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    storage.pull(run_dir / "events.log")  # a remote run: append to what other processes wrote
     with open(run_dir / "events.log", "a") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+    storage.push(run_dir / "events.log")
 
 
 class DataError(ConfigError):
@@ -252,6 +267,17 @@ class OpenRun:
             self.finish(status)
 
 
+def _lock_dir(launch: Any) -> Optional[Path]:
+    """Where a remote run's lock lives: object stores have no locks, so runs of one machine share a lock
+    folder (two machines resuming one remote run at once are not detected)."""
+    if not storage.is_remote(launch.storage_path):
+        return None
+    import hashlib
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "raysys-locks" / hashlib.sha256(launch.storage_path.encode()).hexdigest()[:16]
+
+
 def _prepare(prepare, cfg: Any) -> Any:
     """Make or validate the data once, before any run folder or MLflow run exists; a data problem is one
     line (DataError), not a traceback."""
@@ -278,7 +304,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     except tracking.TrackingUnavailable as e:
         raise ConfigError(str(e)) from None
     if launch.resume:
-        lifecycle.RunLock.acquire(run_dir, name)
+        lifecycle.RunLock.acquire(run_dir, name, lock_dir=_lock_dir(launch))
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity)
@@ -289,11 +315,11 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
             store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
     created = not launch.resume
     if created:
-        lifecycle.create_run_dir(run_dir, name)
+        lifecycle.create_run_dir(run_dir, name, lock_dir=_lock_dir(launch))
     try:
         cfg_dict = to_dict(cfg)
         cfg_file = _next_snapshot(run_dir, launch.resume)
-        cfg_file.write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+        storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
         experiment = launch.experiment or f"raysys-{wl.name}"
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
@@ -310,7 +336,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
     logger.log_artifact(cfg_file)
-    print(f"[raysys] run '{name}' -> {run_dir}\n[raysys] MLflow: {uri} (experiment '{experiment}', run {run_id})", flush=True)
+    print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n[raysys] MLflow: {uri} (experiment '{experiment}', run {run_id})", flush=True)
     return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger)
 
 
@@ -336,7 +362,8 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     stop = lifecycle.stop_flag_actor() if launch.workers > 0 else None
 
     def make_trainer():
-        payload = {"workload": registry.ref(wl), "config": cfg_dict, "run_dir": str(run_dir), "identity": identity,
+        payload = {"workload": registry.ref(wl), "config": cfg_dict, "run_dir": str(run_dir),
+                   **storage.payload(run_dir), "identity": identity,
                    "tracking_uri": uri, "run_id": run_id, "console": sink.handle, "stop": stop}
         return TorchTrainer(
             train_loop_per_worker,
@@ -344,7 +371,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
             scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu,
                                          resources_per_worker=resources if launch.workers > 0 else None),
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            run_config=RunConfig(name=name, storage_path=str(run_dir.parent), callbacks=callbacks,
+            run_config=RunConfig(name=name, **ray_storage(run_dir), callbacks=callbacks,
                                  failure_config=FailureConfig(max_failures=0), logging_config=train_logging(),
                                  checkpoint_config=CheckpointConfig(num_to_keep=1)),
         )
@@ -359,7 +386,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         raise
     finally:
         final_path = run_dir / "final_metrics.json"
-        if final_path.is_file() and (run_dir / "breakdown.md").is_file():
+        if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
             logger.log_artifact(run_dir / "breakdown.md")
         run.finish(status)
     metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raysys import storage
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointStore
 from raysys.console import Sink
@@ -128,7 +129,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     monitor = StabilityMonitor(spike_factor=tc.spike_factor)
     speed = Throughput()
 
-    run_dir = Path(payload["run_dir"])
+    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
     run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints)
     step, epoch, micro_done = 0, 0, 0
@@ -150,6 +151,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             sink.message(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})")
             _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
 
+    if rank == 0 and world > 1:  # where rank 0 runs, for audits of restarts after a lost node
+        _event(run_dir, f"worker group of {world} started; rank 0 on node {ray.get_runtime_context().get_node_id()}")
     logger = (MLflowLogger(payload["tracking_uri"], payload["run_id"], buffer=run_dir / BUFFER_FILE)
               if rank == 0 and payload.get("run_id") else NullLogger())
     stop_requested = StopPoller(payload.get("stop"))  # the driver's SIGINT/SIGTERM, seen at step boundaries
@@ -290,8 +293,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if fresh:
             logger.log_metrics(last_eval, step)
         logger.log_text(timer.table(), "breakdown.md")
-        (run_dir / "breakdown.md").write_text(timer.table())
-        (run_dir / "final_metrics.json").write_text(json.dumps(final, indent=1))
+        storage.write_text(run_dir / "breakdown.md", timer.table())
+        storage.write_text(run_dir / "final_metrics.json", json.dumps(final, indent=1))
         sink.message(f"[{wl.name}] step-time breakdown (measured):\n{timer.table()}")
     ray.train.report({**final, "done": 1.0})
 

@@ -1,0 +1,162 @@
+"""Where runs live: a local folder, or any filesystem ``pyarrow.fs`` resolves (``s3://``, ``gs://``,
+``hdfs://``, ``file://``), as Ray Train's own storage layer does.
+
+A run on remote storage has a **working copy** on each process that touches it: a private temporary
+folder (never shared between processes, so a worker restarted on another node really reads the
+storage, not a neighbour's leftovers). Everything the run folder holds is written there first and
+then pushed: checkpoints (``state.pt`` first, ``meta.json`` last, so a half upload is never taken
+for a checkpoint), the config snapshots, ``events.log``, the breakdown and final metrics. Resuming
+pulls the run's files and the newest complete checkpoint back.
+
+URI query parameters go to the filesystem, e.g.
+``s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http`` for an S3-compatible server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote(path: str) -> bool:
+    return bool(URI.match(path)) and not path.startswith("file://")
+
+
+class Remote:
+    """The storage root of remote runs: a pyarrow filesystem and the base path in it."""
+
+    def __init__(self, uri: str):
+        import pyarrow.fs as pafs
+
+        from raysys.config import ConfigError
+
+        self.uri = uri
+        try:
+            self.fs, self.base = pafs.FileSystem.from_uri(uri)
+        except Exception as e:  # unknown scheme, missing credentials library, malformed URI
+            raise ConfigError(f"storage path {uri!r}: {str(e).splitlines()[0]}") from None
+        self.base = self.base.rstrip("/")
+        self.display = urlsplit(uri)._replace(query="").geturl().rstrip("/")
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.base, *[p.strip("/") for p in parts if p]])
+
+    def kind(self, *parts: str):
+        import pyarrow.fs as pafs
+
+        t = self.fs.get_file_info(self.path(*parts)).type
+        return {pafs.FileType.File: "file", pafs.FileType.Directory: "dir"}.get(t)
+
+    def listdir(self, *parts: str) -> list[str]:
+        import pyarrow.fs as pafs
+
+        sel = pafs.FileSelector(self.path(*parts), allow_not_found=True)
+        return sorted(info.base_name for info in self.fs.get_file_info(sel))
+
+    def put(self, local: Path, *parts: str) -> None:
+        with open(local, "rb") as src, self.fs.open_output_stream(self.path(*parts)) as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
+
+    def get(self, local: Path, *parts: str) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.part")
+        with self.fs.open_input_stream(self.path(*parts)) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
+        tmp.replace(local)
+
+    def delete_dir(self, *parts: str) -> None:
+        self.fs.delete_dir(self.path(*parts))
+
+    def ray_storage(self) -> dict:
+        """``RunConfig`` arguments that put Ray Train's own run state on the same storage."""
+        return {"storage_path": self.base, "storage_filesystem": self.fs}
+
+
+# ---- run folders ----------------------------------------------------------------------------------
+
+_runs: dict[str, tuple[Remote, str]] = {}  # working copy -> (storage, run name)
+
+
+def working_copy(storage: Remote, name: str) -> Path:
+    """A fresh private folder standing for run ``name`` in this process."""
+    for local, (s, n) in _runs.items():
+        if s.uri == storage.uri and n == name:
+            return Path(local)
+    root = Path(tempfile.mkdtemp(prefix=f"raysys-{name}-"))
+    atexit.register(shutil.rmtree, root, True)
+    _runs[str(root)] = (storage, name)
+    return root
+
+
+def remote_of(run_dir: Path) -> Optional[tuple[Remote, str]]:
+    return _runs.get(str(run_dir))
+
+
+def push(path: Path) -> None:
+    """Upload a file of a run's working copy to its storage (nothing to do for local runs)."""
+    path = Path(path)
+    owner = remote_of(path.parent) or remote_of(path.parent.parent)
+    if owner is None or not path.is_file():
+        return
+    storage, name = owner
+    rel = path.relative_to(_local_of(storage, name)).as_posix()
+    storage.put(path, name, rel)
+
+
+def pull_run_files(storage: Remote, name: str, local: Path) -> None:
+    """The run folder's own files (not checkpoints) from storage into the working copy."""
+    for entry in storage.listdir(name):
+        if storage.kind(name, entry) == "file":
+            storage.get(local / entry, name, entry)
+
+
+def _local_of(storage: Remote, name: str) -> Path:
+    for local, (s, n) in _runs.items():
+        if s is storage or (s.uri == storage.uri and n == name):
+            return Path(local)
+    raise KeyError(name)
+
+
+def payload(run_dir: Path) -> dict[str, Any]:
+    """What a Ray worker needs to find the run: its storage URI and name when remote."""
+    owner = remote_of(run_dir)
+    return {"storage_uri": owner[0].uri, "run_name": owner[1]} if owner else {}
+
+
+def worker_run_dir(p: dict) -> Path:
+    """The run folder of a Ray worker: the shared one, or a working copy of the remote run."""
+    if p.get("storage_uri"):
+        return working_copy(Remote(p["storage_uri"]), p["run_name"])
+    return Path(p["run_dir"])
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a run file in the working copy and push it to the run's storage."""
+    Path(path).write_text(text)
+    push(path)
+
+
+def pull(path: Path) -> bool:
+    """Fetch one run file from storage into the working copy; False when it is not there."""
+    path = Path(path)
+    owner = remote_of(path.parent)
+    if owner is None:
+        return path.is_file()
+    storage, name = owner
+    if storage.kind(name, path.name) != "file":
+        return False
+    storage.get(path, name, path.name)
+    return True
+
+
+def where(run_dir: Path) -> str:
+    """The run folder as users know it: the storage URI of a remote run, else the local path."""
+    owner = remote_of(Path(run_dir))
+    return f"{owner[0].display}/{owner[1]}" if owner else str(run_dir)

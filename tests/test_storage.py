@@ -1,0 +1,131 @@
+"""Runs on storage every node can reach: a real S3-compatible server (moto's, on 127.0.0.1), runs
+that write to it and resume from it, and a multi-node local cluster losing the node of rank 0."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "raysys-test"
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """An S3-compatible server; yields (storage URI for raysys, boto3 client)."""
+    import boto3
+
+    port = free_port()
+    log = open(tmp_path / "moto.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", **{
+        "aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"})
+    deadline = time.time() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            break
+        except Exception:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "moto.log").read_text()
+            time.sleep(0.3)
+    # moto answers pyarrow's multipart uploads wrongly; objects written in one PUT (all of these tests') are fine
+    uri = f"s3://{BUCKET}/runs?endpoint_override=127.0.0.1:{port}&scheme=http&allow_delayed_open=true"
+    yield uri, client
+    proc.kill()
+    proc.wait()
+
+
+def _keys(client, prefix: str) -> list[str]:
+    out = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"] for o in out.get("Contents", []))
+
+
+def _text(client, key: str) -> str:
+    return client.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode()
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAYSYS_VERBOSE", "RAY_ADDRESS")}
+    return {**env, **CREDS, **extra}
+
+
+def _train(cwd: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "raysys", "train", *args], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    print(args, "->", proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    return proc
+
+
+QUICK = ["deep_gpcm", "--preset", "quick", "--workers", "0"]
+
+
+def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
+    uri, client = s3
+    first = _train(tmp_path, *QUICK, "--storage-path", uri, "--name", "on-s3", "--set", "train.epochs=2")
+    assert first.returncode == 0 and f"s3://{BUCKET}/runs/on-s3" in first.stdout
+    keys = _keys(client, "runs/on-s3/")
+    for f in ("config.yaml", "final_metrics.json", "breakdown.md", "checkpoints/step_000000012/meta.json",
+              "checkpoints/step_000000012/state.pt"):
+        assert f"runs/on-s3/{f}" in keys, keys
+    assert not list(tmp_path.glob("s3*")) and not (tmp_path / "raysys_runs").exists()  # nothing local
+
+    # a new process (its own empty working copy) resumes from the bucket, with the run's saved config
+    again = _train(tmp_path, "deep_gpcm", "--storage-path", uri, "--name", "on-s3", "--resume", "--set", "train.epochs=4")
+    assert again.returncode == 0
+    assert "resumed step=12 epoch=2 from=step_000000012" in _text(client, "runs/on-s3/events.log")
+    assert "runs/on-s3/checkpoints/step_000000024/meta.json" in _keys(client, "runs/on-s3/")
+    assert "runs/on-s3/config.resume-1.yaml" in _keys(client, "runs/on-s3/")
+    # the same name again, without --resume: refused, nothing changed
+    twice = _train(tmp_path, *QUICK, "--storage-path", uri, "--name", "on-s3")
+    assert twice.returncode == 2 and "already exists" in twice.stderr
+
+
+def test_losing_the_node_of_rank_0_resumes_from_s3(tmp_path, s3, monkeypatch):
+    """Three 1-CPU worker nodes (their own raylets and temp dirs), two Ray Train workers: the node
+    hosting rank 0 is removed mid-run; the run finishes on the others from the S3 checkpoint."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    uri, client = s3
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)  # the nodes' raylets, and so their workers, inherit these
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    try:
+        cluster.wait_for_nodes()
+        run = subprocess.Popen(
+            [sys.executable, "-m", "raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "2",
+             "--address", cluster.address, "--storage-path", uri, "--name", "lost", "--max-failures", "2",
+             "--set", "train.epochs=30", "--set", "train.checkpoint_every_steps=3"],
+            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 400
+        while not any(k.endswith("/meta.json") for k in _keys(client, "runs/lost/checkpoints/")):
+            assert run.poll() is None, run.communicate()
+            assert time.time() < deadline, "no checkpoint reached S3"
+            time.sleep(0.5)
+        events = _text(client, "runs/lost/events.log")
+        rank0_node = events.split("rank 0 on node ")[-1].split()[0]
+        (victim,) = [n for n in nodes if n.node_id == rank0_node]
+        done_before = max(int(k.split("step_")[1].split("/")[0]) for k in _keys(client, "runs/lost/checkpoints/")
+                          if k.endswith("/meta.json"))
+        cluster.remove_node(victim)
+        out, err = run.communicate(timeout=600)
+        print(out[-4000:], err[-4000:])
+        assert run.returncode == 0, err
+        events = _text(client, "runs/lost/events.log")
+        assert "restart 1/2" in events
+        resumed = int(events.split("resumed step=")[-1].split()[0])
+        assert resumed >= done_before  # at most one checkpoint interval repeated
+        new_rank0 = events.split("rank 0 on node ")[-1].split()[0]
+        assert new_rank0 != rank0_node
+        assert "runs/lost/final_metrics.json" in _keys(client, "runs/lost/")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
