@@ -146,6 +146,11 @@ def restore_signal_handlers(handlers: dict) -> None:
         _stop["installed"] = False
 
 
+def handles_signals() -> bool:
+    """Whether this process stops runs gracefully on SIGINT/SIGTERM (``install_signal_handlers`` ran)."""
+    return bool(_stop["installed"])
+
+
 def reinstall_if_active() -> None:
     if _stop["installed"]:
         install_signal_handlers()

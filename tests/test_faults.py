@@ -36,6 +36,26 @@ class StoppingTask(DigitsTask):
 WORKLOAD = dataclasses.replace(BASE, name="digits_stop", task=StoppingTask())
 '''
 
+# hackmatrix_ppo, whose session says "stop" (what SIGINT makes it say) after STOP_AT chunk boundaries.
+PPO_STOPPER = '''
+import dataclasses, os
+from raysys import lifecycle
+from raysys.workloads.hackmatrix_ppo.workload import WORKLOAD as BASE
+
+def train(cfg, session):
+    asked = {"n": 0}
+    real = session.should_stop
+    def should_stop():
+        asked["n"] += 1
+        if asked["n"] == int(os.environ.get("STOP_AT", "0")):
+            lifecycle.request_stop()
+        return real()
+    session.should_stop = should_stop
+    return BASE.train_fn(cfg, session)
+
+WORKLOAD = dataclasses.replace(BASE, name="ppo_stop", train_fn=train)
+'''
+
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAYSYS_VERBOSE", "RAY_ADDRESS")}
@@ -304,3 +324,22 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, sto
     ids = {r.info.run_name: r.info.run_id for r in _mlflow_runs(uri, f"raysys-{'digits_stop' if stop_at else 'deep_gpcm'}")}
     whole, cut = _losses(uri, ids["whole"]), _losses(uri, ids["cut"])
     assert len(whole) > 20 and whole == cut  # step for step, to the last bit
+
+
+def test_hackmatrix_ppo_resume_is_bit_exact(tmp_path):
+    """The JAX workload checkpoints its whole state (envs, observations, PRNG streams) and continues
+    exactly; compile cache off so both runs compile alike."""
+    (tmp_path / "ppo_stopper.py").write_text(PPO_STOPPER)
+    common = ["ppo_stopper:WORKLOAD", "--preset", "quick", "--set", "train.updates_per_chunk=2",
+              "--set", "train.compilation_cache_dir="]
+    assert _train(tmp_path, *common, "--name", "whole").returncode == 0
+    assert _train(tmp_path, *common, "--name", "cut", env=_env(STOP_AT="4")).returncode == 130
+    again = _train(tmp_path, "ppo_stopper:WORKLOAD", "--name", "cut", "--resume")
+    assert again.returncode == 0 and "resumed at" in again.stdout
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ids = {r.info.run_name: r.info.run_id for r in _mlflow_runs(uri, "raysys-ppo_stop")}
+    c = _client(uri)
+    for metric in ("losses/loss", "charts/entropy"):
+        whole = {m.step: m.value for m in c.get_metric_history(ids["whole"], metric)}
+        cut = {m.step: m.value for m in c.get_metric_history(ids["cut"], metric)}
+        assert len(whole) == 10 and whole == cut, metric

@@ -196,7 +196,12 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
     attempt = 0
     while True:
         try:
-            return make_trainer().fit()
+            trainer = make_trainer()
+            if lifecycle.handles_signals() and hasattr(trainer, "_register_sigint_handler"):
+                # Train V2's fit() replaces the SIGINT handler with one that aborts the controller (the
+                # workers die mid-step); ours lets them checkpoint at the next step boundary instead.
+                trainer._register_sigint_handler = lambda controller: None
+            return trainer.fit()
         except Exception as e:
             cause = permanent_cause(e)
             if cause is not None:

@@ -162,6 +162,14 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _tensor(x):
+    """numpy -> torch for a checkpoint (torch has no uint32 arithmetic, but stores it; bool as is)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(x.astype(np.int64) if x.dtype == np.uint32 else np.array(x))  # a writable copy
+
+
 def _to_host(tree):
     """Replicated (possibly multi-process) arrays -> numpy, via this process's own copy."""
     import jax
@@ -195,15 +203,24 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
                              for tree, leaves in zip(shapes, (ckpt["params"], ckpt["opt_state"])))
         env_steps, updates = int(ckpt["env_steps"]), int(ckpt["updates"])
         runner = ppo.init_runner(cfg, jax.random.fold_in(key, updates), mesh, params, opt_state, env_steps)
+        saved = ckpt.get("runner")
+        leaves, tree = jax.tree.flatten(runner)
+        if saved is not None and [tuple(t.shape) for t in saved] == [tuple(x.shape) for x in leaves]:
+            # the whole state came back (envs, observations, PRNG streams): the run continues bit-exact
+            runner = jax.tree.unflatten(tree, [jax.device_put(t.numpy().astype(x.dtype), x.sharding)
+                                               for t, x in zip(saved, leaves)])
         session.message(f"resumed at {env_steps} env steps ({updates} updates)")
 
     def save() -> None:
         if not session.is_main:  # only rank 0 writes; the host copy involves no collective
             return
         host = _to_host((runner.params, runner.opt_state))
-        session.checkpoint({"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
-                            "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
-                            "env_steps": env_steps, "updates": updates}, env_steps)
+        state = {"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
+                 "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
+                 "env_steps": env_steps, "updates": updates}
+        if jax.process_count() == 1:  # all of it, so that a resume with the same num_envs is bit-exact
+            state["runner"] = [_tensor(np.asarray(x)) for x in jax.tree.leaves(runner)]
+        session.checkpoint(state, env_steps)
 
     chunk_fn = ppo.make_train_chunk(cfg, mesh)
     t0 = time.perf_counter()
