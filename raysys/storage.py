@@ -95,6 +95,11 @@ def working_copy(storage: Remote, name: str) -> Path:
     return root
 
 
+def register(local: Path, uri: str, name: str) -> None:
+    """Declare ``local`` the working copy of ``<uri>/<name>`` in this process (a sweep's trial processes)."""
+    _runs.setdefault(str(local), (Remote(uri), name))
+
+
 def remote_of(run_dir: Path) -> Optional[tuple[Remote, str]]:
     return _runs.get(str(run_dir))
 
@@ -160,3 +165,33 @@ def where(run_dir: Path) -> str:
     """The run folder as users know it: the storage URI of a remote run, else the local path."""
     owner = remote_of(Path(run_dir))
     return f"{owner[0].display}/{owner[1]}" if owner else str(run_dir)
+
+
+def join(uri: str, *parts: str) -> str:
+    """``uri`` with path ``parts`` appended, its query (the filesystem's options) kept."""
+    s = urlsplit(uri)
+    return s._replace(path="/".join([s.path.rstrip("/"), *[p.strip("/") for p in parts]])).geturl()
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append to a run's or sweep's log file; on remote storage after pulling what others wrote."""
+    pull(path)
+    with open(path, "a") as f:
+        f.write(line)
+    push(path)
+
+
+def push_tree(folder: Path) -> None:
+    """Upload every file under ``folder`` of a working copy."""
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_file():
+            push_nested(p)
+
+
+def push_nested(path: Path) -> None:
+    """``push`` for a file at any depth below its working copy."""
+    for parent in Path(path).parents:
+        owner = remote_of(parent)
+        if owner is not None:
+            owner[0].put(path, owner[1], path.relative_to(parent).as_posix())
+            return

@@ -129,3 +129,50 @@ def test_losing_the_node_of_rank_0_resumes_from_s3(tmp_path, s3, monkeypatch):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _sweep_events(client, prefix: str) -> list[list[str]]:
+    try:
+        return [line.split()[1:] for line in _text(client, f"{prefix}/trial_events.log").splitlines() if line.strip()]
+    except client.exceptions.NoSuchKey:
+        return []
+
+
+def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
+    import signal
+
+    uri, client = s3
+    sweeps = uri.replace("/runs?", "/sweeps?")
+    args = ["--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"), "--num-samples", "3", "--max-concurrent", "1",
+            "--preset", "quick", "--set", "train.epochs=3", "--set", "train.compile=false",
+            "--set", "train.checkpoint_every_steps=2", "--storage-path", sweeps, "--name", "sw"]
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:  # one trial done, the next with a checkpoint in S3
+        ev = _sweep_events(client, "sweeps/sw")
+        ended = {e[1] for e in ev if e[0] == "end"}
+        running = [e[1] for e in ev if e[0] == "start" and e[1] not in ended]
+        if ended and running and any(k.endswith("/meta.json") for k in _keys(client, f"sweeps/sw/runs/sw-{running[0]}/")):
+            break
+        time.sleep(0.3)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    print(out[-4000:])
+    assert proc.returncode == 130 and "--resume" in out
+    finished = {e[1] for e in _sweep_events(client, "sweeps/sw") if e[0] == "end"}
+
+    resumed = subprocess.run([sys.executable, "-m", "raysys.tune", *args, "--resume"], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=600)
+    print(resumed.stdout[-4000:], resumed.stderr[-3000:])
+    assert resumed.returncode == 0 and "Recommended: trial" in resumed.stdout
+    starts: dict = {}
+    for e in _sweep_events(client, "sweeps/sw"):
+        if e[0] == "start":
+            starts.setdefault(e[1], []).append(e)
+    assert len(starts) == 3 and all(len(starts[t]) == 1 for t in finished)
+    (again,) = [t for t, s in starts.items() if len(s) > 1]
+    assert "resumed step=" in _text(client, f"sweeps/sw/runs/sw-{again}/events.log")
+    assert "sweeps/sw/report/pareto.md" in _keys(client, "sweeps/sw/report/")
+    assert not (tmp_path / "raysys_runs").exists()  # everything went to the bucket

@@ -137,7 +137,9 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
     write_csv(records, out / "trials.csv")
     plot(records, front, rec, out / "pareto.png", throughput_metric, quality_metric,
          f"{wl.name} sweep '{sweep_dir.name}': {len(records)} trials, {len(front)} on the front")
-    print(f"[raysys.tune] plot and tables: {out}", flush=True)
+    from raysys import storage
+
+    print(f"[raysys.tune] plot and tables: {storage.where(sweep_dir)}/report", flush=True)
     for name in ("pareto.png", "pareto.md", "recommendation.md", "trials.csv"):
         parent_log.log_artifact(out / name)
     metrics = {"sweep/trials": len(records), "sweep/unstable": counts["unstable"], "sweep/errors": counts["error"],

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from raysys import tracking
+from raysys import storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
 from raysys.tune import objectives as obj
@@ -60,22 +60,52 @@ class SweepOutcome:
 # ---- sweep folder and MLflow parent ------------------------------------------------------------
 
 def resolve_sweep_dir(opts: SweepOptions, workload: str) -> tuple[str, Path]:
-    storage = Path(opts.storage_path).resolve()
+    if storage.is_remote(opts.storage_path):
+        return _resolve_remote(opts, workload)
+    root = Path(opts.storage_path).resolve()
     name = opts.name
     if opts.resume and not name:  # newest sweep of this workload
-        found = sorted((p for p in storage.glob(f"{workload}-sweep-*") if (p / STATE_FILE).is_file()),
+        found = sorted((p for p in root.glob(f"{workload}-sweep-*") if (p / STATE_FILE).is_file()),
                        key=lambda p: p.stat().st_mtime)
         if not found:
-            raise ConfigError(f"--resume: no earlier {workload} sweep under {storage}")
+            raise ConfigError(f"--resume: no earlier {workload} sweep under {root}")
         name = found[-1].name
     name = name or f"{workload}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    sweep_dir = storage / name
+    sweep_dir = root / name
     if opts.resume and not (sweep_dir / STATE_FILE).is_file():
-        raise ConfigError(f"--resume: no sweep called '{name}' under {storage}")
+        raise ConfigError(f"--resume: no sweep called '{name}' under {root}")
     if not opts.resume and sweep_dir.exists() and any(sweep_dir.iterdir()):
         raise ConfigError(f"a sweep called '{name}' already exists at {sweep_dir}; pass --resume to continue it "
                           "or choose another --name (nothing was changed)")
     return name, sweep_dir
+
+
+def _resolve_remote(opts: SweepOptions, workload: str) -> tuple[str, Path]:
+    """A sweep on remote storage: a working copy here, its state file pulled when resuming."""
+    remote = storage.Remote(opts.storage_path)
+    name = opts.name
+    if opts.resume and not name:  # <workload>-sweep-<time> names sort by time
+        found = [n for n in remote.listdir() if n.startswith(f"{workload}-sweep-") and remote.kind(n, STATE_FILE)]
+        if not found:
+            raise ConfigError(f"--resume: no earlier {workload} sweep under {remote.display}")
+        name = found[-1]
+    name = name or f"{workload}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    sweep_dir = storage.working_copy(remote, name)
+    if opts.resume and not storage.pull(sweep_dir / STATE_FILE):
+        raise ConfigError(f"--resume: no sweep called '{name}' under {remote.display}")
+    if not opts.resume and remote.listdir(name):
+        raise ConfigError(f"a sweep called '{name}' already exists at {remote.display}/{name}; pass --resume to "
+                          "continue it or choose another --name (nothing was changed)")
+    return name, sweep_dir
+
+
+def _tune_storage(opts: SweepOptions, sweep_dir: Path) -> tuple[str, dict]:
+    """Where Tune keeps its experiment state: (the sweep's path for restore, RunConfig/restore kwargs)."""
+    owner = storage.remote_of(sweep_dir)
+    if owner is None:
+        return str(sweep_dir), {"storage_path": str(sweep_dir.parent)}
+    remote, name = owner
+    return remote.path(name), {"storage_path": remote.base, "storage_filesystem": remote.fs}
 
 
 def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
@@ -151,11 +181,14 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                            **{f"space.{k}": d.describe() for k, d in sp.knobs.items()},
                            **{f"fixed.{k}": v for k, v in sp.fixed.items()}})
     if not stored:
-        (sweep_dir / STATE_FILE).write_text(json.dumps({
+        storage.write_text(sweep_dir / STATE_FILE, json.dumps({
             "space": sp.to_dict(), "space_file": sp.source, "tracking_uri": uri, "experiment": experiment,
             "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance}, indent=1, default=str))
 
+    remote = storage.remote_of(sweep_dir)
+    runs_storage = storage.join(opts.storage_path, name, "runs") if remote else str(sweep_dir / "runs")
     setup = TrialSetup(workload=registry.ref(wl), base_config=to_dict(base), sweep_name=name, sweep_dir=str(sweep_dir),
+                       runs_storage=runs_storage, sweep_storage=opts.storage_path if remote else "",
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
                        stability=sp.stability, quality_penalty=float(sp.objectives.get("quality_penalty",
@@ -164,18 +197,21 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
                                     functools.partial(trial_resources, launch))
     print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
-          f"{opts.num_samples} trials, up to {concurrent} at once ({need_cpu:g} CPU each) -> {sweep_dir}\n"
+          f"{opts.num_samples} trials, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
           f"[raysys.tune] MLflow: {uri} (experiment '{experiment}', parent run {parent})", flush=True)
 
     started = time.monotonic()
-    if opts.resume and tune.Tuner.can_restore(str(sweep_dir)):
+    tune_path, tune_storage = _tune_storage(opts, sweep_dir)
+    restore_fs = {k: v for k, v in tune_storage.items() if k == "storage_filesystem"}
+    if opts.resume and tune.Tuner.can_restore(tune_path, **restore_fs):
         print("[raysys.tune] resuming: finished trials are kept, unfinished ones continue from their checkpoints",
               flush=True)
-        tuner = tune.Tuner.restore(str(sweep_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
+        tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                   **restore_fs)
     else:
         tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent),
                            run_config=tune.RunConfig(
-                               name=name, storage_path=str(sweep_dir.parent), verbose=0, stop=StabilityStopper(),
+                               name=name, **tune_storage, verbose=0, stop=StabilityStopper(),
                                callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric)],
                                failure_config=tune.FailureConfig(max_failures=0)))
     grid = tuner.fit()
@@ -189,11 +225,12 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         tracking.end_run(uri, parent, status="KILLED")
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
               f"{max(0, _num_samples(stored, opts) - len(records))} unstarted trials; continue it with:\n"
-              f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path {sweep_dir.parent} --resume"
+              f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
               + _extra_flags(opts), flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True)
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
                            budget_hit=budget_hit)
+    storage.push_tree(sweep_dir / "report")
     tracking.end_run(uri, parent, status="FINISHED")
     return SweepOutcome(name, sweep_dir, parent, records, rec, False)
 

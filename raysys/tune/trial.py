@@ -43,6 +43,9 @@ class TrialSetup:
     """The preset + fixed overrides, data prepared (absolute paths), as a plain dict."""
     sweep_name: str
     sweep_dir: str
+    """The sweep folder (on remote storage: the driver's working copy; its files are pushed)."""
+    runs_storage: str
+    """Where the trials' runs live: ``<sweep>/runs``, a folder or a storage URI."""
     tracking_uri: str
     experiment: str
     parent_run_id: str
@@ -50,10 +53,34 @@ class TrialSetup:
     quality_metric: str
     stability: dict
     quality_penalty: float
+    sweep_storage: str = ""
+    """The sweeps' storage URI when remote ('' for a local folder)."""
 
     @property
     def runs_dir(self) -> Path:
+        """Trial scratch files (the child's payload and log), local to the trial's node."""
         return Path(self.sweep_dir) / "runs"
+
+    def run_exists(self, trial_id: str, file: str = "") -> bool:
+        """Whether the trial's run (or one of its files) is in the runs storage."""
+        from raysys import storage
+
+        name = self.run_name(trial_id)
+        if storage.is_remote(self.runs_storage):
+            remote = storage.Remote(self.runs_storage)
+            return remote.kind(name, file) == "file" if file else bool(remote.listdir(name))
+        path = Path(self.runs_storage) / name
+        return (path / file).is_file() if file else path.is_dir() and any(path.iterdir())
+
+    def read_run_file(self, trial_id: str, file: str) -> str:
+        from raysys import storage
+
+        name = self.run_name(trial_id)
+        if storage.is_remote(self.runs_storage):
+            remote = storage.Remote(self.runs_storage)
+            with remote.fs.open_input_stream(remote.path(name, file)) as f:
+                return f.read().decode()
+        return (Path(self.runs_storage) / name / file).read_text()
 
     def run_name(self, trial_id: str) -> str:
         return f"{self.sweep_name}-{trial_id}"
@@ -69,18 +96,19 @@ def trial_config(setup: TrialSetup, knobs: dict[str, Any], trial_id: str) -> Any
     from raysys.config import apply_overrides, from_dict
 
     wl = registry.get(setup.workload)
-    run_dir = setup.runs_dir / setup.run_name(trial_id)
-    started_before = run_dir.is_dir() and any(run_dir.iterdir())
+    started_before = setup.run_exists(trial_id)
     return apply_overrides(from_dict(wl.config_cls, setup.base_config), {
-        **knobs, "launch.name": setup.run_name(trial_id), "launch.storage_path": str(setup.runs_dir),
+        **knobs, "launch.name": setup.run_name(trial_id), "launch.storage_path": setup.runs_storage,
         "launch.tracking_uri": setup.tracking_uri, "launch.experiment": setup.experiment,
         "launch.resume": started_before})
 
 
 def log_event(sweep_dir: str | Path, line: str) -> None:
     """Append to <sweep>/trial_events.log (one line per trial start/end; tests and users audit it)."""
-    with open(Path(sweep_dir) / "trial_events.log", "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+    from raysys import storage
+
+    Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+    storage.append_line(Path(sweep_dir) / "trial_events.log", f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
 
 def run_trial(config: dict, setup: TrialSetup) -> None:
@@ -90,16 +118,19 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     from raysys import workload as registry
 
     trial_id = tune.get_context().get_trial_id()
+    if setup.sweep_storage:  # this process writes the sweep's log too: into the same remote folder
+        from raysys import storage
+
+        storage.register(Path(setup.sweep_dir), setup.sweep_storage, setup.sweep_name)
     cfg = trial_config(setup, dict(config), trial_id)
     wl = registry.get(setup.workload)
     tracker = setup.tracker()
     tags = {"raysys.sweep": setup.sweep_name, "raysys.trial_id": trial_id, "raysys.kind": "sweep_trial"}
-    done_file = setup.runs_dir / cfg.launch.name / "final_metrics.json"
-    if cfg.launch.resume and done_file.is_file():
+    if cfg.launch.resume and setup.run_exists(trial_id, "final_metrics.json"):
         # Its run already ended (the driver died before Tune recorded that): report what the run
         # recorded instead of "resuming" a finished run, whose speed window would be empty.
         log_event(setup.sweep_dir, f"reuse {trial_id} run={cfg.launch.name}")
-        tune.report(tracker.update({**json.loads(done_file.read_text()), "done": 1.0}))
+        tune.report(tracker.update({**json.loads(setup.read_run_file(trial_id, "final_metrics.json")), "done": 1.0}))
         return
     log_event(setup.sweep_dir, f"start {trial_id} run={cfg.launch.name} resume={cfg.launch.resume}")
 
