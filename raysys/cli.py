@@ -129,6 +129,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _main(argv: Optional[list[str]] = None) -> int:
+    from raysys import lifecycle
+
+    lifecycle.reset()  # a stop request belongs to one command (main may be called again in-process)
     args = build_parser().parse_args(argv)
     if args.verbose:
         os.environ[console.VERBOSE_ENV] = "1"  # child processes and Ray workers started from here inherit it

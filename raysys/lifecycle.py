@@ -99,7 +99,7 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
-_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None}
+_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None, "job": None}
 
 
 def stop_requested() -> Optional[int]:
@@ -182,8 +182,9 @@ def stop_flag_actor():
     """The driver's StopFlag actor (created on first use; already set if a signal came first)."""
     import ray
 
-    if _stop["actor"] is None:
-        _stop["actor"] = ray.remote(num_cpus=0)(StopFlag).remote()
+    job = ray.get_runtime_context().get_job_id()
+    if _stop["actor"] is None or _stop["job"] != job:  # one per Ray session (tests start several)
+        _stop["actor"], _stop["job"] = ray.remote(num_cpus=0)(StopFlag).remote(), job
         if _stop["signum"] is not None:
             _stop["actor"].set.remote(_stop["signum"])
     return _stop["actor"]
