@@ -35,10 +35,10 @@ def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Sess
     """Rebuild the config and a rank-aware Session inside a worker from the driver's payload."""
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
+    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
     logger = (tracking.MLflowLogger(payload["tracking_uri"], payload["run_id"],
                                     buffer=run_dir / tracking.BUFFER_FILE)
               if rank == 0 else tracking.NullLogger())
-    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
     run = OpenRun(wl, cfg, payload["config"], payload["name"], run_dir, payload["identity"],
                   payload["tracking_uri"], payload["run_id"], logger)
     set_threads(cfg.launch)
