@@ -238,6 +238,9 @@ class MLflowLogger:
         self.buffer.parent.mkdir(parents=True, exist_ok=True)
         with open(self.buffer, "a") as f:
             f.write(json.dumps(rec, default=str) + "\n")
+        from raysys import storage
+
+        storage.push(self.buffer)  # a run on remote storage: the buffer outlives this process's working copy
 
     # -- the Logger interface -----------------------------------------------------------------------
     def _log_params(self, params: Mapping[str, Any]) -> None:
