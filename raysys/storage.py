@@ -195,3 +195,12 @@ def push_nested(path: Path) -> None:
         if owner is not None:
             owner[0].put(path, owner[1], path.relative_to(parent).as_posix())
             return
+
+
+def remove(path: Path) -> None:
+    """Delete a run file from the working copy and from the run's storage."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    owner = remote_of(path.parent)
+    if owner is not None and owner[0].kind(owner[1], path.name) == "file":
+        owner[0].fs.delete_file(owner[0].path(owner[1], path.name))

@@ -210,13 +210,18 @@ class MLflowLogger:
         except Exception:
             self._write_rest(lines[sent:])
             return False
-        self.buffer.unlink()
+        from raysys import storage
+
+        storage.remove(self.buffer)  # sent: neither this copy nor a remote one may be sent again
         return True
 
     def _write_rest(self, lines: list[str]) -> None:
         tmp = self.buffer.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in lines))
         os.replace(tmp, self.buffer)
+        from raysys import storage
+
+        storage.push(self.buffer)
 
     def _call(self, rec: dict) -> None:
         if self.buffer is None:
