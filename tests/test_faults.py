@@ -57,6 +57,10 @@ WORKLOAD = dataclasses.replace(BASE, name="ppo_stop", train_fn=train)
 '''
 
 
+# mpn_dqn, stopped the same way after STOP_AT collection rounds.
+MPN_STOPPER = PPO_STOPPER.replace("hackmatrix_ppo.workload", "mpn_dqn.workload").replace('"ppo_stop"', '"mpn_stop"')
+
+
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAYSYS_VERBOSE", "RAY_ADDRESS")}
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLE), env.get("PYTHONPATH")])), **extra}
@@ -343,3 +347,29 @@ def test_hackmatrix_ppo_resume_is_bit_exact(tmp_path):
         whole = {m.step: m.value for m in c.get_metric_history(ids["whole"], metric)}
         cut = {m.step: m.value for m in c.get_metric_history(ids["cut"], metric)}
         assert len(whole) == 10 and whole == cut, metric
+
+
+@pytest.mark.parametrize("sets, stop_at", [
+    ([], 23),  # envs stepped in the learner's process
+    pytest.param(["--set", "num_actors=2", "--set", "envs_per_actor=4", "--set", "num_episodes=32",
+                  "--set", "checkpoint_freq=8"], 15, marks=pytest.mark.slow),  # on 2 Ray rollout actors
+])
+def test_mpn_dqn_resume_is_bit_exact(tmp_path, sets, stop_at):
+    """The recurrent DQN checkpoints its rollout side too (NeuroGym envs mid-trial as plain data,
+    recurrent states, exploration generators, the weights of the sample in flight) and continues
+    exactly, in the learner's process and on Ray actors."""
+    (tmp_path / "mpn_stopper.py").write_text(MPN_STOPPER)
+    common = ["mpn_stopper:WORKLOAD", "--preset", "quick", "--set", "print_freq=1", "--set", "eval_trials=0", *sets]
+    assert _train(tmp_path, *common, "--name", "whole").returncode == 0
+    first = _train(tmp_path, *common, "--name", "cut", env=_env(STOP_AT=str(stop_at)))
+    assert first.returncode == 130 and "stopped at" in first.stdout
+    again = _train(tmp_path, "mpn_stopper:WORKLOAD", "--name", "cut", "--resume")
+    assert again.returncode == 0 and "resumed at episode" in again.stdout
+    assert "envs start fresh" not in again.stdout
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ids = {r.info.run_name: r.info.run_id for r in _mlflow_runs(uri, "raysys-mpn_stop")}
+    c = _client(uri)
+    for metric in ("losses/td_loss", "losses/grad_norm", "charts/avg_reward", "charts/episodes"):
+        whole = {m.step: m.value for m in c.get_metric_history(ids["whole"], metric)}
+        cut = {m.step: m.value for m in c.get_metric_history(ids["cut"], metric)}
+        assert len(whole) >= 4 and whole == cut, metric

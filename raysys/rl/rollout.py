@@ -40,6 +40,8 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from raysys.rl import env_state
+
 log = logging.getLogger(__name__)
 
 EnvFactory = Callable[[], gym.Env]
@@ -77,9 +79,22 @@ class _DropInfo(gym.Wrapper):
         return obs, {}
 
 
+class _Stateful(gym.Wrapper):
+    """``raysys_state``: the env's data (:mod:`raysys.rl.env_state`), read and written through the
+    vector env's ``get_attr`` / ``set_attr``, so sync and async (subprocess) envs work alike."""
+
+    @property
+    def raysys_state(self) -> dict:
+        return env_state.capture(self.env)
+
+    @raysys_state.setter
+    def raysys_state(self, state: dict) -> None:
+        env_state.apply(self.env, state)
+
+
 def _build_env(env_factory: EnvFactory, drop_info: bool) -> gym.Env:
     env = env_factory()
-    return _DropInfo(env) if drop_info else env
+    return _Stateful(_DropInfo(env) if drop_info else env)
 
 
 def _like_layout(x: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
@@ -214,6 +229,27 @@ class RolloutWorker:
             out["state"] = state_out.numpy()
         return out
 
+    # What a checkpoint needs to continue these episodes exactly: the envs' data, the policy's
+    # recurrent state, observations, episode bookkeeping and the exploration generator. Only
+    # plain data (tensors, numbers, tagged tuples), so checkpoints load with weights_only=True.
+    _ARRAYS = ("obs", "episode_start", "episode_id", "ep_return", "ep_len")
+
+    def get_state(self) -> dict[str, Any]:
+        return {"envs": list(self.envs.get_attr("raysys_state")),
+                **{k: env_state.encode(getattr(self, k)) for k in self._ARRAYS},
+                "state": self.state, "generator": self.generator.get_state(),
+                "next_episode": self.next_episode, "uid": self.uid, "n": self.n}
+
+    def set_state(self, st: dict[str, Any]) -> None:
+        if st["n"] != self.n:
+            raise env_state.EnvStateMismatch(f"saved {st['n']} envs per actor, this worker has {self.n}")
+        self.envs.set_attr("raysys_state", st["envs"])
+        for k in self._ARRAYS:
+            setattr(self, k, env_state.decode(st[k]))
+        self.state = st["state"]
+        self.generator.set_state(st["generator"])
+        self.next_episode, self.uid = st["next_episode"], st["uid"]
+
     def close(self) -> None:
         self.envs.close()
 
@@ -312,6 +348,16 @@ class RolloutPool:
         args = (steps or self.steps_per_call, float(epsilon))
         refs = [a.sample.remote(*args) for a in self.actors]
         return functools.partial(self._collect, refs, "sample", args)
+
+    def get_state(self) -> list[dict[str, Any]]:
+        """Every actor's :meth:`RolloutWorker.get_state` (call while no sample is in flight)."""
+        return self._call_all("get_state")
+
+    def set_state(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != len(self.actors):
+            raise env_state.EnvStateMismatch(f"saved {len(states)} rollout actors, this pool has {len(self.actors)}")
+        ray.get([a.set_state.remote(st) for a, st in zip(self.actors, states)])
+        self._next_uid = max(self._next_uid, 1 + max(st["uid"] for st in states))
 
     def shutdown(self) -> None:
         for a in self.actors:

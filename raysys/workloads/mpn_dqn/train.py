@@ -21,6 +21,7 @@ import torch
 
 from raysys.config import ConfigError
 from raysys.metrics import StabilityMonitor
+from raysys.rl import env_state
 from raysys.workloads.mpn_dqn.env import env_spaces, make_env
 from raysys.workloads.mpn_dqn.loss import td_loss_naive, td_loss_optimized
 from raysys.workloads.mpn_dqn.model import MPNDQN
@@ -111,8 +112,9 @@ class Collector:
     def restarts(self) -> int:
         return self.pool.num_restarts if self.pool else 0
 
-    def set_weights(self, model: torch.nn.Module) -> None:
-        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    def set_weights(self, model: torch.nn.Module | dict) -> None:
+        sd = model if isinstance(model, dict) else model.state_dict()
+        sd = {k: v.detach().cpu() for k, v in sd.items()}
         if self.pool:
             self.pool.set_weights(sd)
         else:
@@ -127,6 +129,18 @@ class Collector:
     def finish(self) -> list[dict]:
         out, self._pending = self._pending(), None
         return out
+
+    def get_state(self) -> list[dict]:
+        """The rollout workers' state (envs mid-episode, recurrent state, generators); idle only."""
+        return self.pool.get_state() if self.pool else [self.worker.get_state()]
+
+    def set_state(self, states: list[dict]) -> None:
+        if self.pool:
+            self.pool.set_state(states)
+        elif len(states) != 1:
+            raise env_state.EnvStateMismatch(f"saved {len(states)} rollout actors, this run has none")
+        else:
+            self.worker.set_state(states[0])
 
     def close(self) -> None:
         if self.pool:
@@ -181,9 +195,10 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     state_shape = (cfg.hidden, build.args[0]) if cfg.stored_state else None
     replay = SequenceReplay(build.args[0], cfg.buffer_capacity, n_envs=cfg.num_envs, state_shape=state_shape)
 
-    # Everything a resumed run needs to continue where it stopped (envs start fresh episodes).
+    # Everything a resumed run needs to continue exactly where it stopped.
     c = {"episodes": 0, "env_steps": 0, "updates": 0, "episode_id_base": 0, "pending": 0}
     returns: list[float] = []
+    losses, grad_norms = [], []
     monitor = StabilityMonitor()
     ckpt = session.restore()
     if ckpt is not None:
@@ -193,15 +208,22 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         returns = list(ckpt["returns"])
         monitor.load_state_dict(ckpt["stability"])
         _load_replay(replay, ckpt["replay"])
-        rng = np.random.default_rng([cfg.seed, rank, c["updates"]])
+        if "rng" in ckpt:  # (checkpoints of earlier versions reseed)
+            rng.bit_generator.state = ckpt["rng"]
+            torch.set_rng_state(ckpt["torch_rng"])
+            losses, grad_norms = list(ckpt["pending_losses"]), list(ckpt["pending_grad_norms"])
+        else:
+            rng = np.random.default_rng([cfg.seed, rank, c["updates"]])
         session.message(f"resumed at episode {c['episodes']} ({c['env_steps']} env steps, {c['updates']} updates)")
 
     every = sync_period(cfg, world)
     collector = Collector(cfg, rank)
-    collector.set_weights(online)
+    sampler = _restore_rollout(collector, ckpt, world, session)
+    if sampler is None:  # fresh envs: number their episodes past every stored id
+        c["episode_id_base"] = c.get("episode_id_max", -1) + 1 if ckpt is not None else 0
+    collector.set_weights(sampler["weights"] if sampler else online)
     window = deque(returns[-cfg.avg_window:], maxlen=cfg.avg_window)
     best_avg = max((np.mean(returns[max(0, i - cfg.avg_window + 1): i + 1]) for i in range(len(returns))), default=-math.inf)
-    losses, grad_norms = [], []
     t_start, steps_at_start, updates_at_start = time.perf_counter(), c["env_steps"], c["updates"]
     t_log, steps_at_log, updates_at_log = t_start, c["env_steps"], c["updates"]
     next_log = (c["episodes"] // cfg.print_freq + 1) * cfg.print_freq
@@ -212,8 +234,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
 
     done = c["episodes"] >= cfg.num_episodes
     signalled = 0.0
+    rollout = None  # the rollout side of the next checkpoint, taken while the actors are idle
     if not done:
-        collector.start(epsilon_at(cfg, c["episodes"]))
+        collector.start(sampler["epsilon"] if sampler else epsilon_at(cfg, c["episodes"]))
     try:
         while not done:
             batches = collector.finish()
@@ -228,6 +251,11 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                                                     world, device)
             c["episodes"] += int(new_episodes)
             done = c["episodes"] >= cfg.num_episodes or stop > 0 or signalled > 0
+            if (done or c["episodes"] >= next_ckpt) and world == 1:
+                # the next sample (in flight while the learner trains) starts from here, with
+                # these weights: a resumed run redoes exactly that sample
+                rollout = {"workers": collector.get_state(), "epsilon": epsilon_at(cfg, c["episodes"]),
+                           "weights": {k: v.detach().cpu().clone() for k, v in online.state_dict().items()}}
             if not done:
                 collector.set_weights(online)  # actors are idle now: cheap, and next sample uses it
                 collector.start(epsilon_at(cfg, c["episodes"]))
@@ -255,7 +283,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                 if c["updates"] % every == 0:
                     _sync_target(online, target, cfg.target_tau)
 
-            if c["episodes"] >= next_log or done:
+            # (a signal's stop writes no extra line: its losses wait in the checkpoint for the
+            # next regular line, so a resumed run logs exactly what an uninterrupted one does)
+            if c["episodes"] >= next_log or (done and not signalled):
                 now = time.perf_counter()
                 m = {
                     "charts/episode_reward": returns[-1] if returns else 0.0,
@@ -286,14 +316,16 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                 t_log, steps_at_log, updates_at_log = now, c["env_steps"], c["updates"]
                 next_log = (c["episodes"] // cfg.print_freq + 1) * cfg.print_freq
             if c["episodes"] >= next_ckpt and not done:  # the end of the run is saved below
-                session.checkpoint(_state(online, target, opt, c, returns, replay, monitor), c["env_steps"])
+                session.checkpoint(_state(online, target, opt, c, returns, replay, monitor, rng, rollout,
+                                          losses, grad_norms), c["env_steps"])
                 next_ckpt = (c["episodes"] // cfg.checkpoint_freq + 1) * cfg.checkpoint_freq
     finally:
         collector.close()
     wall = time.perf_counter() - t_start
     if world > 1:
         _check_in_step(online, session, rank, world, device)
-    session.checkpoint(_state(online, target, opt, c, returns, replay, monitor), c["env_steps"])
+    session.checkpoint(_state(online, target, opt, c, returns, replay, monitor, rng, rollout, losses, grad_norms),
+                       c["env_steps"])
     if signalled > 0:
         session.message(f"stopped at {c['episodes']}/{cfg.num_episodes} episodes; checkpoint saved")
         return {"charts/episodes": c["episodes"]}
@@ -351,14 +383,29 @@ def _sync_target(online: torch.nn.Module, target: torch.nn.Module, tau: float) -
 REPLAY_FIELDS = ("obs", "next_obs", "action", "reward", "done", "episode_id", "state")
 
 
-def _state(online, target, opt, c: dict, returns: list, replay: SequenceReplay, monitor: StabilityMonitor) -> dict:
-    counters = dict(c)
-    # a resumed run's fresh actors number episodes from 0 again: shift them past every stored id
-    counters["episode_id_base"] = c.get("episode_id_max", 0) + 1
+def _state(online, target, opt, c: dict, returns: list, replay: SequenceReplay, monitor: StabilityMonitor,
+           rng: np.random.Generator, rollout: Optional[dict], losses: list, grad_norms: list) -> dict:
     rep = {k: torch.from_numpy(getattr(replay, k)) for k in REPLAY_FIELDS if getattr(replay, k) is not None}
     rep |= {"ptr": replay.ptr, "size": replay.size}
     return {"online": online.state_dict(), "target": target.state_dict(), "optim": opt.state_dict(),
-            "counters": counters, "returns": list(returns), "replay": rep, "stability": monitor.state_dict()}
+            "counters": dict(c), "returns": list(returns), "replay": rep, "stability": monitor.state_dict(),
+            "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "rollout": rollout,
+            # the losses since the last log line, so that line averages the same updates after a resume
+            "pending_losses": [x.cpu() for x in losses], "pending_grad_norms": [x.cpu() for x in grad_norms]}
+
+
+def _restore_rollout(collector: Collector, ckpt: Optional[dict], world: int, session) -> Optional[dict]:
+    """Put the rollout workers back mid-episode as the checkpoint left them; ``None`` (fresh
+    episodes) when there is nothing to restore or it no longer fits (other actors, envs, task)."""
+    rollout = (ckpt or {}).get("rollout")
+    if rollout is None or world > 1:  # data-parallel learners keep only rank 0's state
+        return None
+    try:
+        collector.set_state(rollout["workers"])
+    except (env_state.EnvStateMismatch, KeyError, ValueError, TypeError, AttributeError) as e:
+        session.message(f"rollout state not restored ({str(e).splitlines()[0]}): envs start fresh episodes")
+        return None
+    return rollout
 
 
 def _load_replay(replay: SequenceReplay, rep: dict) -> None:
