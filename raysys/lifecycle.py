@@ -10,7 +10,9 @@
 - **Signals.** The first SIGINT/SIGTERM asks the training loop to stop at the next step boundary:
   it saves a checkpoint, the MLflow run is marked KILLED, the resume command is printed and the
   process exits 130/143. A second signal stops at once (the last checkpoint is still there).
-  Ray workers learn about the request from a tiny actor (:class:`StopFlag`) the driver sets.
+  Ray workers learn about the request from a tiny actor (:class:`StopFlag`) the driver sets. A
+  SIGTERM sent to a Ray Train worker (preemption, a node draining) sets the same flag, so the whole
+  run stops at the boundary and the driver reports it as if it had been signalled itself.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
-_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None, "job": None}
+_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None, "job": None, "worker_watch": False}
 
 
 def stop_requested() -> Optional[int]:
@@ -161,6 +163,53 @@ def reset() -> None:
     _stop["signum"], _stop["actor"] = None, None
 
 
+def settle_stop() -> Optional[int]:
+    """The driver, once the workers are done: adopt a stop that a worker's SIGTERM asked for."""
+    actor = _stop["actor"]
+    if _stop["signum"] is None and actor is not None:
+        import ray
+
+        try:
+            signum = ray.get(actor.get.remote(), timeout=10)
+        except Exception:  # Ray gone: nobody can have asked
+            signum = None
+        if signum is not None:
+            _stop["signum"] = signum
+    return _stop["signum"]
+
+
+def _worker_handler(signum, frame) -> None:
+    loop = _stop["worker_watch"]
+    if _stop["signum"] is not None or not (isinstance(loop, threading.Thread) and loop.is_alive()):
+        # a second SIGTERM, or no loop left to stop (Ray shutting the worker down): exit now, as
+        # Ray's own handler would
+        raise SystemExit(1)
+    request_stop(signum)
+
+
+def watch_worker_sigterm(actor: Any) -> None:
+    """In a Ray actor that runs a training loop: SIGTERM sets the run's :class:`StopFlag` instead of
+    killing the worker, so every rank stops at the next step boundary with a checkpoint. Only the main
+    thread may install a handler, and Train runs the loop in a thread of its own; the main thread runs
+    the actor's tasks, so the handler is installed by a task sent to this very actor (not awaited)."""
+    import ray
+
+    if _stop["worker_watch"] or not ray.is_initialized():
+        return
+    ctx = ray.get_runtime_context()
+    if ctx.worker.mode != ray.WORKER_MODE or ctx.get_actor_id() is None:
+        return  # the driver has its own handlers; a plain task has no thread to ask
+    _stop["worker_watch"], _stop["actor"] = threading.current_thread(), actor  # the loop's thread
+    if threading.current_thread() is threading.main_thread():
+        _install_worker_handler(None)
+    else:
+        ctx.current_actor.__ray_call__.remote(_install_worker_handler)
+
+
+def _install_worker_handler(_instance: Any) -> None:
+    signal.signal(signal.SIGTERM, _worker_handler)
+
+
 def exit_code(signum: int) -> int:
     return 128 + int(signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
@@ -196,6 +245,8 @@ class StopPoller:
 
     def __init__(self, actor: Any = None, interval: float = 1.0):
         self.actor, self.interval, self._next, self._seen = actor, interval, 0.0, None
+        if actor is not None:
+            watch_worker_sigterm(actor)
 
     def __call__(self) -> Optional[int]:
         if self._seen is not None:

@@ -124,6 +124,7 @@ BUILTIN = {
     "deep_gpcm": "raysys.workloads.deep_gpcm.workload",
     "mpn_dqn": "raysys.workloads.mpn_dqn.workload",
     "hackmatrix_ppo": "raysys.workloads.hackmatrix_ppo.workload",
+    "pointer_generator": "raysys.workloads.pointer_generator.workload",
 }
 
 _LOADED: dict[str, Workload] = {}   # ref -> workload

@@ -304,6 +304,31 @@ def test_sigint_with_ray_workers_stops_them_at_a_step_boundary(tmp_path):
     assert r.info.status == "KILLED"
 
 
+def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
+    """Preemption: SIGTERM reaches one Train worker, not the driver. The worker sets the run's stop
+    flag instead of dying; every rank stops at the next boundary with a checkpoint; the driver reports
+    it as its own SIGTERM."""
+    import psutil
+
+    args = ["digits_mlp:WORKLOAD", "--workers", "2", "--name", "pre", "--set", "train.epochs=200",
+            "--set", "train.checkpoint_every_steps=5"]
+    run = _start(tmp_path, *args)
+    ckpts = tmp_path / "raysys_runs" / "pre" / "checkpoints"
+    _wait_for(ckpts / "step_000000005", run, timeout=400)
+    workers = [p for p in psutil.Process(run.pid).children(recursive=True) if "RayTrainWorker" in p.name()
+               or any("RayTrainWorker" in part for part in p.cmdline())]
+    assert len(workers) == 2, [p.cmdline() for p in psutil.Process(run.pid).children(recursive=True)]
+    workers[-1].send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=300)
+    print(out[-3000:], err[-3000:])
+    assert run.returncode == 143 and "SIGTERM" in out and "--name pre --resume" in out
+    assert "restart" not in out  # stopped, not lost and restarted
+    stopped_at = int(out.split("stopped at step ")[1].split("/")[0])
+    assert stopped_at > 5 and (ckpts / f"step_{stopped_at:09d}" / "meta.json").is_file()
+    (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-digits_mlp")
+    assert r.info.status == "KILLED"
+
+
 @pytest.mark.parametrize("workload, stop_at, sets", [
     ("stopper:WORKLOAD", 13, ["--preset", "quick"]),  # a small model with dropout, stopped mid-epoch
     ("deep_gpcm", 0, ["--set", "train.epochs=2"]),

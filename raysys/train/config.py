@@ -69,10 +69,15 @@ class LoaderConfig:
     """Batches each loader worker prepares ahead (needs num_workers > 0)."""
     persistent_workers: bool = False
     """Keep loader workers alive between epochs (needs num_workers > 0)."""
+    bucket_batches: int = 0
+    """Length bucketing, for datasets with a ``lengths`` array (text): sort each window of this many
+    batches of the shuffled order by length, so a batch pads little. 0 = off."""
 
     def validate(self) -> None:
         if self.num_workers < 0:
             raise ConfigError(f"loader.num_workers must be >= 0, got {self.num_workers}")
+        if self.bucket_batches < 0:
+            raise ConfigError(f"loader.bucket_batches must be >= 0, got {self.bucket_batches}")
         if self.num_workers == 0 and (self.prefetch_factor is not None or self.persistent_workers):
             raise ConfigError("loader.prefetch_factor and loader.persistent_workers need loader.num_workers > 0")
 

@@ -105,6 +105,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
                    "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor()}
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure),
                           launch.max_failures, run.run_dir, sink)
+        lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
     final_path = run.run_dir / "final_metrics.json"
     final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),

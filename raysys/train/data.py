@@ -18,10 +18,17 @@ class ShardSampler(Sampler[int]):
     by wrapping), because DDP and ``ray.train.report`` need all ranks to take the same number of
     steps. Unlike it, ``start`` skips already-consumed samples, so a run resumed mid-epoch sees
     exactly the batches it had not trained on, without loading and discarding the others.
+
+    With ``lengths`` (one per sample) and ``bucket`` > 1, each window of ``bucket`` consecutive
+    indices of this rank's order is sorted by length, so the loader's batches hold samples of similar
+    length (little padding for text) while the windows stay shuffled. Still a pure function of
+    (seed, epoch): resuming mid-epoch stays exact.
     """
 
-    def __init__(self, n: int, rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True):
+    def __init__(self, n: int, rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True,
+                 lengths=None, bucket: int = 0):
         self.n, self.rank, self.world, self.seed, self.shuffle = n, rank, world, seed, shuffle
+        self.lengths, self.bucket = lengths, bucket
         self.per_rank = math.ceil(n / world)
         self.epoch, self.start = 0, 0
 
@@ -36,7 +43,12 @@ class ShardSampler(Sampler[int]):
             order = list(range(self.n))
         total = self.per_rank * self.world
         order += order[: total - len(order)]
-        return order[self.rank:total:self.world]
+        mine = order[self.rank:total:self.world]
+        if self.lengths is not None and self.bucket > 1:
+            lengths = self.lengths
+            mine = [i for w in range(0, len(mine), self.bucket)
+                    for i in sorted(mine[w:w + self.bucket], key=lambda j: int(lengths[j]))]
+        return mine
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._order()[self.start:])

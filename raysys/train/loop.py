@@ -118,7 +118,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     if tc.compile:
         fwd_model = torch.compile(fwd_model)
 
-    sampler = ShardSampler(len(train_ds), rank, world, seed=tc.seed)
+    sampler = ShardSampler(len(train_ds), rank, world, seed=tc.seed, lengths=getattr(train_ds, "lengths", None),
+                           bucket=cfg.loader.bucket_batches * tc.batch_size)
     micro_per_epoch = math.ceil(len(sampler) / tc.batch_size)
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
     total_steps = steps_per_epoch * tc.epochs if tc.max_steps is None else min(tc.max_steps, steps_per_epoch * tc.epochs)

@@ -1,0 +1,176 @@
+"""Pointer-generator naive vs optimized, in one process, on the same data and weights:
+
+* training throughput (target tokens/s): the original's optimizer step (16 micro-batches of one
+  note, full distribution every decoder step) vs the optimized one (one bucketed batch of the same
+  16 notes), interleaved so drift on a shared machine hits both alike;
+* loss parity: both paths' loss on the same weights and batch;
+* peak memory of each path's training step (CUDA: the allocator's peak; CPU: resident set, sampled);
+* beam search: per-example (the original) vs batched, on the same weights: identical summaries?
+  and summaries/s;
+* quality: ROUGE-2 of each path's model after the same optimizer steps from the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+from raysys.config import apply_overrides
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA allocator stats, or the resident set sampled
+    every 2 ms on CPU (Linux /proc; 0 where it cannot be read)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base, self._stop = self._rss(), threading.Event()
+            self._high = self.base
+
+            def sample():
+                while not self._stop.wait(0.002):
+                    self._high = max(self._high, self._rss())
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(0, self._high - self.base)
+
+
+def _opt_step(model, opt, micro_batches, device) -> int:
+    """One optimizer step over ``micro_batches`` (gradient accumulation); returns target tokens."""
+    from raysys.train.data import to_device
+
+    opt.zero_grad(set_to_none=True)
+    tokens = 0
+    for b in micro_batches:
+        b = to_device(b, device)
+        total, n = model(b["src"], b["src_len"], b["tgt"])
+        (total / n / len(micro_batches)).backward()
+        tokens += int(n)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return tokens
+
+
+def run_bench(quick: bool = False) -> dict:
+    from raysys.workloads.pointer_generator.beam import beam_search, per_example
+    from raysys.workloads.pointer_generator.workload import SummarizationTask, default, small
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = small() if quick else default()  # quick: the CPU-sized model; else the original's size
+    cfg = apply_overrides(base, {"data.n_train": 400, "data.n_eval": 40, "data.eval_examples": 16 if quick else 32,
+                                 "data.data_dir": "raysys_data/pointer_generator_bench"})
+    task = SummarizationTask()
+    cfg = task.prepare(cfg)
+    train_ds, eval_ds = task.datasets(cfg)
+    accum, steps = 16, (2 if quick else 4)
+
+    torch.manual_seed(0)
+    models = {"naive": task.build_model(apply_overrides(cfg, {"model.path": "naive"})).to(device)}
+    models["optimized"] = copy.deepcopy(models["naive"])
+    models["optimized"].path = "optimized"
+    n_params = models["naive"].num_params()
+
+    # loss parity: the same weights and batch, dropout off
+    batch = {k: v.to(device) for k, v in task.collate([train_ds[i] for i in range(4)]).items()}
+    losses = {}
+    with torch.no_grad():
+        for path, m in models.items():
+            m.eval()
+            total, n = m(batch["src"], batch["src_len"], batch["tgt"])
+            losses[path] = float(total / n)
+            m.train()
+
+    # training throughput: the same 16 notes per optimizer step, as the original (16 x batch 1)
+    # or as one batch (sorted by length, as the bucketing sampler does within a window)
+    opts = {k: torch.optim.Adam(m.parameters(), lr=cfg.optim.lr) for k, m in models.items()}
+    groups = [[train_ds[i] for i in range(s * accum, (s + 1) * accum)] for s in range(steps + 1)]
+    plans = {"naive": [[task.collate([it]) for it in g] for g in groups],
+             "optimized": [[task.collate(sorted(g, key=lambda it: len(it["src"])))] for g in groups]}
+    times, tokens, peak = {k: [] for k in models}, {k: 0 for k in models}, {k: 0 for k in models}
+    for k in models:  # warm-up: allocator, lazy init
+        _opt_step(models[k], opts[k], plans[k][0], device)
+    for s in range(1, steps + 1):
+        for k in (("naive", "optimized") if s % 2 else ("optimized", "naive")):
+            with PeakMemory(device) as mem:
+                t0 = time.perf_counter()
+                tokens[k] += _opt_step(models[k], opts[k], plans[k][s], device)
+                times[k].append(time.perf_counter() - t0)
+            peak[k] = max(peak[k], mem.peak)
+
+    # beam search, per example vs batched, on the same (optimized-path-trained) weights
+    m = models["optimized"].eval()
+    ev = task.collate([eval_ds[i] for i in range(len(eval_ds))])
+    ev_dev = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in ev.items()}
+    mc = cfg.model
+    kw = dict(beam=mc.beam, min_len=mc.min_len, max_len=mc.max_len, length_penalty=mc.length_penalty,
+              block_trigrams=mc.block_trigrams)
+    t0 = time.perf_counter()
+    one = per_example(m, ev_dev["src"], ev_dev["src_len"], **kw)
+    t_one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    many = beam_search(m, ev_dev["src"], ev_dev["src_len"], **kw)
+    t_many = time.perf_counter() - t0
+    same = sum(a == b for a, b in zip(one, many))
+
+    # quality after the same optimizer steps from the same weights
+    quality = {}
+    for k, model in models.items():
+        model.eval()
+        quality[k] = task.evaluate(model, [ev_dev])
+    n_ev = len(one)
+
+    res = {"workload": "pointer_generator", "throughput_unit": "target tokens/s (train step)", "quality_metric": "rouge2",
+           "speedup": (tokens["optimized"] / sum(times["optimized"])) / (tokens["naive"] / sum(times["naive"])),
+           "loss": losses, "loss_abs_diff": abs(losses["naive"] - losses["optimized"]),
+           "beam": {"examples": n_ev, "identical": same, "per_example_summaries_per_s": n_ev / t_one,
+                    "batched_summaries_per_s": n_ev / t_many, "speedup": t_one / t_many},
+           "model": {"params": n_params, "vocab": models["naive"].V, "emb_dim": mc.emb_dim, "hidden": mc.hidden,
+                     "layers": mc.layers}}
+    for k in models:
+        res[k] = {"throughput": tokens[k] / sum(times[k]), "step_s": statistics.median(times[k]),
+                  "peak_memory_mb": peak[k] / 2**20, "quality": quality[k]["rouge2"],
+                  "eval": {q: quality[k][q] for q in ("rouge1", "rouge2", "rougeLsum", "entity_copy")}}
+    res["extra"] = {
+        "model": f"{n_params / 1e6:.2f}M parameters, vocabulary {models['naive'].V}",
+        "optimizer step": f"16 notes: naive 16 x batch 1, optimized 1 x batch 16; {steps} timed steps each",
+        "loss on the same weights and batch": f"naive {losses['naive']:.6f} optimized {losses['optimized']:.6f} "
+                                              f"(|diff| {res['loss_abs_diff']:.1e})",
+        "peak memory of a training step": f"naive {res['naive']['peak_memory_mb']:.0f} MB, "
+                                          f"optimized {res['optimized']['peak_memory_mb']:.0f} MB",
+        "beam search": f"{same}/{n_ev} summaries identical; per-example {res['beam']['per_example_summaries_per_s']:.2f}/s, "
+                       f"batched {res['beam']['batched_summaries_per_s']:.2f}/s ({res['beam']['speedup']:.1f}x)",
+        "quality": f"ROUGE-2 after {steps + 1} optimizer steps from the same weights (a speed check, not a learning run)",
+    }
+    return res

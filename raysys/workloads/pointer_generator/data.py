@@ -1,0 +1,234 @@
+"""Text data for the summarizer: a corpus (synthetic, or the user's parquet/JSONL), a SentencePiece
+tokenizer trained on its training split, and tokenized splits as parquet.
+
+Layout of a prepared data folder (written once; reused while its settings match ``meta.json``)::
+
+    spm.model, spm.vocab      SentencePiece model trained on the training split
+    train.parquet, eval.parquet
+        src_ids, tgt_ids      list<int32> token ids (truncated to the configured lengths, + EOS)
+        note, summary         the raw texts (references for ROUGE)
+        entities              list<string>: what a summary must copy (synthetic data; for user data the
+                              reference's words with a digit that also occur in the note)
+    meta.json                 settings, sizes, truncation counts
+
+:class:`TokenizedSplit` reads a split with pyarrow and keeps the list columns as their flat value
+and offset arrays (zero-copy views of the Arrow buffers): an item is two slices, so no epoch copies
+the table and loader workers share the memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3  # SentencePiece ids, fixed at training time below
+
+
+def _spm():
+    import sentencepiece as spm
+
+    return spm
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer(model_file: str):
+    return _spm().SentencePieceProcessor(model_file=model_file)
+
+
+def _digest(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- reading a user's corpus ------------------------------------------------------------------------
+
+def read_texts(path: str, source: str, target: str) -> list[dict]:
+    """Rows of ``{note, summary}`` from a parquet or JSONL file; one clear ``ValueError`` (shown as a one-line data error) for an
+    unreadable file, a missing column, or empty/non-text values."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        if p.suffix in (".jsonl", ".json", ".ndjson"):
+            import pyarrow.json as pj
+
+            table = pj.read_json(p)
+        else:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(p)
+    except Exception as e:  # a corrupt or mislabelled file: say which and why, in one line
+        raise ValueError(f"{path}: not readable as {'JSONL' if p.suffix in ('.jsonl', '.json', '.ndjson') else 'parquet'} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    missing = [c for c in (source, target) if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(table.column_names)}); "
+                        "set data.source_column / data.target_column")
+    rows = []
+    for i, (s, t) in enumerate(zip(table.column(source).to_pylist(), table.column(target).to_pylist())):
+        for name, v in ((source, s), (target, t)):
+            if not isinstance(v, str):
+                raise ValueError(f"{path}: row {i}: column {name} is {type(v).__name__}, not text")
+            if not v.strip():
+                raise ValueError(f"{path}: row {i}: column {name} is empty")
+        rows.append({"note": s, "summary": t})
+    if len(rows) < 2:
+        raise ValueError(f"{path}: {len(rows)} row(s); need at least 2 (one to train on, one to evaluate)")
+    return rows
+
+
+def guess_entities(note: str, summary: str) -> list[str]:
+    """Entities of a user's reference: its words with a digit that the note contains verbatim."""
+    words = {w.strip(".,;:()") for w in summary.split()}
+    return sorted(w for w in words if any(ch.isdigit() for ch in w) and w in note)
+
+
+# ---- preparing ----------------------------------------------------------------------------------------
+
+def prepare(cfg: Any) -> Path:
+    """Make (or reuse) the tokenized data folder for ``cfg.data``; return it. Idempotent and safe
+    to call from several processes at once (built in a temp folder, then renamed into place)."""
+    d = cfg.data
+    settings = {"path": str(Path(d.path).resolve()) if d.path else None, "eval_path": d.eval_path,
+                "source": d.source_column, "target": d.target_column, "n_train": d.n_train, "n_eval": d.n_eval,
+                "eval_fraction": d.eval_fraction, "seed": d.seed, "vocab_size": d.vocab_size,
+                "max_src_len": d.max_src_len, "max_tgt_len": d.max_tgt_len}
+    if d.path:
+        settings["mtime"] = os.path.getmtime(d.path) if os.path.exists(d.path) else None
+    out = Path(d.data_dir) / _digest(settings)
+    if (out / "meta.json").is_file():
+        return out
+    train, evals = _splits(d)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        vocab = _train_tokenizer([r["note"] for r in train] + [r["summary"] for r in train], tmp / "spm", d.vocab_size)
+        sp = tokenizer(str(tmp / "spm.model"))
+        meta = {"settings": settings, "vocab_size": vocab, "splits": {}}
+        for name, rows in (("train", train), ("eval", evals)):
+            meta["splits"][name] = _write_split(rows, sp, tmp / f"{name}.parquet", d.max_src_len, d.max_tgt_len)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        tokenizer.cache_clear()
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first: its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _splits(d: Any) -> tuple[list[dict], list[dict]]:
+    if d.path is None:
+        from raysys.workloads.pointer_generator.corpus import generate
+
+        rows = list(generate(d.n_train + d.n_eval, d.seed))
+        return rows[: d.n_train], rows[d.n_train:]
+    rows = read_texts(d.path, d.source_column, d.target_column)
+    for r in rows:
+        r["entities"] = guess_entities(r["note"], r["summary"])
+    if d.eval_path:
+        evals = read_texts(d.eval_path, d.source_column, d.target_column)
+        for r in evals:
+            r["entities"] = guess_entities(r["note"], r["summary"])
+        return rows, evals
+    order = np.random.default_rng(d.seed).permutation(len(rows))
+    n_eval = max(1, int(round(d.eval_fraction * len(rows))))
+    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
+
+
+def _train_tokenizer(texts: list[str], prefix: Path, vocab_size: int) -> int:
+    """Unigram SentencePiece with digits split (numbers are copied digit by digit, so any value can
+    be copied) and byte fallback (no <unk> for rare characters). ``vocab_size`` is a ceiling: a
+    small corpus gets the vocabulary it supports (hard_vocab_limit off)."""
+    spm = _spm()
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        for t in texts:
+            f.write(t.replace("\n", " ") + "\n")
+    try:
+        # every sentence is used (no sampling) and one thread: the same corpus gives the same model
+        spm.SentencePieceTrainer.train(
+            input=f.name, model_prefix=str(prefix), vocab_size=vocab_size, model_type="unigram",
+            character_coverage=1.0, split_digits=True, byte_fallback=True, hard_vocab_limit=False,
+            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, num_threads=1, input_sentence_size=0,
+            shuffle_input_sentence=False, minloglevel=2, user_defined_symbols=["\\n"])
+    except RuntimeError as e:  # e.g. a vocabulary smaller than the corpus's characters need
+        raise ValueError(f"SentencePiece could not train a {vocab_size}-piece tokenizer: {str(e).splitlines()[0]}") from None
+    finally:
+        os.unlink(f.name)
+    return _spm().SentencePieceProcessor(model_file=f"{prefix}.model").get_piece_size()
+
+
+def encode(sp, text: str) -> list[int]:
+    # sentence breaks survive tokenization as a piece of their own (ROUGE-Lsum splits on them)
+    return sp.encode(text.replace("\n", " \\n "))
+
+
+def decode(sp, ids: list[int]) -> str:
+    return re.sub(r"\s*\\n\s*", "\n", sp.decode([int(i) for i in ids if i > EOS])).strip()
+
+
+def _write_split(rows: list[dict], sp, path: Path, max_src: int, max_tgt: int) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src, tgt, cut_src, cut_tgt = [], [], 0, 0
+    for r in rows:
+        s, t = encode(sp, r["note"]), encode(sp, r["summary"])
+        cut_src += len(s) > max_src - 1
+        cut_tgt += len(t) > max_tgt - 1
+        src.append(s[: max_src - 1] + [EOS])
+        tgt.append(t[: max_tgt - 1] + [EOS])
+    table = pa.table({"src_ids": pa.array(src, pa.list_(pa.int32())), "tgt_ids": pa.array(tgt, pa.list_(pa.int32())),
+                      "note": [r["note"] for r in rows], "summary": [r["summary"] for r in rows],
+                      "entities": pa.array([r.get("entities", []) for r in rows], pa.list_(pa.string()))})
+    pq.write_table(table, path)
+    lens = [len(s) for s in src]
+    return {"rows": len(rows), "truncated_src": cut_src, "truncated_tgt": cut_tgt,
+            "mean_src_len": float(np.mean(lens)), "mean_tgt_len": float(np.mean([len(t) for t in tgt]))}
+
+
+# ---- reading a prepared split -------------------------------------------------------------------------
+
+class TokenizedSplit:
+    """A split as flat int32 value/offset arrays over the Arrow buffers (no per-epoch copies).
+    ``lengths`` (source tokens per row) lets the loader bucket batches by length."""
+
+    def __init__(self, path: Path, limit: Optional[int] = None, with_text: bool = False):
+        import pyarrow.parquet as pq
+
+        cols = ["src_ids", "tgt_ids"] + (["summary", "entities", "note"] if with_text else [])
+        table = pq.read_table(path, columns=cols)
+        if limit is not None:
+            table = table.slice(0, limit)
+        self.n = table.num_rows
+        self._src = self._flat(table.column("src_ids"))
+        self._tgt = self._flat(table.column("tgt_ids"))
+        self.lengths = np.diff(self._src[1])
+        self.text = {c: table.column(c).to_pylist() for c in cols[2:]}
+
+    @staticmethod
+    def _flat(col) -> tuple[np.ndarray, np.ndarray]:
+        arr = col.combine_chunks()
+        values = arr.values.to_numpy(zero_copy_only=True)
+        offsets = arr.offsets.to_numpy(zero_copy_only=True)
+        return values, offsets
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        (sv, so), (tv, to) = self._src, self._tgt
+        item = {"src": sv[so[i]:so[i + 1]], "tgt": tv[to[i]:to[i + 1]], "index": i}
+        for c, values in self.text.items():
+            item[c] = values[i]
+        return item
