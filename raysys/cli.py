@@ -139,14 +139,16 @@ def _main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.command == "list":
             plugins = set(registry.plugins())
-            for name in registry.available():
+            names = registry.available()
+            w = max([16, *(len(n) for n in names)])
+            for name in names:
                 try:
                     wl = registry.get(name)
                 except ConfigError as e:  # a broken plug-in does not hide the others
-                    print(f"{name:16s} (plug-in failed to load: {e})")
+                    print(f"{name:{w}s} (plug-in failed to load: {e})")
                     continue
                 kind = "plug-in" if name in plugins else "built-in"
-                print(f"{name:16s} {wl.description} [{kind}]\n{'':16s} presets: {', '.join(wl.presets)}")
+                print(f"{name:{w}s} {wl.description} [{kind}]\n{'':{w}s} presets: {', '.join(wl.presets)}")
             print("\nYour own: python -m raysys train my_module:WORKLOAD (docs/your-workload.md)")
             return 0
         wl, cfg = build_config(args)

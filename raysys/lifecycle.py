@@ -184,7 +184,9 @@ def _worker_handler(signum, frame) -> None:
         # a second SIGTERM, or no loop left to stop (Ray shutting the worker down): exit now, as
         # Ray's own handler would
         raise SystemExit(1)
-    request_stop(signum)
+    # no Ray call here: submitting a task from a signal handler trips Ray's checks; the training
+    # thread's StopPoller passes the request on to the StopFlag at its next step boundary
+    _stop["signum"] = signum
 
 
 def watch_worker_sigterm(actor: Any) -> None:
@@ -244,7 +246,7 @@ class StopPoller:
     in a Ray worker it asks the driver's :class:`StopFlag`, at most every ``interval`` seconds."""
 
     def __init__(self, actor: Any = None, interval: float = 1.0):
-        self.actor, self.interval, self._next, self._seen = actor, interval, 0.0, None
+        self.actor, self.interval, self._next, self._seen, self._told = actor, interval, 0.0, None, False
         if actor is not None:
             watch_worker_sigterm(actor)
 
@@ -254,6 +256,12 @@ class StopPoller:
         local = stop_requested()
         if local is not None:
             self._seen = local
+            if self.actor is not None and not self._told:  # a worker's own SIGTERM: tell every rank
+                self._told = True
+                try:
+                    self.actor.set.remote(local)
+                except Exception:
+                    pass
         elif self.actor is not None:
             import time
 

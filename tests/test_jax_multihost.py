@@ -52,6 +52,7 @@ def _check_hosts(run_dir, local_envs: int) -> None:
     assert json.loads((run_dir / "final_metrics.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow  # ~4-6 min on 2 cores: two JAX processes per run, three runs
 @pytest.mark.timeout(780)
 def test_two_hosts_train_one_model(tmp_path, monkeypatch):
     from ray.cluster_utils import Cluster

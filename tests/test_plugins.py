@@ -54,6 +54,7 @@ def project(tmp_path) -> Path:
     return d
 
 
+@pytest.mark.slow  # ~4-6 min: every command of docs/your-workload.md, DDP, bench and sweep included
 def test_the_doc_runs_as_written(project):
     """Its three commands: 2 Ray Train workers, the generic bench, a 2-trial sweep, all through module:attr."""
     (bash,) = _blocks("bash")

@@ -87,6 +87,7 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     assert twice.returncode == 2 and "already exists" in twice.stderr
 
 
+@pytest.mark.slow  # a 3-node cluster: ~2-3 min on 2 cores (over the ~3 min budget under load)
 def test_losing_the_node_of_rank_0_resumes_from_s3(tmp_path, s3):
     """Three 1-CPU worker nodes (their own raylets and temp dirs), two Ray Train workers: the node
     hosting rank 0 is removed mid-run; the run finishes on the others from the S3 checkpoint."""

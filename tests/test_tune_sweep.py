@@ -110,6 +110,8 @@ def _events(sweep_dir: Path) -> list[list[str]]:
     return [line.split()[1:] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+# the same interruption on S3 storage runs in the default suite (tests/test_storage.py)
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     args = ["--space", str(SPACE), "--num-samples", "3", "--max-concurrent", "1", *TINY,
             "--set", "train.epochs=3", "--set", "train.checkpoint_every_steps=2", "--name", "intr"]

@@ -248,7 +248,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 ray.train.report({**metrics, "step": step})
             minutes = tc.checkpoint_every_minutes
             due = minutes is not None and time.monotonic() - last_ckpt_time >= 60 * minutes
-            due, stopped = _broadcast_flags((due, rank == 0 and stop_requested() is not None), world, device)
+            asked = stop_requested() is not None  # every rank asks: a worker's own SIGTERM reaches the flag this way
+            due, stopped = _broadcast_flags((due, rank == 0 and asked), world, device)
             if micro_done >= micro_per_epoch:
                 exhausted = True  # the epoch-end checkpoint below covers this step: no second save of it
             every = tc.checkpoint_every_steps

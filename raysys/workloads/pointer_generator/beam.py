@@ -36,7 +36,7 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
     B, K, dev = src.shape[0], beam, src.device
     enc, keys, mask, (h, c) = model.encode(src, src_len, naive=False)
     rep = lambda x, dim=0: x.repeat_interleave(K, dim=dim)  # noqa: E731  [B, ...] -> [B*K, ...]
-    enc, keys, mask, srcK = rep(enc), rep(keys), rep(mask), rep(src)
+    srcK = rep(src)  # the encodings stay [B, ...]: the K beams of an example read them together
     state = (rep(h, 1), rep(c, 1))
     ctx = enc.new_zeros(B * K, enc.shape[-1])
     hist = torch.full((B * K, 0), BOS, dtype=torch.long, device=dev)
@@ -47,7 +47,7 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
     prev = torch.full((B * K,), BOS, dtype=torch.long, device=dev)
     for t in range(max_len):
         emb = model.embed(prev)
-        s, ctx, attn, state = model.step_fused(model.embedding_gates(emb), ctx, state, enc, keys, mask)
+        s, ctx, attn, state = model.step_fused(model.embedding_gates(emb), ctx, state, enc, keys, mask, group=K)
         logits, g = model.features(s, ctx, emb)
         logp = model.final_log_probs(logits, g, attn, srcK)   # [B*K, V]
         if t < min_len:
@@ -58,9 +58,9 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
         cand = (scores.view(-1, 1) + logp).view(B, K * V)
         top_s, top_i = cand.topk(2 * K, dim=1)                 # enough to find K live continuations
         top_s, top_i = top_s.tolist(), top_i.tolist()
-        new_scores = torch.full((B, K), float("-inf"), device=dev)
-        src_beam = torch.arange(B * K, device=dev).view(B, K).clone()
-        new_tok = torch.full((B, K), EOS, dtype=torch.long, device=dev)
+        new_scores = [[float("-inf")] * K for _ in range(B)]
+        src_beam = [[b * K + k for k in range(K)] for b in range(B)]
+        new_tok = [[EOS] * K for _ in range(B)]
         for b in range(B):
             if done[b]:
                 continue
@@ -73,7 +73,7 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
                     seq = hist[b * K + beam_idx].tolist()
                     finished[b].append((sc / max(1, len(seq) + 1) ** length_penalty, seq))
                     continue
-                new_scores[b, k], src_beam[b, k], new_tok[b, k] = sc, b * K + beam_idx, tok
+                new_scores[b][k], src_beam[b][k], new_tok[b][k] = sc, b * K + beam_idx, tok
                 k += 1
                 if k == K:
                     break
@@ -81,11 +81,12 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
                 done[b] = True
         if all(done):
             break
-        order = src_beam.view(-1)
+        order = torch.tensor(src_beam, device=dev).view(-1)
+        new_tok = torch.tensor(new_tok, device=dev).view(-1)
         state = (state[0][:, order], state[1][:, order])
         ctx = ctx[order]
-        hist = torch.cat([hist[order], new_tok.view(-1, 1)], 1)
-        prev, scores = new_tok.view(-1), new_scores
+        hist = torch.cat([hist[order], new_tok[:, None]], 1)
+        prev, scores = new_tok, torch.tensor(new_scores, device=dev)
     out = []
     for b in range(B):
         if not done[b]:  # max_len reached: the open beams compete as they are

@@ -131,8 +131,18 @@ class PointerGenerator(nn.Module):
     # ---- one decoder step (both paths, and beam search) ----------------------------------------------
 
     def attend(self, s: torch.Tensor, enc: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-               weights: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Context [N, 2H] (and attention weights [N, S] if asked) of decoder states s [N, H]."""
+               weights: bool = True, group: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Context [N, 2H] (and attention weights [N, S] if asked) of decoder states s [N, H].
+        ``group`` > 1: N = B x group states (beams) share each of the B encodings, which are read
+        once per example instead of once per beam."""
+        if group > 1:
+            B, K = enc.shape[0], group
+            if self.attention == "additive":
+                scores = self.v(torch.tanh(keys[:, None] + self.W_s(s).view(B, K, 1, -1)))[..., 0]
+            else:
+                scores = torch.bmm(self.W_q(s).view(B, K, -1), enc.transpose(1, 2)) / math.sqrt(enc.shape[-1])
+            attn = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)  # [B, K, S]
+            return torch.bmm(attn, enc).view(B * K, -1), attn.view(B * K, -1)
         if self.attention == "additive":
             scores = self.v(torch.tanh(keys + self.W_s(s)[:, None]))[..., 0]
         else:
@@ -150,7 +160,7 @@ class PointerGenerator(nn.Module):
         ctx, attn = self.attend(s, enc, keys, mask, weights)
         return s, ctx, attn, state
 
-    def step_fused(self, pre_t, ctx, state, enc, keys, mask, weights: bool = True):
+    def step_fused(self, pre_t, ctx, state, enc, keys, mask, weights: bool = True, group: int = 1):
         """``step`` with the decoder LSTM written out: the embedding's share of the first layer's gates
         (``pre_t``, see :meth:`embedding_gates`) is computed for all steps before the loop, so the
         loop does only what depends on the previous step (the same function as ``nn.LSTM``)."""
@@ -169,7 +179,7 @@ class PointerGenerator(nn.Module):
             c = torch.sigmoid(f) * c0[layer] + torch.sigmoid(i) * torch.tanh(g)
             x = torch.sigmoid(o) * torch.tanh(c)
             hs.append(x), cs.append(c)
-        ctx, attn = self.attend(x, enc, keys, mask, weights)
+        ctx, attn = self.attend(x, enc, keys, mask, weights, group)
         return x, ctx, attn, (torch.stack(hs), torch.stack(cs))
 
     def embedding_gates(self, emb: torch.Tensor) -> torch.Tensor:
