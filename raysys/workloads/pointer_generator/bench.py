@@ -4,7 +4,7 @@
   note, full distribution every decoder step) vs the optimized one (one bucketed batch of the same
   16 notes), interleaved so drift on a shared machine hits both alike;
 * loss parity: both paths' loss on the same weights and batch;
-* peak memory of each path's training step (CUDA: the allocator's peak; CPU: resident set, sampled);
+* peak memory of each path's training step (tensors alive at once: CUDA allocator / torch profiler);
 * beam search: per-example (the original) vs batched, on the same weights: identical summaries?
   and summaries/s;
 * quality: ROUGE-2 of each path's model after the same optimizer steps from the same weights.
@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import copy
-import os
 import statistics
-import threading
 import time
 
 import torch
@@ -23,46 +21,28 @@ import torch
 from raysys.config import apply_overrides
 
 
-class PeakMemory:
-    """Peak memory above the level at entry: CUDA allocator stats, or the resident set sampled
-    every 2 ms on CPU (Linux /proc; 0 where it cannot be read)."""
+def peak_memory(fn, device: torch.device) -> int:
+    """Peak bytes of tensors alive at once while ``fn()`` runs, above what was alive before: the CUDA
+    allocator's peak, or on CPU the allocation/free events torch's profiler records, replayed in
+    order (a resident-set reading would mostly show what the allocator kept from earlier steps)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
-
-    @staticmethod
-    def _rss() -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:
-            return 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            self.base, self._stop = self._rss(), threading.Event()
-            self._high = self.base
-
-            def sample():
-                while not self._stop.wait(0.002):
-                    self._high = max(self._high, self._rss())
-
-            self._thread = threading.Thread(target=sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(0, self._high - self.base)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.name == "[memory]" or e.self_cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:  # an op's own allocations and frees; "[memory]" marks frees outside any op
+        live += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
 
 
 def _opt_step(model, opt, micro_batches, device) -> int:
@@ -123,11 +103,11 @@ def run_bench(quick: bool = False) -> dict:
         _opt_step(models[k], opts[k], plans[k][0], device)
     for s in range(1, steps + 1):
         for k in (("naive", "optimized") if s % 2 else ("optimized", "naive")):
-            with PeakMemory(device) as mem:
-                t0 = time.perf_counter()
-                tokens[k] += _opt_step(models[k], opts[k], plans[k][s], device)
-                times[k].append(time.perf_counter() - t0)
-            peak[k] = max(peak[k], mem.peak)
+            t0 = time.perf_counter()
+            tokens[k] += _opt_step(models[k], opts[k], plans[k][s], device)
+            times[k].append(time.perf_counter() - t0)
+    for k in models:  # one more step each, untimed, for its memory
+        peak[k] = peak_memory(lambda: _opt_step(models[k], opts[k], plans[k][0], device), device)
 
     # beam search, per example vs batched, on the same (optimized-path-trained) weights
     m = models["optimized"].eval()
