@@ -36,6 +36,13 @@ class StoppingTask(DigitsTask):
 WORKLOAD = dataclasses.replace(BASE, name="digits_stop", task=StoppingTask())
 '''
 
+# The summarizer, stopped the same way (its TorchTask through the shared loop).
+PG_STOPPER = STOPPER.replace("from digits_mlp import WORKLOAD as BASE, DigitsTask",
+                             "from raysys.workloads.pointer_generator.workload import WORKLOAD as BASE, "
+                             "SummarizationTask as DigitsTask").replace('"digits_stop"', '"pg_stop"')
+PG_SMALL = ["--preset", "quick", "--set", "data.n_train=200", "--set", "data.max_src_len=128", "--set",
+            "data.max_tgt_len=32", "--set", "train.batch_size=8", "--set", "train.epochs=2", "--set", "model.max_len=16"]
+
 # hackmatrix_ppo, whose session says "stop" (what SIGINT makes it say) after STOP_AT chunk boundaries.
 PPO_STOPPER = '''
 import dataclasses, os
@@ -329,12 +336,14 @@ def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
     assert r.info.status == "KILLED"
 
 
-@pytest.mark.parametrize("workload, stop_at, sets", [
-    ("stopper:WORKLOAD", 13, ["--preset", "quick"]),  # a small model with dropout, stopped mid-epoch
-    ("deep_gpcm", 0, ["--set", "train.epochs=2"]),
+@pytest.mark.parametrize("workload, experiment, stop_at, sets", [
+    ("stopper:WORKLOAD", "digits_stop", 13, ["--preset", "quick"]),  # a small model with dropout, stopped mid-epoch
+    ("deep_gpcm", "deep_gpcm", 0, ["--set", "train.epochs=2"]),
+    ("pg_stopper:WORKLOAD", "pg_stop", 17, PG_SMALL),  # bucketed text batches, dropout, stopped mid-epoch
 ])
-def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, stop_at, sets):
+def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, experiment, stop_at, sets):
     (tmp_path / "stopper.py").write_text(STOPPER)
+    (tmp_path / "pg_stopper.py").write_text(PG_STOPPER)
     common = [workload, "--workers", "0", *sets, "--set", "train.log_every_steps=1"]
     assert _train(tmp_path, *common, "--name", "whole").returncode == 0
     if stop_at:
@@ -350,7 +359,7 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, sto
     again = _train(tmp_path, workload, "--name", "cut", "--resume")
     assert again.returncode == 0
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    ids = {r.info.run_name: r.info.run_id for r in _mlflow_runs(uri, f"raysys-{'digits_stop' if stop_at else 'deep_gpcm'}")}
+    ids = {r.info.run_name: r.info.run_id for r in _mlflow_runs(uri, f"raysys-{experiment}")}
     whole, cut = _losses(uri, ids["whole"]), _losses(uri, ids["cut"])
     assert len(whole) > 20 and whole == cut  # step for step, to the last bit
 

@@ -134,3 +134,15 @@ def test_a_users_jsonl_trains_evaluates_and_reports_truncation(tmp_path):
     for k in ("eval/rouge2", "eval/rouge1", "eval/rougeLsum", "eval/entity_copy", "eval/lead3_rouge2", "eval/quality"):
         assert k in final and 0.0 <= final[k] <= 1.0, k
     assert final["eval/lead3_rouge2"] > 0.01  # the baseline is computed from real texts
+
+
+@pytest.mark.slow  # ~1.5 min: two Ray Train workers
+def test_two_ray_train_workers_train_with_ddp(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "raysys", "train", "pointer_generator", "--preset", "quick",
+                           "--workers", "2", "--name", "ddp", "--set", "data.max_src_len=256", "--set",
+                           "data.max_tgt_len=64", "--set", "train.max_steps=4"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.returncode == 0
+    final = json.loads((tmp_path / "raysys_runs" / "ddp" / "final_metrics.json").read_text())
+    assert final["world_size"] == 2 and final["step"] == 4 and "eval/rouge2" in final
