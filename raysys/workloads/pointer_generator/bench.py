@@ -64,6 +64,7 @@ def _opt_step(model, opt, micro_batches, device) -> int:
 
 
 def run_bench(quick: bool = False) -> dict:
+    from raysys.train.data import to_device
     from raysys.workloads.pointer_generator.beam import beam_search, per_example
     from raysys.workloads.pointer_generator.workload import SummarizationTask, default, small
 
@@ -83,7 +84,7 @@ def run_bench(quick: bool = False) -> dict:
     n_params = models["naive"].num_params()
 
     # loss parity: the same weights and batch, dropout off
-    batch = {k: v.to(device) for k, v in task.collate([train_ds[i] for i in range(4)]).items()}
+    batch = to_device(task.collate([train_ds[i] for i in range(4)]), device)
     losses = {}
     with torch.no_grad():
         for path, m in models.items():
@@ -112,7 +113,7 @@ def run_bench(quick: bool = False) -> dict:
     # beam search, per example vs batched, on the same (optimized-path-trained) weights
     m = models["optimized"].eval()
     ev = task.collate([eval_ds[i] for i in range(len(eval_ds))])
-    ev_dev = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in ev.items()}
+    ev_dev = to_device(ev, device)
     mc = cfg.model
     kw = dict(beam=mc.beam, min_len=mc.min_len, max_len=mc.max_len, length_penalty=mc.length_penalty,
               block_trigrams=mc.block_trigrams)

@@ -68,20 +68,20 @@ class PointerGenerator(nn.Module):
         naive = self.path == "naive" if naive is None else naive
         B, S = src.shape
         emb = self.drop(self.embed(src))
-        if naive:  # one example at a time, each at its own length (batch 1 in the original)
-            outs, hs, cs = [], [], []
-            for b in range(B):
-                n = int(src_len[b])
-                o, (h, c) = self.encoder(emb[b:b + 1, :n])
-                outs.append(F.pad(o, (0, 0, 0, S - n))), hs.append(h), cs.append(c)
-            enc, h, c = torch.cat(outs), torch.cat(hs, 1), torch.cat(cs, 1)
-        elif src.is_cuda:  # one packed call: cuDNN, no compute on pads
-            packed = pack_padded_sequence(emb, src_len.cpu(), batch_first=True, enforce_sorted=False)
-            o, (h, c) = self.encoder(packed)
-            enc, _ = pad_packed_sequence(o, batch_first=True, total_length=S)
-        else:  # CPU: PyTorch's packed LSTM backward is ~10x slower than a padded one here
+        if not naive and not src.is_cuda:  # CPU: PyTorch's packed LSTM backward is ~10x slower than this
             enc, state = self._encode_padded(emb, src_len)
-        if naive or src.is_cuda:
+        else:
+            if naive:  # one example at a time, each at its own length (batch 1 in the original)
+                outs, hs, cs = [], [], []
+                for b in range(B):
+                    n = int(src_len[b])
+                    o, (h, c) = self.encoder(emb[b:b + 1, :n])
+                    outs.append(F.pad(o, (0, 0, 0, S - n))), hs.append(h), cs.append(c)
+                enc, h, c = torch.cat(outs), torch.cat(hs, 1), torch.cat(cs, 1)
+            else:  # one packed call: cuDNN, no compute on pads
+                packed = pack_padded_sequence(emb, src_len.cpu(), batch_first=True, enforce_sorted=False)
+                o, (h, c) = self.encoder(packed)
+                enc, _ = pad_packed_sequence(o, batch_first=True, total_length=S)
             # the decoder starts from the forward direction's final states of each layer
             state = (h.view(self.L, 2, B, self.H)[:, 0].contiguous(), c.view(self.L, 2, B, self.H)[:, 0].contiguous())
         mask = torch.arange(S, device=src.device)[None] < src_len[:, None]
