@@ -134,7 +134,31 @@ def decode(enc: Any, current: Any = None) -> Any:
     raise EnvStateMismatch(f"unknown state tag {tag!r}")
 
 
+def _check(enc: Any, current: Any, where: str) -> None:
+    """Raise EnvStateMismatch if ``enc`` cannot be restored into ``current`` (nothing is changed)."""
+    if not isinstance(enc, tuple):
+        return
+    tag = enc[0]
+    kinds = {"rs": np.random.RandomState, "gen": np.random.Generator}
+    if tag in kinds and not isinstance(current, kinds[tag]):
+        raise EnvStateMismatch(f"{where}: saved a {kinds[tag].__name__}, the env has {type(current).__name__}")
+    if tag == "obj":
+        if current is None or not hasattr(current, "__dict__"):
+            raise EnvStateMismatch(f"{where}: saved an object, the env has {type(current).__name__}")
+        for name, v in enc[1].items():
+            _check(v, getattr(current, name, None), f"{where}.{name}")
+    elif tag == "dict" and isinstance(current, dict):
+        for k, v in enc[1]:
+            _check(v, current.get(decode(k)), f"{where}[{decode(k)!r}]")
+    elif tag in ("list", "tuple") and isinstance(current, (list, tuple)) and len(current) == len(enc[1]):
+        for i, (v, c) in enumerate(zip(enc[1], current)):
+            _check(v, c, f"{where}[{i}]")
+
+
 def apply(env: Any, state: dict[str, Any]) -> None:
-    """Write ``state`` (from :func:`capture`) back into ``env``, in place."""
+    """Write ``state`` (from :func:`capture`) back into ``env``, in place. A state that does not fit
+    raises :class:`EnvStateMismatch` before anything is changed."""
+    for name, enc in state.items():
+        _check(enc, getattr(env, name, None), name)
     for name, enc in state.items():
         setattr(env, name, decode(enc, getattr(env, name, None)))
