@@ -58,6 +58,21 @@ def test_both_paths_compute_the_same_loss(prepared, attention, copy, layers):
     assert torch.allclose(grads["naive"], grads["optimized"], atol=1e-5, rtol=1e-3)
 
 
+def test_bf16_autocast_runs_on_a_cpu_and_both_paths_agree(prepared):
+    """oneDNN's LSTM rejects bf16 on CPUs without bf16 units; the model falls back to ATen's kernel."""
+    task, cfg, train, _ = prepared
+    torch.manual_seed(0)
+    model = task.build_model(apply_overrides(cfg, {"model.layers": 2})).eval()
+    batch = task.collate([train[i] for i in range(4)])
+    losses = {}
+    for path in ("naive", "optimized"):
+        model.path = path
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            total, n = model(batch["src"], batch["src_len"], batch["tgt"])
+        losses[path] = float(total / n)
+    assert abs(losses["naive"] - losses["optimized"]) <= 1e-3, losses
+
+
 def test_batched_beam_search_gives_the_per_example_summaries(prepared):
     task, cfg, _, evals = prepared
     torch.manual_seed(1)

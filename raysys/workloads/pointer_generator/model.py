@@ -23,6 +23,7 @@ Two computations of the same function (``path``):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -33,6 +34,13 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 PAD, BOS, EOS = 0, 2, 3
 TINY = 1e-12  # the floor of a probability before its log (the original clamps the same way)
+
+
+def _lstm_kernels(x: torch.Tensor):
+    """oneDNN's LSTM refuses bf16 autocast on CPUs without bf16 units; ATen's own kernel runs it."""
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.backends.mkldnn.flags(enabled=False)
+    return contextlib.nullcontext()
 
 
 class PointerGenerator(nn.Module):
@@ -68,6 +76,11 @@ class PointerGenerator(nn.Module):
         naive = self.path == "naive" if naive is None else naive
         B, S = src.shape
         emb = self.drop(self.embed(src))
+        with _lstm_kernels(emb):
+            return self._encode(src, src_len, emb, naive)
+
+    def _encode(self, src, src_len, emb, naive: bool):
+        B, S = src.shape
         if not naive and not src.is_cuda:  # CPU: PyTorch's packed LSTM backward is ~10x slower than this
             enc, state = self._encode_padded(emb, src_len)
         else:
@@ -155,7 +168,8 @@ class PointerGenerator(nn.Module):
         return torch.bmm(attn[:, None], enc)[:, 0], attn
 
     def step(self, emb_t, ctx, state, enc, keys, mask, weights: bool = True):
-        out, state = self.decoder(torch.cat([emb_t, ctx], -1)[:, None], state)
+        with _lstm_kernels(emb_t):
+            out, state = self.decoder(torch.cat([emb_t, ctx], -1)[:, None], state)
         s = out[:, 0]
         ctx, attn = self.attend(s, enc, keys, mask, weights)
         return s, ctx, attn, state
