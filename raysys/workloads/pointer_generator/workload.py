@@ -138,10 +138,11 @@ def small() -> PointerGeneratorConfig:
 
 
 def learn() -> PointerGeneratorConfig:
-    """The documented quality run (docs/benchmarks.md): the small model until it beats lead-3."""
+    """The documented quality run (docs/benchmarks.md): the small model, 400 optimizer steps of 16
+    notes, evaluated once at the end (ROUGE on 50 held-out notes against the lead-3 baseline)."""
     cfg = small()
-    cfg.train.epochs, cfg.train.max_steps = 20, 600
-    cfg.train.eval_every_epochs = 5
+    cfg.data.n_train = 2000
+    cfg.train.epochs, cfg.train.max_steps, cfg.train.eval_every_epochs = 4, 400, 4
     return cfg
 
 
