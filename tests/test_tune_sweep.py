@@ -177,3 +177,20 @@ def test_sweep_of_a_train_fn_workload(workdir):
         assert {"train.precision", "optim.lr"} <= set(child.data.params)
         assert child.data.metrics["perf/env_steps_per_s"] > 0 and child.data.metrics["eval/quality"] < 0
         assert len(client.get_metric_history(child.info.run_id, "charts/episode_return")) == 2  # one per chunk
+
+
+@pytest.mark.slow  # ~3-5 min: one naive and one optimized summarizer trial, beam-search evaluation
+def test_sweep_of_the_summarizer(workdir):
+    """tune_spaces/pointer_generator.yaml as shipped (its grid puts one trial on each path), on a
+    small corpus and 3 optimizer steps: both trials finish and land as MLflow child runs with ROUGE."""
+    space = REPO / "tune_spaces" / "pointer_generator.yaml"
+    proc = _sweep(workdir, "--space", str(space), "--num-samples", "2", "--max-concurrent", "2", "--preset", "quick",
+                  "--name", "pg", "--set", "data.n_train=120", "--set", "data.n_eval=20",
+                  "--set", "data.data_dir=raysys_data/pg_sweep", "--set", "train.max_steps=3",
+                  "--set", "model.max_len=24", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client, _, _, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}", "pointer_generator")
+    assert sorted(c.data.params["model.path"] for c in children) == ["naive", "optimized"]
+    for child in children:
+        assert child.data.tags["raysys.trial_status"] == "ok"
+        assert 0.0 <= child.data.metrics["eval/rouge2"] <= 1.0 and child.data.metrics["perf/tokens_per_s"] > 0
