@@ -19,6 +19,7 @@ import time
 import torch
 
 from raysys.config import apply_overrides
+from raysys.train.data import to_device
 
 
 def peak_memory(fn, device: torch.device) -> int:
@@ -47,8 +48,6 @@ def peak_memory(fn, device: torch.device) -> int:
 
 def _opt_step(model, opt, micro_batches, device) -> int:
     """One optimizer step over ``micro_batches`` (gradient accumulation); returns target tokens."""
-    from raysys.train.data import to_device
-
     opt.zero_grad(set_to_none=True)
     tokens = 0
     for b in micro_batches:
@@ -64,7 +63,6 @@ def _opt_step(model, opt, micro_batches, device) -> int:
 
 
 def run_bench(quick: bool = False) -> dict:
-    from raysys.train.data import to_device
     from raysys.workloads.pointer_generator.beam import beam_search, per_example
     from raysys.workloads.pointer_generator.workload import SummarizationTask, default, small
 

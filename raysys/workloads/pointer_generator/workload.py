@@ -9,16 +9,15 @@ and batched beam search (identical summaries). See ``model.py`` and ``beam.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Optional
+from typing import Iterable, Literal, Mapping, Optional
 
 import torch
 
-from raysys.config import ConfigError, at_least, require
+from raysys.config import at_least, require
 from raysys.train.config import LaunchConfig, LoaderConfig, OptimConfig, TrainConfig
 from raysys.workload import Workload
 
@@ -225,12 +224,12 @@ class SummarizationTask:
         total, _ = model(batch["src"], batch["src_len"], batch["tgt"])
         return total / max(1, batch["n_tokens"]), {"samples": len(batch["src"]), "tokens": batch["n_tokens"]}
 
-    def summarize(self, model, batch, path: Optional[str] = None) -> list[str]:
+    def summarize(self, model, batch) -> list[str]:
         from raysys.workloads.pointer_generator import beam as bs
         from raysys.workloads.pointer_generator.data import decode, tokenizer
 
         m = self._cfg.model
-        search = bs.per_example if (path or m.path) == "naive" else bs.beam_search
+        search = bs.per_example if m.path == "naive" else bs.beam_search
         ids = search(model, batch["src"], batch["src_len"], beam=m.beam, min_len=m.min_len, max_len=m.max_len,
                      length_penalty=m.length_penalty, block_trigrams=m.block_trigrams)
         sp = tokenizer(str(Path(self._cfg.data.prepared_dir) / "spm.model"))
