@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MlflowServer
+from raysys.checkpoint import STEP_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "digits"
@@ -110,11 +111,16 @@ def _one_line_error(proc: subprocess.CompletedProcess, code: int, *needles: str)
         assert n in lines[0], lines[0]
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> int:
+    """Wait for the first complete checkpoint at or past ``step``; return its step. Not the exact
+    ``step_N``: only the newest two are kept, so a fast run may prune it between two polls."""
     deadline = time.time() + timeout
-    while not path.exists():
+    while True:
+        done = [int(p.parent.name[5:]) for p in ckpts.glob("step_*/meta.json") if STEP_DIR.fullmatch(p.parent.name)]
+        if any(s >= step for s in done):
+            return min(s for s in done if s >= step)
         assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, f"{path} never appeared"
+        assert time.time() < deadline, f"no checkpoint at or past step {step} in {ckpts}"
         time.sleep(0.2)
 
 
@@ -257,7 +263,7 @@ def test_tracking_outage_mid_run_loses_nothing(tmp_path):
     try:
         run = _start(tmp_path, *QUICK, "--name", "outage", "--tracking-uri", server.url, "--set", "train.epochs=6",
                      "--set", "train.log_every_steps=1", "--set", "train.checkpoint_every_steps=2")
-        _wait_for(tmp_path / "raysys_runs" / "outage" / "checkpoints" / "step_000000002", run)
+        _wait_for(tmp_path / "raysys_runs" / "outage" / "checkpoints", run, 2)
         server.stop()  # the server dies mid-run
         out, err = run.communicate(timeout=600)
         print(out[-3000:], err[-3000:])
@@ -283,7 +289,7 @@ def test_a_signal_saves_marks_killed_and_says_how_to_resume(tmp_path, sig):
     args = ["deep_gpcm", "--workers", "0", "--name", "sig", "--set", "train.checkpoint_every_steps=3"]
     run = _start(tmp_path, *args)
     ckpts = tmp_path / "raysys_runs" / "sig" / "checkpoints"
-    _wait_for(ckpts / "step_000000003", run)
+    _wait_for(ckpts, run, 3)
     run.send_signal(sig)
     out, err = run.communicate(timeout=300)
     print(out[-3000:], err[-3000:])
@@ -296,11 +302,11 @@ def test_a_signal_saves_marks_killed_and_says_how_to_resume(tmp_path, sig):
 
 
 def test_sigint_with_ray_workers_stops_them_at_a_step_boundary(tmp_path):
-    args = ["digits_mlp:WORKLOAD", "--workers", "2", "--name", "ddp", "--set", "train.epochs=200",
+    args = ["digits_mlp:WORKLOAD", "--workers", "2", "--name", "ddp", "--set", "train.epochs=5000",
             "--set", "train.checkpoint_every_steps=5"]
     run = _start(tmp_path, *args)
     ckpts = tmp_path / "raysys_runs" / "ddp" / "checkpoints"
-    _wait_for(ckpts / "step_000000005", run, timeout=400)
+    _wait_for(ckpts, run, 5, timeout=400)
     run.send_signal(signal.SIGINT)
     out, err = run.communicate(timeout=300)
     print(out[-3000:], err[-3000:])
@@ -317,11 +323,11 @@ def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
     it as its own SIGTERM."""
     import psutil
 
-    args = ["digits_mlp:WORKLOAD", "--workers", "2", "--name", "pre", "--set", "train.epochs=200",
+    args = ["digits_mlp:WORKLOAD", "--workers", "2", "--name", "pre", "--set", "train.epochs=5000",
             "--set", "train.checkpoint_every_steps=5"]
     run = _start(tmp_path, *args)
     ckpts = tmp_path / "raysys_runs" / "pre" / "checkpoints"
-    _wait_for(ckpts / "step_000000005", run, timeout=400)
+    _wait_for(ckpts, run, 5, timeout=400)
     workers = [p for p in psutil.Process(run.pid).children(recursive=True) if "RayTrainWorker" in p.name()
                or any("RayTrainWorker" in part for part in p.cmdline())]
     assert len(workers) == 2, [p.cmdline() for p in psutil.Process(run.pid).children(recursive=True)]
@@ -351,7 +357,7 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, exp
         assert first.returncode == 130
     else:  # stopped by a real signal, wherever it lands
         run = _start(tmp_path, *common, "--name", "cut", "--set", "train.checkpoint_every_steps=2")
-        _wait_for(tmp_path / "raysys_runs" / "cut" / "checkpoints" / "step_000000004", run)
+        _wait_for(tmp_path / "raysys_runs" / "cut" / "checkpoints", run, 4)
         run.send_signal(signal.SIGINT)
         run.communicate(timeout=300)
         assert run.returncode == 130
