@@ -1,0 +1,123 @@
+"""Learning histories on disk: npz shards of a few goals each and a ``manifest.json``.
+
+    python -m raysys.workloads.ad_transformer.histories --out DIR [--steps-per-goal N] [--streams S]
+
+generates them (source.py) and writes them. A folder is written under a temporary name and renamed into
+place when complete, so a reader never sees half a dataset and an interrupted run leaves nothing that
+looks finished.
+
+On a CPU the generator runs pinned to one core: this jaxlib's multi-threaded CPU runtime intermittently
+wedges (every thread parked, the result never ready) on the population program's vmapped graph, and on
+one core it never did in our runs. On a GPU or TPU nothing is pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+FORMAT = "raysys.darkroom_histories/1"
+ARRAYS = ("states", "actions", "rewards", "next_states", "returns")
+
+
+def save(h, out: Path, goals_per_shard: int = 9, extra: Optional[dict] = None) -> Path:
+    """Write histories ``h`` (source.Histories) as ``out`` (which must not exist yet)."""
+    out = Path(out)
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        shards = []
+        for i in range(0, len(h.goals), goals_per_shard):
+            name = f"shard_{i // goals_per_shard:03d}.npz"
+            np.savez(tmp / name, goals=h.goals[i:i + goals_per_shard],
+                     **{k: getattr(h, k)[i:i + goals_per_shard] for k in ARRAYS})
+            shards.append({"file": name, "goals": [int(g) for g in h.goals[i:i + goals_per_shard]]})
+        G, S, T = h.actions.shape
+        manifest = {"format": FORMAT, "goals": [int(g) for g in h.goals], "streams": S, "steps": T,
+                    "updates": int(h.returns.shape[1]), "shards": shards, "created": time.time(), **(extra or {})}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def manifest(folder: Path) -> dict:
+    m = json.loads((Path(folder) / "manifest.json").read_text())
+    if m.get("format") != FORMAT:
+        raise ValueError(f"{folder} is not a raysys Darkroom history folder (format {m.get('format')!r})")
+    return m
+
+
+def load(folder: Path, goals: Optional[Sequence[int]] = None):
+    """-> source.Histories of ``goals`` (default: all) from the shards that hold them, in that order."""
+    from raysys.workloads.ad_transformer.source import Histories
+
+    folder, m = Path(folder), manifest(folder)
+    want = m["goals"] if goals is None else [int(g) for g in goals]
+    missing = sorted(set(want) - set(m["goals"]))
+    if missing:
+        raise ValueError(f"{folder} has no histories of goals {missing}")
+    parts = {k: [] for k in ("goals",) + ARRAYS}
+    for s in m["shards"]:
+        keep = [i for i, g in enumerate(s["goals"]) if g in set(want)]
+        if keep:
+            with np.load(folder / s["file"]) as z:
+                for k in parts:
+                    parts[k].append(z[k][keep])
+    arrays = {k: np.concatenate(v) for k, v in parts.items()}
+    order = np.argsort([want.index(int(g)) for g in arrays["goals"]])
+    return Histories(**{k: v[order] for k, v in arrays.items()})
+
+
+def pin_jax_to_one_core() -> bool:
+    """On a CPU-only install, pin this process to one core (see the module docstring). Call it before
+    anything imports raysys's JAX code: JAX's threads take the affinity they are created with."""
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")):
+        return False
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m raysys.workloads.ad_transformer.histories",
+                                 description="Generate Darkroom learning histories (population PPO) into a folder.")
+    ap.add_argument("--out", required=True, help="folder to create (must not exist)")
+    ap.add_argument("--config", default="{}", help="SourceConfig fields as JSON, e.g. '{\"steps_per_goal\": 20000}'")
+    ap.add_argument("--goals", default="all", help="comma-separated cell numbers, or 'all' (81)")
+    a = ap.parse_args(argv)
+    if Path(a.out).exists():
+        print(f"raysys: {a.out} exists; histories are never overwritten", file=sys.stderr)
+        return 2
+    pin_jax_to_one_core()
+    from raysys.envs import darkroom as dr
+    from raysys.workloads.ad_transformer import source
+
+    c = source.SourceConfig(**json.loads(a.config))
+    goals = np.arange(dr.SIZE * dr.SIZE) if a.goals == "all" else np.array([int(g) for g in a.goals.split(",")])
+    t0 = time.perf_counter()
+    h = source.generate(c, goals, progress=lambda d, n: print(f"[histories] update {d}/{n} "
+                                                               f"({time.perf_counter() - t0:.0f} s)", flush=True))
+    wall = time.perf_counter() - t0
+    final = source.final_return(h, 1)
+    save(h, Path(a.out), extra={"source": dataclasses.asdict(c), "wall_s": wall,
+                                "final_return": final.tolist(), "optimal_return": dr.optimal_return(goals).tolist()})
+    print(f"[histories] {len(goals)} goals x {c.streams} streams x {h.actions.shape[2]} steps in {wall:.0f} s; "
+          f"final return {final.mean():.2f} (optimum {dr.optimal_return(goals).mean():.2f}) -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""The source algorithm whose learning histories the transformer distils: PPO learning one Darkroom goal
+from scratch, for every goal at once.
+
+The original ran stable-baselines3 PPO once per goal (100 envs, n_steps 20, minibatch 50, 20 epochs,
+lr 3e-4, 100k steps) in 8 processes. Here each goal is one member of a population: params, Adam state,
+envs and PRNG stream are stacked on a leading goal axis, one update is ``vmap``ped over goals (and over
+the streams inside it), and ``lax.scan`` runs updates back to back, so all 81 learners are one jitted
+program. Goals are sharded over the devices (learners never talk to each other, so no collective is
+needed). The PPO pieces (network, GAE, clipped loss) are hackmatrix_ppo's.
+
+History layout (:class:`Histories`): ``[goal, stream, step]``, a stream's steps in the order it took
+them across the whole run (1000 = 50 episodes at the defaults), with the real next cell of each step
+(the original stored the next episode's first cell after the last step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from raysys.config import at_least, require
+from raysys.envs import darkroom as dr
+from raysys.workloads.hackmatrix_ppo.ppo import forward, gae, init_params, ppo_loss
+
+N_FEATURES = 2 * dr.SIZE  # one-hot row and one-hot column
+
+
+@dataclass
+class SourceConfig:
+    """The source PPO; defaults are the original's stable-baselines3 settings."""
+
+    streams: int = 100
+    """Parallel envs per goal (the original: 100); each is one learning history."""
+    steps_per_goal: int = 100_000
+    """Env steps each goal's learner takes, over all its streams (the original: 100k)."""
+    n_steps: int = 20
+    """Steps per stream per PPO update (the original: 20, one episode)."""
+    minibatch: int = 50
+    """Samples per Adam step (the original: 50)."""
+    epochs: int = 20
+    """Passes over each rollout (the original: 20)."""
+    lr: float = 3e-4
+    """Adam learning rate, constant (the original: 3e-4)."""
+    gamma: float = 0.99
+    """Discount (stable-baselines3's default)."""
+    gae_lambda: float = 0.95
+    """GAE lambda (stable-baselines3's default)."""
+    clip_eps: float = 0.2
+    """PPO clip range (stable-baselines3's default)."""
+    vf_coef: float = 0.5
+    """Value-loss weight (stable-baselines3's default)."""
+    ent_coef: float = 0.0
+    """Entropy bonus (stable-baselines3's default: none)."""
+    max_grad_norm: float = 0.5
+    """Gradient clip (stable-baselines3's default)."""
+    hidden: tuple[int, ...] = (64, 64)
+    """Policy/value MLP widths (stable-baselines3's MlpPolicy)."""
+    seed: int = 42
+    """Seed of all learners (goal g gets its own stream of it)."""
+    updates_per_call: int = 10
+    """PPO updates per jitted call (progress is reported between calls)."""
+
+    def validate(self) -> None:
+        at_least(self, "source.", 1, "streams", "n_steps", "minibatch", "epochs", "updates_per_call")
+        batch = self.streams * self.n_steps
+        require(self.steps_per_goal >= batch, f"source.steps_per_goal ({self.steps_per_goal}) must cover one "
+                f"rollout of streams x n_steps = {batch}")
+        require(batch % self.minibatch == 0, f"source.minibatch ({self.minibatch}) must divide streams x n_steps "
+                f"= {batch}")
+        require(self.lr > 0 and 0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1,
+                "source.lr > 0, source.gamma in (0, 1] and source.gae_lambda in [0, 1] are required")
+
+    @property
+    def updates(self) -> int:
+        return self.steps_per_goal // (self.streams * self.n_steps)
+
+
+class Histories(NamedTuple):
+    goals: np.ndarray  # int32[G]: cell numbers
+    states: np.ndarray  # int8[G, S, T, 2]
+    actions: np.ndarray  # int8[G, S, T]
+    rewards: np.ndarray  # int8[G, S, T] (0/1)
+    next_states: np.ndarray  # int8[G, S, T, 2]
+    returns: np.ndarray  # float32[G, U]: mean episode return of each update (the learning curve)
+
+
+class Learner(NamedTuple):
+    params: Any
+    opt_state: Any
+    env_state: Any  # dr.EnvState with [S] leaves
+    obs: jax.Array  # int32[S, 2]
+    key: jax.Array
+
+
+def features(obs):
+    """(row, col) -> one-hot row ++ one-hot column (float32[..., 18])."""
+    return jnp.concatenate([jax.nn.one_hot(obs[..., 0], dr.SIZE), jax.nn.one_hot(obs[..., 1], dr.SIZE)], -1)
+
+
+def _optimizer(c: SourceConfig):
+    return optax.chain(optax.clip_by_global_norm(c.max_grad_norm), optax.adam(c.lr, eps=1e-5))
+
+
+def make_learner_fns(c: SourceConfig) -> tuple[Callable, Callable]:
+    """(init(key, goal) -> Learner, update(learner, goal) -> (learner, (record, mean_return))) of ONE
+    goal's learner; the caller vmaps them over goals."""
+    optimizer = _optimizer(c)
+    loss_cfg = SimpleNamespace(ppo=SimpleNamespace(clip_eps=c.clip_eps, vf_coef=c.vf_coef, ent_coef=c.ent_coef))
+    all_legal = jnp.ones(dr.N_ACTIONS, bool)
+    n_mb = c.streams * c.n_steps // c.minibatch
+
+    def env_params(goal):
+        return dr.EnvParams(jnp.stack([goal // dr.SIZE, goal % dr.SIZE]))
+
+    def init(key, goal):
+        k_params, k_run = jax.random.split(key)
+        params = init_params(k_params, c.hidden, N_FEATURES, dr.N_ACTIONS)
+        obs, state = jax.vmap(lambda _: dr.reset(None, env_params(goal)))(jnp.arange(c.streams))
+        return Learner(params, optimizer.init(params), state, obs, k_run)
+
+    def update(learner: Learner, goal):
+        params_env = env_params(goal)
+        vstep = jax.vmap(dr.step, in_axes=(None, 0, 0, None))
+
+        def env_step(carry, _):
+            env_state, obs, key = carry
+            key, k_act = jax.random.split(key)
+            logits, value = forward(learner.params, features(obs), all_legal)
+            action = jax.random.categorical(k_act, logits)
+            logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], -1)[:, 0]
+            next_obs, env_state, reward, done, info = vstep(None, env_state, action, params_env)
+            out = dict(obs=obs, action=action, logp=logp, value=value, reward=reward, done=done.astype(jnp.float32),
+                       next_obs=info["next_obs"], ep_return=info["episode_return"])
+            return (env_state, next_obs, key), out
+
+        (env_state, obs, key), t = jax.lax.scan(env_step, (learner.env_state, learner.obs, learner.key), None,
+                                                c.n_steps)
+        _, last_value = forward(learner.params, features(obs), all_legal)
+        adv, targets = gae(t["reward"], t["value"], t["done"], last_value, c.gamma, c.gae_lambda)
+        n = c.n_steps * c.streams
+        flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]),
+                            dict(obs=features(t["obs"]), action=t["action"], logp=t["logp"], value=t["value"],
+                                 adv=adv, targets=targets))
+
+        def sgd_step(carry, mb):
+            params, opt_state = carry
+            a = (mb["adv"] - mb["adv"].mean()) / (mb["adv"].std() + 1e-8)  # per minibatch, as sb3
+            batch = SimpleNamespace(obs=mb["obs"], mask=all_legal, action=mb["action"], logp=mb["logp"],
+                                    value=mb["value"])
+            grads = jax.grad(lambda p: ppo_loss(p, batch, a, mb["targets"], loss_cfg)[0])(params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), None
+
+        def epoch(carry, k):
+            # one gather per epoch, then minibatches are plain slices
+            perm = jax.random.permutation(k, n)
+            mbs = jax.tree.map(lambda x: x[perm].reshape((n_mb, c.minibatch) + x.shape[1:]), flat)
+            return jax.lax.scan(sgd_step, carry, mbs)[0], None
+
+        key, k_epochs = jax.random.split(key)
+        (params, opt_state), _ = jax.lax.scan(epoch, (learner.params, learner.opt_state),
+                                              jax.random.split(k_epochs, c.epochs))
+        # [S, n_steps] in stream-major order, compact dtypes: this is what the dataset keeps
+        record = dict(states=t["obs"].swapaxes(0, 1).astype(jnp.int8), actions=t["action"].T.astype(jnp.int8),
+                      rewards=t["reward"].T.astype(jnp.int8), next_states=t["next_obs"].swapaxes(0, 1).astype(jnp.int8))
+        mean_return = t["ep_return"].sum() / jnp.maximum(t["done"].sum(), 1.0)
+        return Learner(params, opt_state, env_state, obs, key), (record, mean_return)
+
+    return init, update
+
+
+def generate(c: SourceConfig, goals, devices=None, progress: Optional[Callable[[int, int], None]] = None) -> Histories:
+    """Run one PPO learner per goal, all at once; -> their learning histories. ``progress(done, total)``
+    is called between jitted calls."""
+    c.validate()
+    goals = np.asarray(goals, np.int32)
+    devices = jax.devices() if devices is None else devices
+    # goals are sharded over the devices; pad to a multiple with copies, dropped at the end
+    pad = (-len(goals)) % len(devices)
+    padded = jnp.asarray(np.concatenate([goals, goals[:pad]]))
+    init, update = make_learner_fns(c)
+    keys = jax.vmap(lambda g: jax.random.fold_in(jax.random.PRNGKey(c.seed), g))(padded)
+    if len(devices) > 1:
+        shard = NamedSharding(Mesh(np.asarray(devices), ("goals",)), P("goals"))
+        keys, goals_dev = jax.device_put(keys, shard), jax.device_put(padded, shard)
+        learners = jax.jit(jax.vmap(init), out_shardings=shard)(keys, goals_dev)
+    else:
+        goals_dev = padded
+        learners = jax.jit(jax.vmap(init))(keys, goals_dev)
+
+    def calls(learners, goals, k: int):
+        return jax.lax.scan(lambda lr, _: jax.vmap(update)(lr, goals), learners, None, k)
+
+    run = jax.jit(calls, static_argnums=2)
+    records, curves, done = [], [], 0
+    while done < c.updates:
+        k = min(c.updates_per_call, c.updates - done)
+        learners, (rec, ret) = run(learners, goals_dev, k)
+        records.append(jax.device_get(rec))  # [k, G, S, n_steps, ...]
+        curves.append(np.asarray(ret))
+        done += k
+        if progress:
+            progress(done, c.updates)
+    G = len(goals)
+
+    def join(name):  # [U, G, S, n, ...] -> [G, S, U * n, ...]
+        x = np.concatenate([r[name] for r in records])[:, :G]
+        x = np.moveaxis(x, 0, 2)
+        return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+    return Histories(goals, join("states"), join("actions"), join("rewards"), join("next_states"),
+                     np.concatenate(curves)[:, :G].T.astype(np.float32))
+
+
+def final_return(h: Histories, last_updates: int = 5) -> np.ndarray:
+    """Each goal's mean episode return over its last ``last_updates`` updates."""
+    return h.returns[:, -last_updates:].mean(1)
+
+
+def timed_generate(c: SourceConfig, goals, **kw) -> tuple[Histories, dict]:
+    """generate() plus its timing: compile and run apart, env-steps/s of the run (compile included and not)."""
+    t0 = time.perf_counter()
+    h = generate(c, goals, **kw)
+    wall = time.perf_counter() - t0
+    steps = len(goals) * c.updates * c.streams * c.n_steps
+    return h, {"env_steps": steps, "wall_s": wall, "env_steps_per_s": steps / wall}
