@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -31,8 +31,17 @@ FORMAT = "raysys.darkroom_histories/1"
 ARRAYS = ("states", "actions", "rewards", "next_states", "returns")
 
 
-def save(h, out: Path, goals_per_shard: int = 9, extra: Optional[dict] = None) -> Path:
-    """Write histories ``h`` (source.Histories) as ``out`` (which must not exist yet)."""
+class Histories(NamedTuple):
+    goals: np.ndarray  # int32[G]: cell numbers
+    states: np.ndarray  # int8[G, S, T, 2]
+    actions: np.ndarray  # int8[G, S, T]
+    rewards: np.ndarray  # int8[G, S, T] (0/1)
+    next_states: np.ndarray  # int8[G, S, T, 2]
+    returns: np.ndarray  # float32[G, U]: mean episode return of each update (the learning curve)
+
+
+def save(h: Histories, out: Path, goals_per_shard: int = 9, extra: Optional[dict] = None) -> Path:
+    """Write histories ``h`` as ``out`` (which must not exist yet)."""
     out = Path(out)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
@@ -61,18 +70,17 @@ def manifest(folder: Path) -> dict:
     return m
 
 
-def load(folder: Path, goals: Optional[Sequence[int]] = None):
-    """-> source.Histories of ``goals`` (default: all) from the shards that hold them, in that order."""
-    from raysys.workloads.ad_transformer.source import Histories
-
+def load(folder: Path, goals: Optional[Sequence[int]] = None) -> Histories:
+    """-> the Histories of ``goals`` (default: all) from the shards that hold them, in that order. Reads
+    numpy only: a PyTorch reader never starts JAX."""
     folder, m = Path(folder), manifest(folder)
     want = m["goals"] if goals is None else [int(g) for g in goals]
     missing = sorted(set(want) - set(m["goals"]))
     if missing:
         raise ValueError(f"{folder} has no histories of goals {missing}")
-    parts = {k: [] for k in ("goals",) + ARRAYS}
+    parts, wanted = {k: [] for k in ("goals",) + ARRAYS}, set(want)
     for s in m["shards"]:
-        keep = [i for i, g in enumerate(s["goals"]) if g in set(want)]
+        keep = [i for i, g in enumerate(s["goals"]) if g in wanted]
         if keep:
             with np.load(folder / s["file"]) as z:
                 for k in parts:

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from raysys.config import at_least, require
 from raysys.envs import darkroom as dr
+from raysys.workloads.ad_transformer.histories import Histories
 from raysys.workloads.hackmatrix_ppo.ppo import forward, gae, init_params, ppo_loss
 
 N_FEATURES = 2 * dr.SIZE  # one-hot row and one-hot column
@@ -82,15 +83,6 @@ class SourceConfig:
     @property
     def updates(self) -> int:
         return self.steps_per_goal // (self.streams * self.n_steps)
-
-
-class Histories(NamedTuple):
-    goals: np.ndarray  # int32[G]: cell numbers
-    states: np.ndarray  # int8[G, S, T, 2]
-    actions: np.ndarray  # int8[G, S, T]
-    rewards: np.ndarray  # int8[G, S, T] (0/1)
-    next_states: np.ndarray  # int8[G, S, T, 2]
-    returns: np.ndarray  # float32[G, U]: mean episode return of each update (the learning curve)
 
 
 class Learner(NamedTuple):
