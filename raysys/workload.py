@@ -125,6 +125,7 @@ BUILTIN = {
     "mpn_dqn": "raysys.workloads.mpn_dqn.workload",
     "hackmatrix_ppo": "raysys.workloads.hackmatrix_ppo.workload",
     "pointer_generator": "raysys.workloads.pointer_generator.workload",
+    "ad_transformer": "raysys.workloads.ad_transformer.workload",
 }
 
 _LOADED: dict[str, Workload] = {}   # ref -> workload

@@ -22,13 +22,66 @@ import shutil
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from raysys.config import at_least, require
+
 FORMAT = "raysys.darkroom_histories/1"
 ARRAYS = ("states", "actions", "rewards", "next_states", "returns")
+
+
+@dataclass
+class SourceConfig:
+    """The source PPO; defaults are the original's stable-baselines3 settings."""
+
+    streams: int = 100
+    """Parallel envs per goal (the original: 100); each is one learning history."""
+    steps_per_goal: int = 100_000
+    """Env steps each goal's learner takes, over all its streams (the original: 100k)."""
+    n_steps: int = 20
+    """Steps per stream per PPO update (the original: 20, one episode)."""
+    minibatch: int = 50
+    """Samples per Adam step (the original: 50)."""
+    epochs: int = 20
+    """Passes over each rollout (the original: 20)."""
+    lr: float = 3e-4
+    """Adam learning rate, constant (the original: 3e-4)."""
+    gamma: float = 0.99
+    """Discount (stable-baselines3's default)."""
+    gae_lambda: float = 0.95
+    """GAE lambda (stable-baselines3's default)."""
+    clip_eps: float = 0.2
+    """PPO clip range (stable-baselines3's default)."""
+    vf_coef: float = 0.5
+    """Value-loss weight (stable-baselines3's default)."""
+    ent_coef: float = 0.0
+    """Entropy bonus (stable-baselines3's default: none)."""
+    max_grad_norm: float = 0.5
+    """Gradient clip (stable-baselines3's default)."""
+    hidden: tuple[int, ...] = (64, 64)
+    """Policy/value MLP widths (stable-baselines3's MlpPolicy)."""
+    seed: int = 42
+    """Seed of all learners (goal g gets its own stream of it)."""
+    updates_per_call: int = 10
+    """PPO updates per jitted call (progress is reported between calls)."""
+
+    def validate(self) -> None:
+        at_least(self, "source.", 1, "streams", "n_steps", "minibatch", "epochs", "updates_per_call")
+        batch = self.streams * self.n_steps
+        require(self.steps_per_goal >= batch, f"source.steps_per_goal ({self.steps_per_goal}) must cover one "
+                f"rollout of streams x n_steps = {batch}")
+        require(batch % self.minibatch == 0, f"source.minibatch ({self.minibatch}) must divide streams x n_steps "
+                f"= {batch}")
+        require(self.lr > 0 and 0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1,
+                "source.lr > 0, source.gamma in (0, 1] and source.gae_lambda in [0, 1] are required")
+
+    @property
+    def updates(self) -> int:
+        return self.steps_per_goal // (self.streams * self.n_steps)
 
 
 class Histories(NamedTuple):
@@ -113,7 +166,7 @@ def main(argv=None) -> int:
     from raysys.envs import darkroom as dr
     from raysys.workloads.ad_transformer import source
 
-    c = source.SourceConfig(**json.loads(a.config))
+    c = SourceConfig(**json.loads(a.config))
     goals = np.arange(dr.SIZE * dr.SIZE) if a.goals == "all" else np.array([int(g) for g in a.goals.split(",")])
     t0 = time.perf_counter()
     h = source.generate(c, goals, progress=lambda d, n: print(f"[histories] update {d}/{n} "

@@ -1,0 +1,94 @@
+"""In-context RL: the trained model acts in Darkroom on goals it never saw, learning from its own context.
+
+No weight is updated. Each (goal, stream) row keeps its own history; at step t of region r the model
+reads the sample ``[cs, region r-1, ce, cs, region r so far, current cell]`` built by the training
+code itself (:func:`data.pack`, one query, so attention is plain causal), samples an action, and the
+env steps. Regions close every R steps, as in the training data; at each close the model is also
+asked for the token type, whose answer should be end-of-region (reported as ``end_token_accuracy``).
+
+Baselines on the same goals: a uniformly random policy, and the source PPO's own learning curve at the
+same episode (its histories' per-update returns: one update is one episode of every stream).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from raysys.envs import darkroom as dr
+from raysys.workloads.ad_transformer.data import END_OF_REGION, Streams, pack
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@torch.no_grad()
+def rollout(model: torch.nn.Module, goals, streams: int, episodes: int, region: int, seed: int = 0,
+            greedy: bool = False) -> dict:
+    """-> {'returns': float[goals, streams, episodes], 'end_token_accuracy': float}."""
+    goals = np.asarray(goals, np.int64)
+    device = next(model.parameters()).device
+    B, H, size = len(goals) * streams, dr.HORIZON, dr.SIZE
+    T = episodes * H
+    goal_rc = np.stack(np.divmod(np.repeat(goals, streams), size), -1)
+    h = Streams(np.zeros((B, T + 1, 2), np.int8), np.zeros((B, T + 1), np.int8), np.zeros((B, T + 1), np.int8),
+                np.zeros((B, T + 1, 2), np.int8))
+    rows, centre = np.arange(B), np.full((B, 2), size // 2, np.int64)
+    pos, returns = centre.copy(), np.zeros((B, episodes), np.float32)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ends = []
+    was_training = model.training
+    model.eval()
+    try:
+        for t in range(T):
+            r, c = divmod(t, region)
+            h.states[:, t] = pos
+            if c == 0 and r > 0:  # the previous region just filled: the model should call its end
+                logits_type = model(_to(pack(h, rows, np.full(B, r - 1), [region], region), device))[1]
+                ends.append((logits_type.argmax(-1) == END_OF_REGION).float().mean().item())
+            logits = model(_to(pack(h, rows, np.full(B, r), [c], region), device))[0].float().cpu()
+            a = logits.argmax(-1) if greedy else torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
+            a = a.numpy()
+            nxt = np.clip(pos + dr.MOVES[a], 0, size - 1)
+            reward = (nxt == goal_rc).all(-1)
+            h.actions[:, t], h.rewards[:, t], h.next_states[:, t] = a, reward, nxt
+            returns[:, t // H] += reward
+            pos = centre.copy() if (t + 1) % H == 0 else nxt
+    finally:
+        model.train(was_training)
+    return {"returns": returns.reshape(len(goals), streams, episodes),
+            "end_token_accuracy": float(np.mean(ends)) if ends else float("nan")}
+
+
+def random_returns(goals, episodes: int = 2000, seed: int = 0) -> np.ndarray:
+    """Mean episode return of a uniformly random policy on each goal (simulated)."""
+    goals = np.asarray(goals, np.int64)
+    rng = np.random.default_rng(seed)
+    size = dr.SIZE
+    goal_rc = np.stack(np.divmod(np.repeat(goals, episodes), size), -1)
+    pos = np.full_like(goal_rc, size // 2)
+    total = np.zeros(len(goal_rc))
+    for _ in range(dr.HORIZON):
+        pos = np.clip(pos + dr.MOVES[rng.integers(0, dr.N_ACTIONS, len(pos))], 0, size - 1)
+        total += (pos == goal_rc).all(-1)
+    return total.reshape(len(goals), episodes).mean(1)
+
+
+def summarize(returns: np.ndarray, last: int, random: np.ndarray, goals, source: Optional[np.ndarray] = None,
+              points=(1, 5, 10, 20, 30, 40, 50)) -> dict[str, float]:
+    """Metrics of a rollout: first / last episodes, a few curve points, and the baselines."""
+    curve = returns.mean((0, 1))  # over goals and streams
+    n = len(curve)
+    out = {"icl_return_first": float(curve[0]), "icl_return_last": float(curve[-last:].mean()),
+           "random_return": float(random.mean()), "optimal_return": float(dr.optimal_return(goals).mean())}
+    for k in points:
+        if k <= n:
+            out[f"icl_return_ep{k}"] = float(curve[k - 1])
+    if source is not None and source.shape[1]:
+        m = min(n, source.shape[1])
+        out["source_return_first"] = float(source[:, 0].mean())
+        out["source_return_last"] = float(source[:, m - last:m].mean())  # the source PPO at the same episodes
+    return out
