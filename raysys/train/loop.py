@@ -159,7 +159,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     stop_requested = StopPoller(payload.get("stop"))  # the driver's SIGINT/SIGTERM, seen at step boundaries
     eval_loader_items = None
 
+    saved_at = -1
+
     def save_checkpoint() -> None:
+        nonlocal saved_at
+        saved_at = step
         if rank == 0:
             store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
@@ -283,6 +287,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             sink.message(f"[{wl.name}] stopped at step {step}/{total_steps}; checkpoint saved")
         ray.train.report({"step": step, "stopped": 1.0})
         return
+    if saved_at != step and step > step_at_start and not diverged:
+        save_checkpoint()  # ended by max_steps mid-epoch: a later --resume with more steps goes on from here
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
              "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
     if rank == 0:

@@ -1,0 +1,217 @@
+"""The AD transformer: the original's samples (read out at the query, never at padding), one function on
+both paths, in-context evaluation, a run through the CLI, resume at the exact batch, DDP, a sweep."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from raysys.config import apply_overrides
+from raysys.workloads.ad_transformer import icl
+from raysys.workloads.ad_transformer.data import (END, END_OF_REGION, PAD, QUERY, START, TRANSITION, RegionSamples,
+                                                  collate, pack)
+from raysys.workloads.ad_transformer.model import ADTransformer, loss_fn
+from raysys.workloads.ad_transformer.workload import DistillationTask, quick
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """The quick preset's histories (a real source PPO run, ~30 s), generated once for this module."""
+    d = tmp_path_factory.mktemp("ad") / "data"
+    cfg = apply_overrides(quick(), {"data.data_dir": str(d)})
+    DistillationTask().prepare(cfg)
+    return d
+
+
+@pytest.fixture(scope="module")
+def streams(data_dir):
+    task = DistillationTask()
+    cfg = task.prepare(apply_overrides(quick(), {"data.data_dir": str(data_dir)}))
+    packed, evals = task.datasets(cfg)
+    return packed, RegionSamples(packed.s, packed.region, batched=False), cfg
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return ADTransformer(**kw).eval()
+
+
+def test_a_sample_is_the_originals_layout_with_the_query_last(streams):
+    packed, naive, cfg = streams
+    R = cfg.data.region
+    s = naive.sample(3, 2, 7)  # stream 3, region 2, 7 steps into it
+    start = 2 * R
+    assert s["prev_region_len"] == R and s["curr_region_len"] == 7
+    assert np.array_equal(s["actions"], packed.s.actions[3, start - R:start + 7])
+    assert np.array_equal(s["query_states"], packed.s.states[3, start + 7])
+    assert s["target_actions"] == packed.s.actions[3, start + 7] and s["target_token_type"] == 0
+    assert naive.sample(3, 2, R)["target_token_type"] == END_OF_REGION  # a full region: its end is the target
+    first = naive.sample(3, 0, 0)
+    assert first["prev_region_len"] == 0 and len(first["states"]) == 0  # a stream's first step: no context
+    # the packed layout of one query: [cs, prev, ce, cs, prefix, query], nothing after the query
+    b = pack(packed.s, [3], [2], [7], R)
+    kind = b["kind"][0].numpy()
+    expect = [START] + [TRANSITION] * R + [END, START] + [TRANSITION] * 7 + [QUERY]
+    assert kind.tolist() == expect and b["causal"]
+    assert PAD not in kind.tolist()
+
+
+def test_padding_never_reaches_the_read_out(streams):
+    """The original padded after the query and read the last position; a short sample's output must not
+    depend on the longer samples it is batched with."""
+    packed, naive, cfg = streams
+    m = _model()
+    short = naive.sample(1, 0, 3)
+    with torch.no_grad():
+        alone = m(collate([short]))[0]
+        batched = m(collate([short, naive.sample(2, 3, cfg.data.region - 1)]))[0][:1]
+    assert torch.allclose(alone, batched, atol=1e-5)
+
+
+@pytest.mark.parametrize("regions", [[0], [5], [0, 7, 13, 21]])
+def test_both_paths_compute_the_same_loss(streams, regions):
+    packed, naive, cfg = streams
+    m = _model()
+    with torch.no_grad():
+        fast = loss_fn(m, collate(packed.__getitems__(regions)))[0]
+        slow = loss_fn(m, collate([naive[i] for i in regions]))[0]
+    assert abs(float(fast) - float(slow)) < 1e-4
+    grads = []  # with gradients too: the same gradient on every parameter
+    for batch in (collate(packed.__getitems__(regions)), collate([naive[i] for i in regions])):
+        m.zero_grad()
+        loss_fn(m, batch)[0].backward()
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in m.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+
+
+def test_bf16_autocast_runs_on_both_paths(streams):
+    packed, naive, _ = streams
+    m = _model()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        fast = float(loss_fn(m, collate(packed.__getitems__([4, 9])))[0])
+        slow = float(loss_fn(m, collate([naive[i] for i in (4, 9)]))[0])
+    assert np.isfinite(fast) and abs(fast - slow) < 0.05
+
+
+def test_in_context_rollout_and_baselines():
+    m = _model(max_len=2 * 10 + 4)
+    out = icl.rollout(m, [3, 40], streams=2, episodes=3, region=10, seed=1)
+    assert out["returns"].shape == (2, 2, 3) and 0.0 <= out["end_token_accuracy"] <= 1.0
+    assert (out["returns"] >= 0).all() and (out["returns"] <= 20).all()
+    again = icl.rollout(m, [3, 40], streams=2, episodes=3, region=10, seed=1)
+    assert np.array_equal(out["returns"], again["returns"])  # seeded
+    rnd = icl.random_returns([40, 3])  # 40 is the centre: a random walk sits on it often
+    assert rnd[0] > rnd[1] > 0.0
+    s = icl.summarize(out["returns"], 2, rnd, [3, 40], np.ones((2, 3)))
+    assert {"icl_return_first", "icl_return_last", "random_return", "source_return_last", "optimal_return"} <= set(s)
+
+
+def _train(cwd: Path, *args: str, env=None, timeout=900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in (env or os.environ).items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-m", "raysys", "train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    print(args, "->", proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    return proc
+
+
+def test_a_quick_run_trains_and_evaluates_in_context(tmp_path, data_dir):
+    proc = _train(tmp_path, "ad_transformer", "--preset", "quick", "--workers", "0", "--name", "q",
+                  "--set", f"data.data_dir={data_dir}")
+    assert proc.returncode == 0
+    final = json.loads((tmp_path / "raysys_runs" / "q" / "final_metrics.json").read_text())
+    assert final["step"] == 6 and final["perf/samples_per_s"] > 0
+    for k in ("eval/icl_return_first", "eval/icl_return_last", "eval/random_return", "eval/source_return_last",
+              "eval/optimal_return", "eval/end_token_accuracy", "eval/icl_return_ep5"):
+        assert k in final, k
+    assert final["eval/source_return_last"] > 2 * final["eval/random_return"]  # the source PPO learned
+
+
+def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):
+    proc = _train(tmp_path, "ad_transformer", "--preset", "quick", "--workers", "0", "--name", "bad",
+                  "--set", f"data.histories={tmp_path / 'nowhere'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("raysys:")]
+    assert "data.histories" in line and "nowhere" in line
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+STOPPER = '''
+import dataclasses, os
+from raysys import lifecycle
+from raysys.workloads.ad_transformer.workload import WORKLOAD as BASE, DistillationTask
+
+class StoppingTask(DistillationTask):
+    calls = 0
+    def loss(self, model, batch):
+        StoppingTask.calls += 1
+        if StoppingTask.calls == int(os.environ.get("STOP_AT", "0")):
+            lifecycle.request_stop()
+        return super().loss(model, batch)
+
+WORKLOAD = dataclasses.replace(BASE, name="ad_stop", task=StoppingTask())
+'''
+
+
+def test_resume_continues_at_the_exact_batch(tmp_path, data_dir):
+    """Stopped mid-epoch (dropout on), resumed: the loss of every step equals the uninterrupted run's."""
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "ad_stopper.py").write_text(STOPPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    common = ["ad_stopper:WORKLOAD", "--preset", "quick", "--workers", "0", "--set", f"data.data_dir={data_dir}",
+              "--set", "train.max_steps=12", "--set", "train.log_every_steps=1", "--set", "eval.episodes=2",
+              "--set", "eval.last_episodes=1"]
+    assert _train(tmp_path, *common, "--name", "whole", env=env).returncode == 0
+    assert _train(tmp_path, *common, "--name", "cut", env={**env, "STOP_AT": "7"}).returncode == 130
+    assert _train(tmp_path, "ad_stopper:WORKLOAD", "--name", "cut", "--resume", env=env).returncode == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-ad_stop")
+    ids = {r.info.run_name: r.info.run_id for r in client.search_runs([exp.experiment_id])}
+    losses = {n: {m.step: m.value for m in client.get_metric_history(ids[n], "train/loss")} for n in ids}
+    assert len(losses["whole"]) == 12 and losses["whole"] == losses["cut"]
+
+
+@pytest.mark.slow  # ~2 min: two Ray Train workers
+def test_two_ddp_workers_match_one_on_the_same_global_batches(tmp_path, data_dir):
+    common = ["ad_transformer", "--preset", "quick", "--set", f"data.data_dir={data_dir}", "--set", "model.dropout=0",
+              "--set", "train.max_steps=5", "--set", "eval.episodes=2", "--set", "eval.last_episodes=1"]
+    assert _train(tmp_path, *common, "--workers", "1", "--set", "train.batch_size=4", "--name", "one").returncode == 0
+    assert _train(tmp_path, *common, "--workers", "2", "--set", "train.batch_size=2", "--name", "two").returncode == 0
+    weights = {}
+    for n in ("one", "two"):
+        final = json.loads((tmp_path / "raysys_runs" / n / "final_metrics.json").read_text())
+        assert final["step"] == 5
+        (ckpt,) = sorted((tmp_path / "raysys_runs" / n / "checkpoints").glob("step_*"))[-1:]
+        weights[n] = torch.load(next(ckpt.glob("*.pt")), weights_only=True)["model"]
+        assert final["world_size"] == (1 if n == "one" else 2)
+    diff = max(float((weights["one"][k] - weights["two"][k]).abs().max()) for k in weights["one"])
+    assert diff < 1e-4, diff
+
+
+# ~1 min: one naive and one optimized trial of the shipped space, 2 steps each
+def test_a_two_trial_sweep_of_the_shipped_space(tmp_path, data_dir):
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "ad_transformer.yaml"),
+                           "--num-samples", "2", "--max-concurrent", "2", "--preset", "quick", "--name", "ad",
+                           "--set", f"data.data_dir={data_dir}", "--set", "train.max_steps=2", "--set",
+                           "train.batch_size=1", "--set", "eval.episodes=2", "--set", "eval.last_episodes=1",
+                           "--set", "eval.streams=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-ad_transformer")
+    children = [r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+    assert sorted(c.data.params["model.path"] for c in children) == ["naive", "optimized"]
+    for c in children:
+        assert c.data.tags["raysys.trial_status"] == "ok"
+        assert "eval/icl_return_last" in c.data.metrics and c.data.metrics["perf/samples_per_s"] > 0
