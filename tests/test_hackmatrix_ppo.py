@@ -152,6 +152,7 @@ def test_python_loop_path_reaches_the_fused_params():
     assert int(fused.env_steps) == int(slow.env_steps) == 2 * 16 * 16
 
 
+@pytest.mark.slow  # ~2 min: a learning run; the default suite checks the PPO step itself
 @pytest.mark.timeout(600)
 def test_default_ppo_learns_above_a_random_masked_policy(workdir):
     """The default PPO (256 envs x 128 steps, the original's hyper-parameters) for ~1M env steps:

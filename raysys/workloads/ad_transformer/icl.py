@@ -92,3 +92,85 @@ def summarize(returns: np.ndarray, last: int, random: np.ndarray, goals, source:
         out["source_return_first"] = float(source[:, 0].mean())
         out["source_return_last"] = float(source[:, m - last:m].mean())  # the source PPO at the same episodes
     return out
+
+
+def plot(curve: np.ndarray, random: float, source: Optional[np.ndarray], optimal: float, path: str, title: str) -> None:
+    """Return per in-context episode, with the baselines, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ep = np.arange(1, len(curve) + 1)
+    ax.plot(ep, curve, label="AD transformer, in context (no weight updates)", lw=2)
+    if source is not None:
+        n = min(len(curve), source.shape[1])
+        ax.plot(ep[:n], source[:, :n].mean(0), label="source PPO, learning (its histories)", ls="--")
+    ax.axhline(random, color="grey", ls=":", label="random policy")
+    ax.axhline(optimal, color="black", lw=0.8, label="optimum")
+    ax.set(xlabel="episode", ylabel="mean return on the held-out goals", title=title)
+    ax.legend(loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """Evaluate a run's checkpoint in context on the held-out goals: table, JSON and plot."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from raysys.checkpoint import CheckpointStore
+    from raysys.config import ConfigError, from_dict, read_yaml
+
+    ap = argparse.ArgumentParser(prog="python -m raysys.workloads.ad_transformer.icl", description=main.__doc__)
+    ap.add_argument("run", help="the run's folder (raysys_runs/<name>)")
+    ap.add_argument("--episodes", type=int, help="in-context episodes (default: the run's eval.episodes)")
+    ap.add_argument("--streams", type=int, help="rollouts per held-out goal (default: the run's eval.streams)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampled actions")
+    ap.add_argument("--plot", metavar="PNG", help="write the curve with its baselines here")
+    ap.add_argument("--json", metavar="PATH", help="write the metrics and the curve here")
+    a = ap.parse_args(argv)
+    from raysys.workloads.ad_transformer.workload import ADConfig, DistillationTask
+
+    run = Path(a.run)
+    try:
+        cfg = from_dict(ADConfig, read_yaml(run / "config.yaml", "the run's config.yaml"))
+        ckpt = CheckpointStore(run, "ad_transformer", {}).latest()
+        if ckpt is None:
+            raise ConfigError(f"{run} has no complete checkpoint")
+    except ConfigError as e:
+        print(f"raysys: {e}", file=sys.stderr)
+        return 2
+    task = DistillationTask()
+    model = task.build_model(cfg)
+    model.load_state_dict(torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)["model"])
+    _, held_out = task.goals(cfg)
+    episodes, streams = a.episodes or cfg.eval.episodes, a.streams or cfg.eval.streams
+    out = rollout(model, held_out, streams, episodes, cfg.data.region, seed=a.seed)
+    base = task.baselines(cfg, held_out)
+    m = summarize(out["returns"], cfg.eval.last_episodes, base["random"], held_out, base["source"])
+    curve = out["returns"].mean((0, 1))
+    per_goal = out["returns"][:, :, -cfg.eval.last_episodes:].mean((1, 2))
+    print(f"{ckpt} | held-out goals {held_out.tolist()} | {streams} rollouts each")
+    print("| episode | AD in context | source PPO | random |\n|---:|---:|---:|---:|")
+    src = base["source"]
+    for k in sorted({1, 2, 3, 5, 10, 20, 30, 40, 50, episodes} & set(range(1, episodes + 1))):
+        s = f"{src[:, k - 1].mean():.2f}" if src is not None and k <= src.shape[1] else "-"
+        print(f"| {k} | {curve[k - 1]:.2f} | {s} | {m['random_return']:.2f} |")
+    print(f"last {cfg.eval.last_episodes} episodes: {m['icl_return_last']:.2f} +- {per_goal.std():.2f} over goals "
+          f"(optimum {m['optimal_return']:.2f}); end-token accuracy {out['end_token_accuracy']:.2f}")
+    if a.plot:
+        plot(curve, m["random_return"], src, m["optimal_return"], a.plot, f"in-context RL, {run.name} ({ckpt.name})")
+        print(f"wrote {a.plot}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({**m, "curve": curve.tolist(), "per_goal_last": per_goal.tolist(),
+                                            "end_token_accuracy": out["end_token_accuracy"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
