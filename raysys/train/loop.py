@@ -13,7 +13,6 @@ import logging
 import math
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -6,20 +6,21 @@ next output after a prefix of ``c`` steps of region ``r``::
     [cs, previous region (R transitions), ce, cs, current-region prefix (c transitions), query state]
 
 (the first region of a stream has no previous region: ``[cs, prefix, query]``). ``cs``/``ce`` are the
-compress-start/-end tokens, a transition is (s, a, r, s'), the query is the state of step ``start + c``.
+compress-start/-end tokens, a transition is (s, a, r, s'), the query is the state of step ``start + c``
+(``c`` in 0..R).
 The target is that step's action for ``c < R``; at ``c == R`` (the region is full) it is the end-of-region
 token type. The original asked for the end token in place of the region's last action, so its model
 never chose that action at evaluation while its training regions held it; here every step's action is
-a target and an evaluation's regions are the training regions (icl.py builds them with :func:`layout`).
+a target and an evaluation's regions are the training regions (icl.py builds them with :func:`pack`).
 
 Sequences are right-padded and the read-out is at each sample's own last (query) position: with causal
 attention the padding is never seen. The original padded after the query and read ``output[:, -1]``,
 i.e. a padding position for every sample shorter than its batch's longest.
 
-``naive``: the original's dataset (numpy slices and concatenations per item) and the seed's "before"
-collate (per-item pad by concatenation, lists, stack). ``optimized``: the dataset's ``__getitems__``
-builds the whole batch by index arithmetic and one gather per array (:func:`layout`, :func:`gather`);
-the collate passes it through.
+An item is a region (its R + 1 samples), on both paths, so both see the same batches. ``naive``: each
+sample built as the original's dataset did (numpy slices and concatenations) and the seed's "before"
+collate (per-sample pad by concatenation, lists, stack). ``optimized``: the dataset's ``__getitems__``
+packs the batch by index arithmetic and one gather per array (:func:`pack`); the collate passes it on.
 """
 
 from __future__ import annotations
