@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from raysys.config import apply_overrides
+from test_faults import STOPPER as FAULTS_STOPPER
 from raysys.workloads.ad_transformer import icl
 from raysys.workloads.ad_transformer.data import (END, END_OF_REGION, PAD, QUERY, START, TRANSITION, RegionSamples,
                                                   collate, pack)
@@ -142,21 +143,10 @@ def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
-STOPPER = '''
-import dataclasses, os
-from raysys import lifecycle
-from raysys.workloads.ad_transformer.workload import WORKLOAD as BASE, DistillationTask
-
-class StoppingTask(DistillationTask):
-    calls = 0
-    def loss(self, model, batch):
-        StoppingTask.calls += 1
-        if StoppingTask.calls == int(os.environ.get("STOP_AT", "0")):
-            lifecycle.request_stop()
-        return super().loss(model, batch)
-
-WORKLOAD = dataclasses.replace(BASE, name="ad_stop", task=StoppingTask())
-'''
+# ad_transformer stopped as test_faults stops its workloads: a request to stop when micro-batch STOP_AT begins
+STOPPER = FAULTS_STOPPER.replace("from digits_mlp import WORKLOAD as BASE, DigitsTask",
+                                 "from raysys.workloads.ad_transformer.workload import WORKLOAD as BASE, "
+                                 "DistillationTask as DigitsTask").replace('"digits_stop"', '"ad_stop"')
 
 
 def test_resume_continues_at_the_exact_batch(tmp_path, data_dir):

@@ -74,6 +74,11 @@ def step(key, state: EnvState, action, params: EnvParams):
     return jnp.where(done, fresh_obs, obs), state, reward, done, {**info, "next_obs": obs}
 
 
+def move(pos: np.ndarray, action, size: int = SIZE) -> np.ndarray:
+    """The move rule in numpy, for any batch of cells [..., 2] and actions [...]: walls hold."""
+    return np.clip(pos + MOVES[action], 0, size - 1)
+
+
 def optimal_return(goal_index, size: int = SIZE, horizon: int = HORIZON) -> np.ndarray:
     """The best episode return for each goal: walk the Manhattan distance d, then stay (``horizon - d
     + 1`` rewarded steps; ``horizon`` at the centre)."""
@@ -124,7 +129,7 @@ class DarkroomEnv(gym.Env):
     def step(self, action):
         if self.pos is None or self.t >= self.horizon:
             raise gym.error.ResetNeeded("call reset() before step() (the episode has ended)")
-        self.pos = np.clip(self.pos + MOVES[int(action)], 0, self.size - 1).astype(np.int32)
+        self.pos = move(self.pos, int(action), self.size).astype(np.int32)
         self.t += 1
         reward = float(np.array_equal(self.pos, self.goal))
         # a fixed horizon is a time limit: truncated, not terminated

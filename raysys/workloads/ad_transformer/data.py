@@ -48,9 +48,9 @@ class Streams(NamedTuple):
     next_states: np.ndarray  # int8[N, T, 2]
 
     @classmethod
-    def of(cls, h: Histories, streams: int | None = None, steps: int | None = None) -> "Streams":
+    def of(cls, h: Histories, streams: int | None = None) -> "Streams":
         def flat(x):
-            x = x[:, :streams, :steps]
+            x = x[:, :streams]
             return np.ascontiguousarray(x.reshape((-1,) + x.shape[2:]))
 
         return cls(flat(h.states), flat(h.actions), flat(h.rewards), flat(h.next_states))

@@ -18,11 +18,8 @@ import numpy as np
 import torch
 
 from raysys.envs import darkroom as dr
+from raysys.train.data import to_device
 from raysys.workloads.ad_transformer.data import END_OF_REGION, Streams, pack
-
-
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -47,12 +44,12 @@ def rollout(model: torch.nn.Module, goals, streams: int, episodes: int, region: 
             r, c = divmod(t, region)
             h.states[:, t] = pos
             if c == 0 and r > 0:  # the previous region just filled: the model should call its end
-                logits_type = model(_to(pack(h, rows, np.full(B, r - 1), [region], region), device))[1]
+                logits_type = model(to_device(pack(h, rows, np.full(B, r - 1), [region], region), device))[1]
                 ends.append((logits_type.argmax(-1) == END_OF_REGION).float().mean().item())
-            logits = model(_to(pack(h, rows, np.full(B, r), [c], region), device))[0].float().cpu()
+            logits = model(to_device(pack(h, rows, np.full(B, r), [c], region), device))[0].float().cpu()
             a = logits.argmax(-1) if greedy else torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
             a = a.numpy()
-            nxt = np.clip(pos + dr.MOVES[a], 0, size - 1)
+            nxt = dr.move(pos, a, size)
             reward = (nxt == goal_rc).all(-1)
             h.actions[:, t], h.rewards[:, t], h.next_states[:, t] = a, reward, nxt
             returns[:, t // H] += reward
@@ -72,7 +69,7 @@ def random_returns(goals, episodes: int = 2000, seed: int = 0) -> np.ndarray:
     pos = np.full_like(goal_rc, size // 2)
     total = np.zeros(len(goal_rc))
     for _ in range(dr.HORIZON):
-        pos = np.clip(pos + dr.MOVES[rng.integers(0, dr.N_ACTIONS, len(pos))], 0, size - 1)
+        pos = dr.move(pos, rng.integers(0, dr.N_ACTIONS, len(pos)), size)
         total += (pos == goal_rc).all(-1)
     return total.reshape(len(goals), episodes).mean(1)
 

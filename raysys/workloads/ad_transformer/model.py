@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysys.workloads.ad_transformer.data import END, PAD, QUERY, START, TRANSITION, TYPE_OF_KIND
+from raysys.workloads.ad_transformer.data import QUERY, TRANSITION, TYPE_OF_KIND
 
 N_ACTIONS, N_TYPES, GRID = 5, 3, 9
 CONTEXT_DIM = 2 + N_ACTIONS + 1 + 2  # (row, col), one-hot action, reward, (row', col')
@@ -143,5 +143,3 @@ def loss_fn(model: nn.Module, batch: dict, type_weight: float = 0.1) -> tuple[to
     loss = ((ce_a * is_action).sum() + type_weight * ce_t.sum()) / n
     return loss, {"samples": n, "tokens": batch.get("n_tokens", 0)}
 
-
-__all__ = ["ADTransformer", "loss_fn", "START", "END", "PAD"]

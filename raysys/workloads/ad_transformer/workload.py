@@ -183,11 +183,11 @@ def ensure_histories(cfg: ADConfig) -> Path:
 
     out = histories_dir(cfg)
     if cfg.data.histories:
-        if not (out / "manifest.json").is_file():
-            raise ConfigError(f"data.histories: {out} holds no manifest.json (make one with python -m "
-                              "raysys.workloads.ad_transformer.histories --out DIR)")
         try:
             histories.manifest(out)
+        except FileNotFoundError:
+            raise ConfigError(f"data.histories: {out} holds no manifest.json (make one with python -m "
+                              "raysys.workloads.ad_transformer.histories --out DIR)") from None
         except ValueError as e:
             raise ConfigError(f"data.histories: {e}") from None
         return out
@@ -234,17 +234,17 @@ class DistillationTask:
             h = histories.load(folder, train)
         except ValueError as e:
             raise ConfigError(f"data.histories: {e}") from None
-        if h.actions.shape[2] <= cfg.data.region:
-            raise ConfigError(f"data.region ({cfg.data.region}) must be shorter than the histories' streams "
-                              f"({h.actions.shape[2]} steps)")
-        ds = RegionSamples(Streams.of(h, cfg.data.streams), cfg.data.region, batched=cfg.model.path == "optimized")
+        try:
+            ds = RegionSamples(Streams.of(h, cfg.data.streams), cfg.data.region, batched=cfg.model.path == "optimized")
+        except ValueError as e:  # streams too short for one region
+            raise ConfigError(f"data.region ({cfg.data.region}): {e}") from None
         # evaluation is a rollout on the held-out goals: its "dataset" is those goals
         return ds, [{"goal": torch.tensor(int(g))} for g in held_out]
 
     def collate(self, batch) -> dict:
         from raysys.workloads.ad_transformer.data import collate
 
-        if isinstance(batch, list) and batch and isinstance(batch[0], dict) and "goal" in batch[0]:
+        if isinstance(batch, list) and "goal" in batch[0]:  # evaluation's items (a naive item is a list)
             return {"goals": torch.stack([b["goal"] for b in batch])}
         return collate(batch)
 
@@ -257,7 +257,7 @@ class DistillationTask:
     def loss(self, model, batch):
         from raysys.workloads.ad_transformer.model import loss_fn
 
-        weight = self._cfg.model.type_loss_weight if self._cfg else 0.1
+        weight = (self._cfg.model if self._cfg else ModelConfig).type_loss_weight
         return loss_fn(model, batch, weight)
 
     def baselines(self, cfg: ADConfig, goals: np.ndarray) -> dict:
