@@ -164,18 +164,21 @@ def _main(argv: Optional[list[str]] = None) -> int:
         from raysys import lifecycle
 
         lifecycle.install_signal_handlers()  # SIGINT/SIGTERM: checkpoint at the next step, then stop
+        from raysys.tracking import command_line
+
+        tags = {"raysys.preset": args.preset, "raysys.command": command_line(argv)[:5000]}  # how to run it again
         if getattr(args, "cv", False):
             from raysys.train.cv import run_cross_validation
 
-            result = run_cross_validation(wl, cfg)
+            result = run_cross_validation(wl, cfg, tags)
         elif wl.task is not None:
             from raysys.train.launcher import run_training
 
-            result = run_training(registry.ref(wl), cfg)
+            result = run_training(registry.ref(wl), cfg, tags=tags)
         else:
             from raysys.session import run_custom
 
-            result = run_custom(wl, cfg)
+            result = run_custom(wl, cfg, tags=tags)
         if getattr(result, "stopped_by", None) is not None:
             import signal
 
@@ -246,8 +249,17 @@ def _summary(wl: registry.Workload, result: Any) -> str:
         v = m.get(key)
         return f"{v:.4g}" if isinstance(v, (int, float)) else "n/a"
 
-    return (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
+    line = (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
             f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {storage.where(result.run_dir)}")
+    if result.run_id:
+        from raysys import tracking
+
+        try:  # the link again, where the user looks last; a tracking outage must not hide the result
+            line += "\n" + tracking.ui_lines(result.tracking_uri, tracking.ui_link(
+                result.tracking_uri, tracking.experiment_of(result.tracking_uri, result.run_id), result.run_id))
+        except Exception:
+            pass
+    return line
 
 
 if __name__ == "__main__":

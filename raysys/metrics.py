@@ -69,6 +69,14 @@ class PhaseTimer:
         n = max(self.steps, 1)
         return {f"{p}_ms": 1000 * self.totals[p] / n for p in (*PHASES, "step")}
 
+    def summary_metrics(self) -> dict[str, float]:
+        """A few numbers for charts (the whole breakdown is the table): the step's mean time and the
+        shares of waiting for data and of the model's own compute (forward + backward)."""
+        s = self.summary()
+        step = s["step_ms"] or 1.0
+        return {"perf/step_ms": s["step_ms"], "perf/data_wait_share": s["data_wait_ms"] / step,
+                "perf/compute_share": (s["forward_ms"] + s["backward_ms"]) / step}
+
     def table(self) -> str:
         """A markdown table of the breakdown (ms/step and share of the step)."""
         s = self.summary()

@@ -22,6 +22,9 @@ from typing import Any, Mapping, Optional, Protocol
 log = logging.getLogger(__name__)
 
 RUN_NAME_TAG = "raysys.run_name"
+NOTE_TAG = "mlflow.note.content"  # the run's Description in the MLflow UI
+VIEW_TAG = "mlflow.sharedViewState."  # + key: a saved runs-table view, opened by ?viewStateShareKey=key
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` listens by default
 
 
 class Logger(Protocol):
@@ -40,6 +43,7 @@ class NullLogger:
     def log_artifact(self, path, subdir=None): pass
     def log_text(self, text, name): pass
     def set_tags(self, tags): pass
+    def set_note(self, text): pass
 
 
 def default_tracking_uri() -> str:
@@ -109,19 +113,66 @@ def quick_failures() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
+# MLflow 3's UI opens an experiment on its GenAI traces page unless the experiment says it holds
+# model training; runs are what raysys writes.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def get_or_create_experiment(uri: str, name: str) -> str:
     client = _client(uri)
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if "mlflow.experimentKind" not in exp.tags:  # made by an older raysys, or by hand
+            client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
         return exp.experiment_id
     root = _artifact_root(uri)
     try:
-        return client.create_experiment(name, artifact_location=f"{root}/{name}" if root else None)
+        return client.create_experiment(name, artifact_location=f"{root}/{name}" if root else None, tags=EXPERIMENT_KIND)
     except Exception:  # created concurrently by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:
             raise
         return exp.experiment_id
+
+
+# ---- links into the MLflow UI --------------------------------------------------------------------
+
+def ui_base(uri: str) -> str:
+    """Where the UI of this store is: the server itself, or `mlflow ui` on its default port."""
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+
+
+def ui_link(uri: str, experiment_id: str, run_id: Optional[str] = None, view: Optional[str] = None) -> str:
+    """A link that lands on the runs (``workflowType=machine_learning``: MLflow 3's model-training side),
+    on one run, or on a saved view of the runs table."""
+    base = f"{ui_base(uri)}/#/experiments/{experiment_id}/runs"
+    query = "workflowType=machine_learning" + (f"&viewStateShareKey={view}" if view else "")
+    return f"{base}/{run_id}?{query}" if run_id else f"{base}?{query}"
+
+
+def ui_lines(uri: str, link: str) -> str:
+    """What a command prints about where its runs are: the store, the link, how to serve a local store."""
+    lines = f"[raysys] MLflow: {link}"
+    if not uri.startswith(("http://", "https://")):
+        lines += f"\n[raysys]   (serve this store first: mlflow ui --backend-store-uri {uri})"
+    return lines
+
+
+def save_view(uri: str, experiment_id: str, key: str, name: str, state: Mapping[str, Any]) -> None:
+    """A named runs-table view (columns, filter, sort) that ``ui_link(..., view=key)`` opens: the
+    envelope MLflow's "Views > Save as new view" writes, with the state as plain JSON."""
+    now = int(time.time() * 1000)
+    value = json.dumps({"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(dict(state))})
+    _client(uri).set_experiment_tag(experiment_id, VIEW_TAG + key, value)
+
+
+def view_key(name: str) -> str:
+    return "raysys-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:200]
+
+
+def column(kind: str, key: str) -> str:
+    """A runs-table column id: kind is params, metrics, tags or attributes."""
+    return f"{kind}.`{key}`"
 
 
 def find_run(uri: str, experiment: str, run_name: str) -> Optional[str]:
@@ -145,8 +196,50 @@ def start_run(uri: str, experiment: str, run_name: str, tags: Optional[Mapping[s
     all_tags = {RUN_NAME_TAG: run_name, **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id  # MLflow's own nesting convention
-    run = _client(uri).create_run(exp_id, run_name=run_name, tags=all_tags)
+    # The name shown in the UI may differ from the run's folder name (e.g. a trial's id and knobs).
+    shown = all_tags.pop("mlflow.runName", run_name)
+    run = _client(uri).create_run(exp_id, run_name=shown, tags=all_tags)
     return run.info.run_id
+
+
+def experiment_of(uri: str, run_id: str) -> str:
+    return _client(uri).get_run(run_id).info.experiment_id
+
+
+def command_line(argv: Optional[list[str]] = None, module: str = "raysys") -> str:
+    """This process's command as the user would type it again."""
+    import shlex
+    import sys
+
+    return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def dir_digest(path: str | Path) -> str:
+    """A short fingerprint of a data file or folder (names, sizes, times), for MLflow's dataset digest."""
+    import hashlib
+
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}:{int(st.st_mtime)}\n".encode())
+    return h.hexdigest()[:8]
+
+
+def log_dataset(uri: str, run_id: str, name: str, source: str, context: str = "training",
+                profile: Optional[Mapping[str, Any]] = None, digest: Optional[str] = None) -> None:
+    """Record the data a run trained on as an MLflow input (the runs table's Dataset column)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    is_uri = "://" in source
+    ds = Dataset(name=name, digest=digest or (dir_digest(source) if not is_uri and Path(source).exists() else "-"),
+                 source_type=source.split("://", 1)[0] if is_uri else "local",
+                 source=json.dumps({"uri": source}), profile=json.dumps(dict(profile or {}), default=str))
+    existing = _client(uri).get_run(run_id).inputs.dataset_inputs
+    if any(d.dataset.name == ds.name and d.dataset.digest == ds.digest for d in existing):
+        return  # a resumed run: already recorded
+    _client(uri).log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])])
 
 
 def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
@@ -154,6 +247,13 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
 
 
 BUFFER_FILE = "tracking-buffer.jsonl"
+
+
+def is_bookkeeping(key: str) -> bool:
+    """Counters that describe a session, not training (no chart of them means anything): they go to
+    MLflow as tags, and stay in the run's final_metrics.json."""
+    leaf = key.rsplit("/", 1)[-1]
+    return leaf in ("step", "world_size") or leaf.endswith("_this_session")
 
 
 class MLflowLogger:
@@ -170,6 +270,7 @@ class MLflowLogger:
         self.client = _client(uri)
         self.buffer = Path(buffer) if buffer is not None else None
         self._retry_at, self._backoff = 0.0, 30.0
+        self._step, self._logged_at_step = None, set()
         if self.buffer is not None:
             quick_failures()
 
@@ -269,7 +370,18 @@ class MLflowLogger:
         self._call({"kind": "params", "data": {k: str(v) for k, v in params.items()}})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        data = {k: float(v) for k, v in metrics.items() if v is not None}
+        """One value per metric and step: a later value for a step already logged (e.g. the run's
+        final summary after its last epoch report) is left out, so no chart jumps at one step."""
+        if step != self._step:
+            self._step, self._logged_at_step = step, set()
+        book = {k: v for k, v in metrics.items() if is_bookkeeping(k)}
+        if book:
+            self.set_tags({f"raysys.{k.rsplit('/', 1)[-1]}": v for k, v in book.items()})
+        data = {k: float(v) for k, v in metrics.items()
+                if v is not None and k not in self._logged_at_step and k not in book}
+        self._logged_at_step |= set(data)
+        if not data:
+            return
         self._call({"kind": "metrics", "data": data, "step": int(step), "ts": int(time.time() * 1000)})
 
     def log_artifact(self, path: str | Path, subdir: Optional[str] = None) -> None:
@@ -280,6 +392,10 @@ class MLflowLogger:
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         self._call({"kind": "tags", "data": {k: str(v) for k, v in tags.items()}})
+
+    def set_note(self, text: str) -> None:
+        """The run's Description in the MLflow UI (markdown)."""
+        self.set_tags({NOTE_TAG: text[:5000]})
 
     def end(self, status: str) -> bool:
         """Close the run; False when the close itself waits in the buffer (the server is down)."""

@@ -96,6 +96,9 @@ class Workload:
     path_key: Optional[str] = None
     """Dotted config key choosing the slow ('naive') or fast ('optimized') path, where the workload has
     both (e.g. 'model.path'); the generic bench then measures both and their ratio."""
+    dataset: Optional[Callable[[Any], Optional[Mapping[str, Any]]]] = None
+    """dataset(prepared cfg) -> {'name', 'source' (a path or URI), 'profile': {...}} or None: the data a
+    run trains on, recorded as its MLflow input (the runs table's Dataset column). Optional."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):

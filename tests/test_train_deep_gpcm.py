@@ -46,8 +46,22 @@ def test_in_process_run_is_tracked(workdir):
     assert run.data.params["model.path"] == "optimized" and run.data.params["train.epochs"] == "2"
     qwk = client.get_metric_history(run.info.run_id, "eval/qwk")
     assert len(qwk) == 2  # one evaluation per epoch
-    for name in ("perf/samples_per_s", "perf/tokens_per_s", "stability/nonfinite_loss", "breakdown/forward_ms"):
+    for name in ("perf/samples_per_s", "perf/tokens_per_s", "stability/nonfinite_loss", "perf/step_ms",
+                 "perf/data_wait_share"):
         assert name in run.data.metrics, name
+    # charts only for what changes in training: bookkeeping as tags, the breakdown as a table
+    assert not {"step", "world_size", "steps_this_session"} & set(run.data.metrics)
+    assert not any(m.startswith("breakdown/") for m in run.data.metrics)
+    assert run.data.tags["raysys.world_size"] == "1" and run.data.tags["raysys.kind"] == "run"
+    for key in ("train/loss", "perf/tokens_per_s"):  # one value per step, also at the last one
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert len(steps) == len(set(steps)), key
+    # how to run it again, and what it trained on
+    assert run.data.tags["raysys.preset"] == "quick"
+    assert run.data.tags["raysys.command"].startswith("python -m raysys train deep_gpcm --preset quick")
+    assert "Run again: `python -m raysys train deep_gpcm" in run.data.tags["mlflow.note.content"]
+    (ds,) = run.inputs.dataset_inputs
+    assert ds.dataset.name == "synthetic_OC_quick" and "students" in ds.dataset.profile
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"breakdown.md", "config.yaml"} <= artifacts
     table = (workdir / "raysys_runs" / "inproc" / "breakdown.md").read_text()

@@ -3,7 +3,8 @@
 import shlex
 
 from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, pareto_front, recommend
-from raysys.tune.report import commands, plot, table, write_csv
+from raysys.tune.plot import plot
+from raysys.tune.report import commands, ordered, table, write_csv
 
 
 def test_commands_are_exact_and_quoted():
@@ -34,17 +35,24 @@ def _records():
                         reason="non-finite loss (nan)")]
 
 
-def test_table_marks_front_recommendation_and_unstable(tmp_path):
+def test_table_csv_and_plot_mark_front_and_recommendation_in_one_order(tmp_path):
     recs = _records()
     front = pareto_front(recs)
     best = recommend(recs, 0.02)
-    text = table(recs, "perf/tokens_per_s", "eval/qwk", {r.trial_id for r in front}, best.trial_id)
+    front_ids = {r.trial_id for r in front}
+    text = table(recs, "perf/tokens_per_s", "eval/qwk", front_ids, best.trial_id)
     lines = text.splitlines()
-    assert lines[0] == "|  | trial | status | perf/tokens_per_s | eval/qwk | s | path | batch_size |"
-    assert lines[2].startswith("| *> | t2 | ok | 900 | 0.59 |") and lines[3].startswith("| * | t1 | ok | 100 | 0.6 | 10 |")
-    assert "| t4 | unstable: non-finite loss (nan) | 2000 | - |" in text
-    png = plot(recs, front, best, tmp_path / "p.png", "perf/tokens_per_s", "eval/qwk", "t")
+    assert lines[0] == ("| # | trial | front | recommended | status | perf/tokens_per_s | eval/qwk | seconds | "
+                        "model.path | train.batch_size |")
+    assert lines[2].startswith("| 1 | t2 | yes | **yes** | ok | 900 | 0.59 |")
+    assert lines[3].startswith("| 2 | t1 | yes |  | ok | 100 | 0.6 | 10 |")
+    assert lines[4].startswith("| 3 | t3 |  |  | ok | 500 | 0.3 |")
+    assert "| 4 | t4 |  |  | unstable: non-finite loss (nan) | 2000 | - |" in text
+    png = plot(ordered(recs, front_ids), front_ids, best.trial_id, tmp_path / "p.png", "perf/tokens_per_s", "eval/qwk", "t")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    csv = write_csv(recs, tmp_path / "t.csv").read_text().splitlines()
-    assert csv[0] == "trial_id,status,reason,throughput,quality,seconds,run_name,model.path,train.batch_size"
-    assert csv[4].startswith("t4,unstable,non-finite loss (nan),2000.0,,")
+    csv = write_csv(recs, tmp_path / "t.csv", front_ids, best.trial_id).read_text().splitlines()
+    assert csv[0] == ("rank,trial_id,on_front,recommended,status,reason,throughput,quality,seconds,run_name,"
+                      "model.path,train.batch_size")
+    assert [row.split(",")[1] for row in csv[1:]] == ["t2", "t1", "t3", "t4"]  # the table's order
+    assert csv[1].startswith("1,t2,True,True,ok,") and csv[2].startswith("2,t1,True,False,ok,")
+    assert csv[4].startswith("4,t4,False,False,unstable,non-finite loss (nan),2000.0,,")

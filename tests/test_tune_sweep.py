@@ -71,8 +71,30 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
         assert len(history) >= 2  # one per report, not just the final value
     # the grid knob: both paths were tried
     assert {c.data.params["model.path"] for c in children} == {"naive", "optimized"}
-    for m in ("sweep/trials", "sweep/front_size", "objective/throughput", "objective/quality"):
+    for m in ("sweep/trials", "sweep/front_size", "sweep/recommended_throughput", "sweep/recommended_quality"):
         assert m in parent.data.metrics, m
+    # the parent never ranks among its trials by an objective, and says what it recommends
+    assert not any(m.startswith("objective/") for m in parent.data.metrics)
+    rec_id = parent.data.tags["raysys.recommended_trial"]
+    assert f"Recommended: trial {rec_id}" in parent.data.tags["mlflow.note.content"]
+    assert parent.data.tags["raysys.command"].startswith("python -m raysys.tune --space ")
+    # trials: told apart by name (id first), marked, described, reproducible
+    names = [c.info.run_name for c in children]
+    assert len(set(names)) == 6 and all(n.split(" ")[0] == c.data.tags["raysys.trial_id"] for n, c in zip(names, children))
+    assert [c.data.tags["raysys.recommended"] for c in children].count("true") == 1
+    (rec,) = [c for c in children if c.data.tags["raysys.recommended"] == "true"]
+    assert rec.data.tags["raysys.trial_id"] == rec_id and rec.data.tags["raysys.on_front"] == "true"
+    assert sum(c.data.tags["raysys.on_front"] == "true" for c in children) == parent.data.metrics["sweep/front_size"]
+    for c in children:
+        assert c.data.tags["raysys.preset"] == "quick"
+        assert c.data.tags["raysys.command"].startswith("python -m raysys train deep_gpcm --preset quick ")
+        assert "of sweep six" in c.data.tags["mlflow.note.content"]
+        assert not {"step", "world_size", "steps_this_session"} & set(c.data.metrics)
+        assert not any(m.startswith("breakdown/") for m in c.data.metrics) and "perf/step_ms" in c.data.metrics
+        steps = [m.step for m in client.get_metric_history(c.info.run_id, "objective/quality")]
+        assert len(steps) == len(set(steps))  # one value per step: no jump at the last one
+        (ds,) = c.inputs.dataset_inputs
+        assert ds.dataset.name == "synthetic_OC_quick"
     assert parent.data.metrics["sweep/trials"] == 6
     assert "space.optim.lr" in parent.data.params
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 from raysys import tracking
 from raysys import workload as registry
@@ -16,7 +16,7 @@ from raysys.config import ConfigError, apply_overrides, flatten, to_dict
 from raysys.train.launcher import RunResult, run_training
 
 
-def run_cross_validation(wl, cfg: Any) -> RunResult:
+def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult:
     if "folds" not in wl.extra:
         raise ConfigError(f"{wl.name} has no k-fold split; --cv is not available for it")
     k_key, fold_key = wl.extra["folds"]
@@ -24,7 +24,7 @@ def run_cross_validation(wl, cfg: Any) -> RunResult:
     base = cfg.launch.name or f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}"
     uri = tracking.resolve_tracking_uri(cfg.launch.tracking_uri)
     experiment = cfg.launch.experiment or f"raysys-{wl.name}"
-    parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation"},
+    parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation", **(tags or {})},
                                 resume=cfg.launch.resume)
     logger = tracking.MLflowLogger(uri, parent)
     logger.log_params({key: v for key, v in flatten(to_dict(cfg)).items() if not key.startswith("launch.")})
@@ -32,7 +32,8 @@ def run_cross_validation(wl, cfg: Any) -> RunResult:
     try:
         for fold in range(k):
             fold_cfg = apply_overrides(cfg, {fold_key: fold, "launch.name": f"{base}-fold{fold}"})
-            results.append(run_training(registry.ref(wl), fold_cfg, parent_run_id=parent))
+            results.append(run_training(registry.ref(wl), fold_cfg, parent_run_id=parent,
+                                        tags={**(tags or {}), "raysys.kind": "cv_fold"}))
     except BaseException:
         tracking.end_run(uri, parent, "FAILED")
         raise

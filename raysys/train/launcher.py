@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -252,11 +251,7 @@ class OpenRun:
                                    f"{self.logger.buffer}; they are sent on --resume of this run")
 
     def resume_command(self) -> str:
-        launch = self.cfg.launch
-        cmd = f"python -m raysys train {registry.ref(self.wl)} --name {self.name} --resume"
-        if Path(launch.storage_path).resolve() != Path("raysys_runs").resolve():
-            cmd += f" --storage-path {launch.storage_path}"
-        return cmd
+        return _resume_command(self.wl, self.cfg.launch, self.name)
 
     @contextlib.contextmanager
     def tracked(self):
@@ -270,6 +265,13 @@ class OpenRun:
             raise
         finally:
             self.finish(status)
+
+
+def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:
+    cmd = f"python -m raysys train {registry.ref(wl)} --name {name} --resume"
+    if Path(launch.storage_path).resolve() != Path("raysys_runs").resolve():
+        cmd += f" --storage-path {launch.storage_path}"
+    return cmd
 
 
 def _lock_dir(launch: Any) -> Optional[Path]:
@@ -326,7 +328,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         cfg_file = _next_snapshot(run_dir, launch.resume)
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
         experiment = launch.experiment or f"raysys-{wl.name}"
-        run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, **(tags or {})},
+        run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
+                                                                 **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
     except BaseException:
         if created:  # nothing of this run exists elsewhere yet: do not let a half-made folder block the name
@@ -341,8 +344,20 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
     logger.log_artifact(cfg_file)
-    print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n[raysys] MLflow: {uri} (experiment '{experiment}', run {run_id})", flush=True)
+    _log_dataset(wl, cfg, uri, run_id)
+    if created and "raysys.command" in (tags or {}) and tracking.NOTE_TAG not in (tags or {}):
+        logger.set_note(f"{wl.name}, preset `{tags.get('raysys.preset', 'default')}`.\n\n"
+                        f"Run again: `{tags['raysys.command']}`\n\nResume if interrupted: `{_resume_command(wl, launch, name)}`\n")
+    link = tracking.ui_link(uri, tracking.experiment_of(uri, run_id), run_id)
+    print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
     return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger)
+
+
+def _log_dataset(wl: registry.Workload, cfg: Any, uri: str, run_id: str) -> None:
+    """The workload's data as the run's MLflow input, where it names one (``Workload.dataset``)."""
+    info = wl.dataset(cfg) if wl.dataset is not None else None
+    if info:
+        tracking.log_dataset(uri, run_id, **info)
 
 
 def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, parent_run_id: Optional[str] = None,

@@ -267,11 +267,12 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if exhausted:  # epoch finished: evaluate, report, checkpoint at the boundary
             epoch += 1
             micro_done = 0
-            metrics = {"train/loss": loss_val, "train/epoch": float(epoch), "step": step, **speed.rates(world), **monitor.metrics()}
+            metrics = {"train/loss": loss_val, "train/epoch": float(epoch), **speed.rates(world), **monitor.metrics()}
             if rank == 0 and (epoch % tc.eval_every_epochs == 0 or epoch == tc.epochs):
                 last_eval = evaluate()
                 metrics.update(last_eval)
             logger.log_metrics(metrics, step)
+            metrics["step"] = step
             if rank == 0:
                 text = f"epoch {epoch}/{tc.epochs} done, loss {loss_val:.4f}"
                 if last_eval:
@@ -294,11 +295,13 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         fresh = not last_eval and not diverged
         if fresh:  # stopped by max_steps mid-epoch: evaluate what we have
             last_eval = evaluate()
-        final.update({f"breakdown/{k}": v for k, v in timer.summary().items()})
-        logger.log_metrics(final, step)
+        breakdown = timer.summary()
+        final.update({f"breakdown/{k}": v for k, v in breakdown.items()})
+        # MLflow gets values that make charts: not the bookkeeping (step, world_size, steps this session:
+        # params and tags), and the per-phase breakdown as one table plus where the step's time goes.
+        logger.log_metrics({**{k: v for k, v in final.items() if not k.startswith("breakdown/")},
+                            **timer.summary_metrics(), **(last_eval if fresh else {})}, step)
         final.update(last_eval)
-        if fresh:
-            logger.log_metrics(last_eval, step)
         logger.log_text(timer.table(), "breakdown.md")
         storage.write_text(run_dir / "breakdown.md", timer.table())
         storage.write_text(run_dir / "final_metrics.json", json.dumps(final, indent=1))

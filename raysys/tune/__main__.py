@@ -72,13 +72,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError("--num-samples and --max-concurrent must be >= 1")
         if args.budget is not None and args.budget <= 0:
             raise ConfigError("--budget must be > 0 minutes")
+        from raysys import tracking
         from raysys.tune.runner import SweepOptions, run_sweep
 
         outcome = run_sweep(SweepOptions(
             space=args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
             budget_minutes=args.budget, address=args.address, tracking_uri=args.tracking_uri, resume=args.resume,
             name=args.name, storage_path=args.storage_path, tolerance=args.tolerance, seed=args.seed,
-            preset=args.preset, sets=parse_set_args(args.sets)))
+            preset=args.preset, sets=parse_set_args(args.sets),
+            command=tracking.command_line(argv, module="raysys.tune")))
     except ConfigError as e:
         print(f"raysys.tune: config error: {e}", file=sys.stderr)
         return 2

@@ -5,17 +5,19 @@ from __future__ import annotations
 import csv
 import math
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from raysys.tune import objectives as obj
 from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, pareto_front, recommend
-from raysys.tune.progress import short_names
 
 JOB_ADDRESS = "http://127.0.0.1:8265"
 
 
 def _fmt(v: Optional[float], digits: int = 4) -> str:
+    if isinstance(v, float) and math.isfinite(v) and abs(v) >= 10 ** digits:
+        return f"{v:,.0f}"  # 18,572 rather than 1.857e+04
     return "-" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
 
 
@@ -23,23 +25,44 @@ def _cell(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
+def sig(v: float, digits: int = 4) -> float:
+    """Rounded for display (MLflow's table shows every digit it is given)."""
+    return float(f"{v:.{digits}g}") if math.isfinite(v) else v
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which trials are on the Pareto front and which one is recommended."""
+
+    front: tuple[str, ...]
+    recommended: Optional[str]
+
+    @classmethod
+    def of(cls, records: Sequence[TrialRecord], tolerance: float) -> "Verdict":
+        rec = recommend(records, tolerance)
+        return cls(tuple(r.trial_id for r in pareto_front(records)), rec.trial_id if rec else None)
+
+
+def ordered(records: Sequence[TrialRecord], front_ids: set[str]) -> list[TrialRecord]:
+    """The one order of every table, CSV and plot legend: the front (fastest first), then the other
+    finished trials (fastest first), then the rest by id."""
+    return sorted(records, key=lambda r: (r.trial_id not in front_ids, r.status != OK,
+                                          -(r.throughput or 0.0) if r.status == OK else 0.0, r.trial_id))
+
+
 def table(records: Sequence[TrialRecord], throughput_metric: str, quality_metric: str,
           front_ids: set[str], recommended: Optional[str]) -> str:
-    """Markdown table (readable in a terminal too); front rows first, fastest first."""
+    """Markdown table (readable in a terminal too), numbered as in the plot; knobs by their full key."""
     keys = sorted({k for r in records for k in r.knobs})
-    names = short_names(keys)
-    head = ["", "trial", "status", throughput_metric, quality_metric, "s", *(names[k] for k in keys)]
-    order = sorted(records, key=lambda r: (r.trial_id not in front_ids, r.status != OK,
-                                           -(r.throughput or 0.0) if r.status == OK else 0.0, r.trial_id))
+    head = ["#", "trial", "front", "recommended", "status", throughput_metric, quality_metric, "seconds", *keys]
     rows = []
-    for r in order:
-        mark = ("*" if r.trial_id in front_ids else "") + (">" if r.trial_id == recommended else "")
+    for i, r in enumerate(ordered(records, front_ids), 1):
         status = r.status if r.status == OK else f"{r.status}: {r.reason}"
-        rows.append([mark, r.trial_id, status, _fmt(r.throughput), _fmt(r.quality), _fmt(r.seconds, 3),
-                     *(_cell(r.knobs.get(k, "")) for k in keys)])
+        rows.append([i, r.trial_id, "yes" if r.trial_id in front_ids else "", "**yes**" if r.trial_id == recommended else "",
+                     status, _fmt(r.throughput), _fmt(r.quality), _fmt(r.seconds, 3), *(_cell(r.knobs.get(k, "")) for k in keys)])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n\n`*` Pareto front, `>` recommended\n"
+    return "\n".join(lines) + "\n"
 
 
 def _arg(key: str, value: Any) -> str:
@@ -71,71 +94,42 @@ def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecor
             "(The sweep's fixed overrides are included, e.g. fewer epochs: raise them for a full run.)\n")
 
 
-def plot(records: Sequence[TrialRecord], front: Sequence[TrialRecord], rec: Optional[TrialRecord], path: Path,
-         throughput_metric: str, quality_metric: str, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on servers
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    stable = [r for r in records if r.eligible]
-    shaky = [r for r in records if r.status == UNSTABLE and r.throughput is not None]
-    ax.scatter([r.throughput for r in stable], [r.quality for r in stable], c="#9aa5b1", s=28, label="trials")
-    if front:
-        ax.plot([r.throughput for r in front], [r.quality for r in front], "-o", c="#1f77b4", ms=7,
-                drawstyle="steps-post", label="Pareto front")
-        for r in front:
-            ax.annotate(r.trial_id.split("_")[-1], (r.throughput, r.quality), textcoords="offset points",
-                        xytext=(4, 4), fontsize=7)
-    if shaky:
-        qs = [r.quality for r in stable] or [0.0]
-        floor = min(qs) - 0.05 * (max(qs) - min(qs) or 1.0)
-        ys = [r.quality if r.quality is not None and math.isfinite(r.quality) else floor for r in shaky]
-        ax.scatter([r.throughput for r in shaky], ys, marker="x", c="#d62728", s=40, label="unstable")
-    if rec is not None:
-        ax.scatter([rec.throughput], [rec.quality], s=220, facecolors="none", edgecolors="#2ca02c", linewidths=2,
-                   label="recommended")
-    ax.set_xlabel(f"{throughput_metric} (higher is faster)")
-    ax.set_ylabel(f"{quality_metric} (higher is better)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def write_csv(records: Sequence[TrialRecord], path: Path) -> Path:
+def write_csv(records: Sequence[TrialRecord], path: Path, front_ids: set[str] = frozenset(),
+              recommended: Optional[str] = None) -> Path:
+    """Every trial, in the table's order, with its front and recommendation marks."""
     keys = sorted({k for r in records for k in r.knobs})
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["trial_id", "status", "reason", "throughput", "quality", "seconds", "run_name", *keys])
-        for r in records:
-            w.writerow([r.trial_id, r.status, r.reason, r.throughput, r.quality, r.seconds, r.run_name,
-                        *(r.knobs.get(k) for k in keys)])
+        w.writerow(["rank", "trial_id", "on_front", "recommended", "status", "reason", "throughput", "quality",
+                    "seconds", "run_name", *keys])
+        for i, r in enumerate(ordered(records, front_ids), 1):
+            w.writerow([i, r.trial_id, r.trial_id in front_ids, r.trial_id == recommended, r.status, r.reason,
+                        r.throughput, r.quality, r.seconds, r.run_name, *(r.knobs.get(k) for k in keys)])
     return path
 
 
 def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_metric: str, quality_metric: str,
               sweep_dir: Path, parent_log, budget_hit: bool = False) -> Optional[TrialRecord]:
-    """Print the front and the recommendation; write them (and the plot) as parent-run artifacts."""
+    """Print the front and the recommendation; write them (and the plot) as parent-run artifacts, and the
+    recommendation as the parent run's description."""
+    from raysys.tune.plot import plot
+
     front = pareto_front(records)
     rec = recommend(records, tolerance)
+    front_ids, rec_id = {r.trial_id for r in front}, rec.trial_id if rec else None
     counts = {s: sum(r.status == s for r in records) for s in ("ok", "unstable", "error", "incomplete")}
     head = (f"Sweep of {wl.name} ({sp.source}): {len(records)} trials — " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
             + (" (time budget reached)" if budget_hit else "") + f"; Pareto front: {len(front)} trial(s)")
-    tbl = table(records, throughput_metric, quality_metric, {r.trial_id for r in front}, rec.trial_id if rec else None)
+    tbl = table(records, throughput_metric, quality_metric, front_ids, rec_id)
     text = recommendation_text(rec, records, tolerance, sp, throughput_metric, quality_metric)
     print(f"\n{head}\n\n{tbl}\n{text}", flush=True)
 
     out = sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pareto.md").write_text(f"# {head}\n\n{tbl}")
+    (out / "pareto.md").write_text(f"**{head}**\n\n{tbl}")
     (out / "recommendation.md").write_text(text)
-    write_csv(records, out / "trials.csv")
-    plot(records, front, rec, out / "pareto.png", throughput_metric, quality_metric,
+    write_csv(records, out / "trials.csv", front_ids, rec_id)
+    plot(ordered(records, front_ids), front_ids, rec_id, out / "pareto.png", throughput_metric, quality_metric,
          f"{wl.name} sweep '{sweep_dir.name}': {len(records)} trials, {len(front)} on the front")
     from raysys import storage
 
@@ -146,21 +140,25 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
                "sweep/incomplete": counts["incomplete"], "sweep/front_size": len(front)}
     eligible = [r for r in records if r.eligible]
     if eligible:
-        metrics["sweep/best_quality"] = max(r.quality for r in eligible)
-        metrics["sweep/best_throughput"] = max(r.throughput for r in eligible)
+        metrics["sweep/best_quality"] = sig(max(r.quality for r in eligible))
+        metrics["sweep/best_throughput"] = sig(max(r.throughput for r in eligible))
     if rec is not None:
-        metrics |= {obj.THROUGHPUT: rec.throughput, obj.QUALITY: rec.quality}
+        # Not objective/*: sorted by an objective, the parent would rank as one more trial.
+        metrics |= {"sweep/recommended_throughput": sig(rec.throughput), "sweep/recommended_quality": sig(rec.quality)}
         train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs)
         parent_log.set_tags({"raysys.recommended_trial": rec.trial_id, "raysys.recommended_run": rec.run_name,
                              "raysys.recommended_command": train[:5000]})
+    parent_log.set_note(f"{head}\n\n{text}\n{tbl}")
     parent_log.log_metrics(metrics, step=0)
     return rec
 
 
-def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialRecord], grid) -> None:
-    """Record each trial's verdict on its MLflow child run (tags, both objectives with history) and
-    close runs a stopped trial left RUNNING. Done here, on the driver, because a trial the stopper
-    ended had no chance to do it."""
+def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialRecord], grid,
+                      verdict: Optional[Verdict] = None) -> None:
+    """Record each trial's verdict on its MLflow child run (tags, description, both objectives with
+    history) and close runs a stopped trial left RUNNING. Done here, on the driver, because a trial the
+    stopper ended had no chance to do it. ``verdict``: the front and the recommendation, once the
+    sweep is complete."""
     from mlflow.tracking import MlflowClient
 
     from raysys import tracking
@@ -180,6 +178,10 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
             tags["raysys.trial_reason"] = r.reason[:5000]
         if r.status == UNSTABLE:
             tags["raysys.unstable"] = "true"
+        if verdict is not None:
+            tags["raysys.on_front"] = str(r.trial_id in verdict.front).lower()
+            tags["raysys.recommended"] = str(r.trial_id == verdict.recommended).lower()
+        tags[tracking.NOTE_TAG] = trial_note(r, setup, verdict)
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
         client.log_batch(run_id, metrics=_objective_history(histories.get(r.trial_id)))
@@ -187,13 +189,27 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
             client.set_terminated(run_id, status="KILLED")
 
 
+def trial_note(r: TrialRecord, setup, verdict: Optional[Verdict]) -> str:
+    """A trial's description: where it stands, its objectives and its knobs."""
+    where = "the sweep did not finish: no front yet" if verdict is None else (
+        "**recommended** (on the Pareto front)" if r.trial_id == verdict.recommended
+        else "on the Pareto front" if r.trial_id in verdict.front else "not on the Pareto front")
+    status = r.status if r.status == OK else f"{r.status} ({r.reason})"
+    lines = [f"Trial {r.trial_id} of sweep {setup.sweep_name}: {where}; {status}.", "",
+             "| | value |", "|---|---|",
+             f"| {setup.throughput_metric} | {_fmt(r.throughput)} |", f"| {setup.quality_metric} | {_fmt(r.quality)} |"]
+    lines += [f"| {k} | {_cell(v)} |" for k, v in sorted(r.knobs.items())]
+    return "\n".join(lines) + "\n"
+
+
 def _objective_history(df) -> list:
-    """objective/* at every report (step = the run's optimizer step where it has one)."""
+    """objective/* at every report, one value per step (the last report of a step wins; step = the
+    run's optimizer step where it has one), rounded to 4 significant digits for the runs table."""
     from mlflow.entities import Metric
 
     if df is None or len(df) == 0:
         return []
-    out = []
+    by_step: dict[tuple[int, str], Metric] = {}
     for i, row in enumerate(df.to_dict("records")):
         step = row.get("step")
         step = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else int(row.get("training_iteration", i))
@@ -201,5 +217,34 @@ def _objective_history(df) -> list:
         for key in (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY):
             v = row.get(key)
             if isinstance(v, (int, float)) and math.isfinite(v):
-                out.append(Metric(key, float(v), ts, step))
-    return out[:1000]
+                by_step[(step, key)] = Metric(key, sig(float(v)), ts, step)
+    return list(by_step.values())[-1000:]
+
+
+def sweep_view(name: str, knobs: Sequence[str]) -> dict:
+    """The runs-table view a sweep's link opens: this sweep's runs (the parent with its trials nested),
+    newest first, with the objectives, the front/recommended marks and the knobs as columns, wide enough
+    to read. (MLflow applies widths only to the columns it is given an order for.)"""
+    from raysys.tracking import column
+
+    metrics = [column("metrics", obj.QUALITY), column("metrics", obj.THROUGHPUT)]
+    params = [column("params", k) for k in knobs]
+    tags = [column("tags", t) for t in ("raysys.recommended", "raysys.on_front", "raysys.trial_status")]
+    fixed = [column("attributes", "Run Name"), "runDateAndNestInfo", "duration"]
+    widths = {fixed[0]: 380, fixed[1]: 150, fixed[2]: 80} | {c: 170 for c in metrics} | {c: 150 for c in tags} \
+        | {c: 140 for c in params}
+    return {"searchFilter": f"tags.`raysys.sweep` = '{name}'" if "'" not in name else "",
+            "orderByKey": "attributes.start_time", "orderByAsc": False, "startTime": "ALL",
+            "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
+            "selectedColumns": [*metrics, *tags, *params], "columnOrder": [*fixed, *metrics, *params, *tags],
+            "columnWidths": widths, "runsHiddenMode": "SHOW_ALL", "groupBy": None, "hideEmptyCharts": True}
+
+
+def save_sweep_view(uri: str, parent_run_id: str, name: str, knobs: Sequence[str]) -> str:
+    """Save the sweep's view on its experiment and return the link that opens it."""
+    from raysys import tracking
+
+    exp = tracking.experiment_of(uri, parent_run_id)
+    key = tracking.view_key(name)
+    tracking.save_view(uri, exp, key, f"sweep {name}", sweep_view(name, knobs))
+    return tracking.ui_link(uri, exp, view=key)

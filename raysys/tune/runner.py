@@ -45,6 +45,8 @@ class SweepOptions:
     seed: int = 0
     preset: Optional[str] = None
     sets: dict[str, str] = field(default_factory=dict)
+    command: str = ""
+    """The command line that started the sweep (recorded on its MLflow parent run)."""
 
 
 @dataclass
@@ -173,7 +175,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     concurrent = max_concurrent(ray.cluster_resources(), need_cpu, need_gpu, opts.max_concurrent)
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored)
+    parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored,
+                                     {"raysys.preset": sp.preset, "raysys.command": opts.command[:5000]})
     parent_log.log_params({"sweep.workload": wl.name, "sweep.preset": sp.preset, "sweep.space_file": sp.source,
                            "sweep.num_samples": opts.num_samples, "sweep.max_concurrent": concurrent,
                            "sweep.tolerance": tolerance, "sweep.throughput_metric": throughput_metric,
@@ -192,13 +195,15 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
                        stability=sp.stability, quality_penalty=float(sp.objectives.get("quality_penalty",
-                                                                                        obj.DEFAULT_QUALITY_PENALTY)))
+                                                                                        obj.DEFAULT_QUALITY_PENALTY)),
+                       preset=sp.preset, fixed=tuple(sp.fixed.items()))
+    link = report.save_sweep_view(uri, parent, name, sorted(sp.knobs))
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
                                     functools.partial(trial_resources, launch))
     print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
           f"{opts.num_samples} trials, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
-          f"[raysys.tune] MLflow: {uri} (experiment '{experiment}', parent run {parent})", flush=True)
+          + tracking.ui_lines(uri, link).replace("[raysys]", "[raysys.tune]"), flush=True)
 
     started = time.monotonic()
     tune_path, tune_storage = _tune_storage(opts, sweep_dir)
@@ -220,7 +225,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     unfinished = [r for r in records if r.status == INCOMPLETE]
     interrupted = (bool(unfinished) or len(records) < _num_samples(stored, opts)) and not budget_hit
 
-    report.finalize_children(uri, experiment, setup, records, grid)
+    report.finalize_children(uri, experiment, setup, records, grid,
+                             None if interrupted else report.Verdict.of(records, tolerance))
     if interrupted:
         tracking.end_run(uri, parent, status="KILLED")
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
@@ -232,10 +238,11 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                            budget_hit=budget_hit)
     storage.push_tree(sweep_dir / "report")
     tracking.end_run(uri, parent, status="FINISHED")
+    print(f"[raysys.tune] compare the trials in MLflow: {link}", flush=True)
     return SweepOutcome(name, sweep_dir, parent, records, rec, False)
 
 
-def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Optional[dict]):
+def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Optional[dict], tags: dict):
     """The sweep's MLflow parent run: created, or reopened on --resume (an interrupted sweep ended it KILLED)."""
     if stored:
         from mlflow.tracking import MlflowClient
@@ -243,7 +250,8 @@ def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Opt
         parent = stored["parent_run_id"]
         MlflowClient(tracking_uri=uri).update_run(parent, status="RUNNING")
     else:
-        parent = tracking.start_run(uri, experiment, name, tags={"raysys.workload": workload, "raysys.kind": "sweep"})
+        parent = tracking.start_run(uri, experiment, name, tags={"raysys.workload": workload, "raysys.kind": "sweep",
+                                                                 "raysys.sweep": name, **tags})
     return parent, tracking.MLflowLogger(uri, parent)
 
 

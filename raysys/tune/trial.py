@@ -55,6 +55,10 @@ class TrialSetup:
     quality_penalty: float
     sweep_storage: str = ""
     """The sweeps' storage URI when remote ('' for a local folder)."""
+    preset: str = ""
+    """The space's base preset, recorded on each trial's run with its equivalent train command."""
+    fixed: tuple = ()
+    """The space's fixed overrides as (key, value) pairs, for that command."""
 
     @property
     def runs_dir(self) -> Path:
@@ -84,6 +88,19 @@ class TrialSetup:
 
     def run_name(self, trial_id: str) -> str:
         return f"{self.sweep_name}-{trial_id}"
+
+    def display_name(self, trial_id: str, knobs: dict[str, Any]) -> str:
+        """What the MLflow UI shows: the trial id first (names stay apart even when cut), then its knobs."""
+        from raysys.tune.progress import format_knobs
+
+        return f"{trial_id} {format_knobs(knobs)}"[:240]
+
+    def run_tags(self, trial_id: str, knobs: dict[str, Any]) -> dict[str, str]:
+        from raysys.tune.report import commands
+
+        return {"raysys.sweep": self.sweep_name, "raysys.trial_id": trial_id, "raysys.kind": "sweep_trial",
+                "mlflow.runName": self.display_name(trial_id, knobs), "raysys.preset": self.preset,
+                "raysys.command": commands(self.workload, self.preset, dict(self.fixed), knobs)[0][:5000]}
 
     def tracker(self) -> ObjectiveTracker:
         return ObjectiveTracker(self.throughput_metric, self.quality_metric,
@@ -125,7 +142,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     cfg = trial_config(setup, dict(config), trial_id)
     wl = registry.get(setup.workload)
     tracker = setup.tracker()
-    tags = {"raysys.sweep": setup.sweep_name, "raysys.trial_id": trial_id, "raysys.kind": "sweep_trial"}
+    tags = setup.run_tags(trial_id, dict(config))
     if cfg.launch.resume and setup.run_exists(trial_id, "final_metrics.json"):
         # Its run already ended (the driver died before Tune recorded that): report what the run
         # recorded instead of "resuming" a finished run, whose speed window would be empty.

@@ -292,6 +292,13 @@ def _bench(quick: bool = False) -> dict:
     return run_bench(quick=quick)
 
 
+def _dataset(cfg: ADConfig) -> dict:
+    d = cfg.data
+    profile = {"region": d.region, "train_goals": d.train_goals or "all", "streams_per_goal": d.streams or "all"}
+    return {"name": Path(d.prepared_dir).name if d.prepared_dir else "learning_histories",
+            "source": d.prepared_dir or str(d.histories), "profile": profile}
+
+
 WORKLOAD = Workload(
     name="ad_transformer",
     description="Algorithm-distillation transformer on Darkroom: PPO histories in JAX, in-context RL (seed 003)",
@@ -300,5 +307,6 @@ WORKLOAD = Workload(
     bench=_bench,
     task=DistillationTask(),
     path_key="model.path",
+    dataset=_dataset,
     extra={"identity_sections": ("model", "data", "source")},
 )

@@ -9,7 +9,6 @@ memory recurrence tightly, with predictions equal to the naive path's (a test ch
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Optional
@@ -212,6 +211,14 @@ def _bench(quick: bool = False, **kw) -> dict:
     return run_bench(quick=quick, **kw)
 
 
+def _dataset(cfg: DeepGPCMConfig) -> dict:
+    d = cfg.data
+    name = Path(d.path).stem if d.path else Path(d.data_dir).name
+    profile = {"fold": d.fold, "n_folds": d.n_folds} | ({} if d.path else {
+        "generator": "synthetic_OC", "students": d.n_students, "questions": d.n_questions, "categories": d.n_cats})
+    return {"name": name, "source": str(_data_source(cfg)), "profile": profile}
+
+
 WORKLOAD = Workload(
     name="deep_gpcm",
     description="Deep-GPCM knowledge tracing (DKVMN + GPCM head) on synthetic_OC or your parquet",
@@ -220,5 +227,6 @@ WORKLOAD = Workload(
     task=DeepGPCMTask(),
     bench=_bench,
     throughput_metric="perf/tokens_per_s",
+    dataset=_dataset,
     extra={"folds": ("data.n_folds", "data.fold")},
 )

@@ -272,6 +272,15 @@ def _bench(quick: bool = False) -> dict:
     return run_bench(quick=quick)
 
 
+def _dataset(cfg: PointerGeneratorConfig) -> dict:
+    """The prepared (tokenized) corpus; its meta.json says where it came from and how many rows."""
+    d = cfg.data
+    meta = json.loads((Path(d.prepared_dir) / "meta.json").read_text()) if d.prepared_dir else {}
+    name = Path(d.path).stem if d.path else "synthetic_clinical_notes"
+    profile = {f"{k}_rows": v["rows"] for k, v in meta.get("splits", {}).items()} | {"vocab_size": meta.get("vocab_size")}
+    return {"name": name, "source": d.prepared_dir or str(d.path), "profile": profile}
+
+
 WORKLOAD = Workload(
     name="pointer_generator",
     description="Pointer-generator summarizer of clinical notes: copy attention, batched beam search, ROUGE (seed 002)",
@@ -281,5 +290,6 @@ WORKLOAD = Workload(
     task=SummarizationTask(),
     throughput_metric="perf/tokens_per_s",
     path_key="model.path",
+    dataset=_dataset,
     extra={"identity_sections": ("model",)},
 )
