@@ -236,10 +236,21 @@ def log_dataset(uri: str, run_id: str, name: str, source: str, context: str = "t
     ds = Dataset(name=name, digest=digest or (dir_digest(source) if not is_uri and Path(source).exists() else "-"),
                  source_type=source.split("://", 1)[0] if is_uri else "local",
                  source=json.dumps({"uri": source}), profile=json.dumps(dict(profile or {}), default=str))
-    existing = _client(uri).get_run(run_id).inputs.dataset_inputs
-    if any(d.dataset.name == ds.name and d.dataset.digest == ds.digest for d in existing):
-        return  # a resumed run: already recorded
-    _client(uri).log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])])
+    # Concurrent runs (sweep trials) logging one new dataset race to create its row, and the loser's
+    # insert fails on MLflow's unique constraint; a second try finds the row. A record of the data must
+    # never stop training: after that, a warning.
+    for attempt in range(3):
+        try:
+            existing = _client(uri).get_run(run_id).inputs.dataset_inputs
+            if any(d.dataset.name == ds.name and d.dataset.digest == ds.digest for d in existing):
+                return  # a resumed run, or an earlier attempt that did land
+            _client(uri).log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])])
+            return
+        except Exception as e:
+            if attempt == 2:
+                log.warning("could not record dataset %s as the run's MLflow input (%s)", name, type(e).__name__)
+            else:
+                time.sleep(0.5 * (attempt + 1))
 
 
 def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:

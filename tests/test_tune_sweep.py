@@ -51,7 +51,7 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert elapsed < 15 * 60
     out = proc.stdout
-    assert "Pareto front" in out and "| trial | status | perf/tokens_per_s | eval/qwk |" in out
+    assert "Pareto front" in out and "| # | trial | front | recommended | status | perf/tokens_per_s | eval/qwk |" in out
     assert "Recommended: trial" in out
     assert "python -m raysys train deep_gpcm --preset quick " in out
     assert "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python -m raysys train deep_gpcm" in out
@@ -190,7 +190,7 @@ def test_sweep_of_a_train_fn_workload(workdir):
                   "--set", "train.total_timesteps=10240", "--set", "train.num_envs=32", "--set", "train.num_steps=32",
                   "--set", "train.compilation_cache_dir=")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| trial | status | perf/env_steps_per_s | eval/quality |" in proc.stdout
+    assert "| # | trial | front | recommended | status | perf/env_steps_per_s | eval/quality |" in proc.stdout
     assert "python -m raysys train hackmatrix_ppo --preset quick " in proc.stdout
     client, _, _, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}", "hackmatrix_ppo")
     assert len(children) == 2
