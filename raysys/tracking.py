@@ -91,9 +91,14 @@ class TrackingUnavailable(RuntimeError):
     """The tracking server cannot be reached."""
 
 
+def is_server(uri: str) -> bool:
+    """A tracking server (HTTP), as opposed to a store this process opens itself."""
+    return uri.startswith(("http://", "https://"))
+
+
 def check_reachable(uri: str, timeout: float = 5.0) -> None:
     """Fail in seconds, not after minutes of retries, when an HTTP tracking server does not answer."""
-    if not uri.startswith(("http://", "https://")):
+    if not is_server(uri):
         return
     import requests
 
@@ -115,19 +120,19 @@ def quick_failures() -> None:
 
 # MLflow 3's UI opens an experiment on its GenAI traces page unless the experiment says it holds
 # model training; runs are what raysys writes.
-EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
 def get_or_create_experiment(uri: str, name: str) -> str:
     client = _client(uri)
     exp = client.get_experiment_by_name(name)
     if exp is not None:
-        if "mlflow.experimentKind" not in exp.tags:  # made by an older raysys, or by hand
-            client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
+        if KIND_TAG not in exp.tags:  # made by an older raysys, or by hand
+            client.set_experiment_tag(exp.experiment_id, KIND_TAG, MODEL_TRAINING)
         return exp.experiment_id
     root = _artifact_root(uri)
     try:
-        return client.create_experiment(name, artifact_location=f"{root}/{name}" if root else None, tags=EXPERIMENT_KIND)
+        return client.create_experiment(name, artifact_location=f"{root}/{name}" if root else None, tags={KIND_TAG: MODEL_TRAINING})
     except Exception:  # created concurrently by another process
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -139,7 +144,7 @@ def get_or_create_experiment(uri: str, name: str) -> str:
 
 def ui_base(uri: str) -> str:
     """Where the UI of this store is: the server itself, or `mlflow ui` on its default port."""
-    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    return uri.rstrip("/") if is_server(uri) else LOCAL_UI
 
 
 def ui_link(uri: str, experiment_id: str, run_id: Optional[str] = None, view: Optional[str] = None) -> str:
@@ -150,11 +155,11 @@ def ui_link(uri: str, experiment_id: str, run_id: Optional[str] = None, view: Op
     return f"{base}/{run_id}?{query}" if run_id else f"{base}?{query}"
 
 
-def ui_lines(uri: str, link: str) -> str:
-    """What a command prints about where its runs are: the store, the link, how to serve a local store."""
-    lines = f"[raysys] MLflow: {link}"
-    if not uri.startswith(("http://", "https://")):
-        lines += f"\n[raysys]   (serve this store first: mlflow ui --backend-store-uri {uri})"
+def ui_lines(uri: str, link: str, prefix: str = "[raysys]") -> str:
+    """What a command prints about where its runs are: the link, and how to serve a local store."""
+    lines = f"{prefix} MLflow: {link}"
+    if not is_server(uri):
+        lines += f"\n{prefix}   (serve this store first: mlflow ui --backend-store-uri {uri})"
     return lines
 
 

@@ -295,17 +295,17 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         fresh = not last_eval and not diverged
         if fresh:  # stopped by max_steps mid-epoch: evaluate what we have
             last_eval = evaluate()
-        breakdown = timer.summary()
-        final.update({f"breakdown/{k}": v for k, v in breakdown.items()})
-        # MLflow gets values that make charts: not the bookkeeping (step, world_size, steps this session:
-        # params and tags), and the per-phase breakdown as one table plus where the step's time goes.
+        final.update({f"breakdown/{k}": v for k, v in timer.summary().items()})
+        # MLflow gets values that make charts: the logger turns the bookkeeping (step, world_size, steps this
+        # session) into tags, and the per-phase breakdown is one table plus where the step's time goes.
         logger.log_metrics({**{k: v for k, v in final.items() if not k.startswith("breakdown/")},
                             **timer.summary_metrics(), **(last_eval if fresh else {})}, step)
         final.update(last_eval)
-        logger.log_text(timer.table(), "breakdown.md")
-        storage.write_text(run_dir / "breakdown.md", timer.table())
+        breakdown = timer.table()
+        logger.log_text(breakdown, "breakdown.md")
+        storage.write_text(run_dir / "breakdown.md", breakdown)
         storage.write_text(run_dir / "final_metrics.json", json.dumps(final, indent=1))
-        sink.message(f"[{wl.name}] step-time breakdown (measured):\n{timer.table()}")
+        sink.message(f"[{wl.name}] step-time breakdown (measured):\n{breakdown}")
     ray.train.report({**final, "done": 1.0})
 
 

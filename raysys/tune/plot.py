@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from raysys.tune.pareto import UNSTABLE, TrialRecord
+from raysys.tune.report import fmt_value
 
 MAX_LISTED = 24  # rows beside the plot; the rest are in trials.csv
 
@@ -21,12 +22,6 @@ def axis_label(metric: str, better: str) -> str:
     leaf = metric.rsplit("/", 1)[-1]
     words = f"{leaf[:-len('_per_s')].replace('_', ' ')} per second" if leaf.endswith("_per_s") else leaf.replace("_", " ")
     return f"{words}  ({metric}; higher is {better})"
-
-
-def _num(v: Optional[float]) -> str:
-    if v is None or not math.isfinite(v):
-        return "-"
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
 def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optional[str], path: Path,
@@ -49,22 +44,23 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
     qs = [r.quality for r in stable] or [0.0]
     floor = min(qs) - 0.08 * ((max(qs) - min(qs)) or 1.0)  # where unstable trials without a quality sit
 
+    def y(r: TrialRecord) -> float:
+        return r.quality if r.quality is not None and math.isfinite(r.quality) else floor
+
     handles = [ax.scatter([r.throughput for r in stable], [r.quality for r in stable], c="#8a96a3", s=30, zorder=2,
                           label="finished trial")]
     if front:
         handles += ax.plot([r.throughput for r in front], [r.quality for r in front], "-o", c="#1f77b4", ms=7,
                            drawstyle="steps-post", zorder=3, label="Pareto front")
     if shaky:
-        ys = [r.quality if r.quality is not None and math.isfinite(r.quality) else floor for r in shaky]
-        handles.append(ax.scatter([r.throughput for r in shaky], ys, marker="x", c="#d62728", s=44, zorder=3,
+        handles.append(ax.scatter([r.throughput for r in shaky], [y(r) for r in shaky], marker="x", c="#d62728", s=44, zorder=3,
                                   label="unstable (stopped)"))
     rec = next((r for r in stable if r.trial_id == recommended), None)
     if rec is not None:
         handles.append(ax.scatter([rec.throughput], [rec.quality], s=260, facecolors="none", edgecolors="#2ca02c",
                                   linewidths=2.2, zorder=4, label="recommended"))
     for r in stable + shaky:
-        y = r.quality if r in stable or (r.quality is not None and math.isfinite(r.quality)) else floor
-        ax.annotate(str(number[r.trial_id]), (r.throughput, y), textcoords="offset points", xytext=(5, 5), fontsize=8,
+        ax.annotate(str(number[r.trial_id]), (r.throughput, y(r)), textcoords="offset points", xytext=(5, 5), fontsize=8,
                     fontweight="bold" if r.trial_id in front_ids else "normal", zorder=5)
     ax.margins(x=0.12, y=0.15)  # room for the labels and the ring inside the frame
     ax.set_xlabel(axis_label(throughput_metric, "faster"), fontsize=9)
@@ -77,7 +73,7 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
     rows = [f"{'#':>2}  {'trial':<10} {'speed':>9} {'quality':>8}  status"]
     for r in records[:MAX_LISTED]:
         mark = "> " if r.trial_id == recommended else "* " if r.trial_id in front_ids else "  "
-        rows.append(f"{number[r.trial_id]:>2}{mark}{r.trial_id[-10:]:<10} {_num(r.throughput):>9} {_num(r.quality):>8}  "
+        rows.append(f"{number[r.trial_id]:>2}{mark}{r.trial_id[-10:]:<10} {fmt_value(r.throughput):>9} {fmt_value(r.quality):>8}  "
                     f"{r.status}")
     if len(records) > MAX_LISTED:
         rows.append(f"... {len(records) - MAX_LISTED} more in trials.csv")

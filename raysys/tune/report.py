@@ -15,7 +15,8 @@ from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, pareto_front, recommen
 JOB_ADDRESS = "http://127.0.0.1:8265"
 
 
-def _fmt(v: Optional[float], digits: int = 4) -> str:
+def fmt_value(v: Optional[float], digits: int = 4) -> str:
+    """A number for tables and the plot: 4 significant digits, large ones whole with separators."""
     if isinstance(v, float) and math.isfinite(v) and abs(v) >= 10 ** digits:
         return f"{v:,.0f}"  # 18,572 rather than 1.857e+04
     return "-" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
@@ -59,7 +60,7 @@ def table(records: Sequence[TrialRecord], throughput_metric: str, quality_metric
     for i, r in enumerate(ordered(records, front_ids), 1):
         status = r.status if r.status == OK else f"{r.status}: {r.reason}"
         rows.append([i, r.trial_id, "yes" if r.trial_id in front_ids else "", "**yes**" if r.trial_id == recommended else "",
-                     status, _fmt(r.throughput), _fmt(r.quality), _fmt(r.seconds, 3), *(_cell(r.knobs.get(k, "")) for k in keys)])
+                     status, fmt_value(r.throughput), fmt_value(r.quality), fmt_value(r.seconds, 3), *(_cell(r.knobs.get(k, "")) for k in keys)])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
@@ -197,7 +198,7 @@ def trial_note(r: TrialRecord, setup, verdict: Optional[Verdict]) -> str:
     status = r.status if r.status == OK else f"{r.status} ({r.reason})"
     lines = [f"Trial {r.trial_id} of sweep {setup.sweep_name}: {where}; {status}.", "",
              "| | value |", "|---|---|",
-             f"| {setup.throughput_metric} | {_fmt(r.throughput)} |", f"| {setup.quality_metric} | {_fmt(r.quality)} |"]
+             f"| {setup.throughput_metric} | {fmt_value(r.throughput)} |", f"| {setup.quality_metric} | {fmt_value(r.quality)} |"]
     lines += [f"| {k} | {_cell(v)} |" for k, v in sorted(r.knobs.items())]
     return "\n".join(lines) + "\n"
 

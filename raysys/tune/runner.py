@@ -203,7 +203,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                                     functools.partial(trial_resources, launch))
     print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
           f"{opts.num_samples} trials, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
-          + tracking.ui_lines(uri, link).replace("[raysys]", "[raysys.tune]"), flush=True)
+          + tracking.ui_lines(uri, link, prefix="[raysys.tune]"), flush=True)
 
     started = time.monotonic()
     tune_path, tune_storage = _tune_storage(opts, sweep_dir)
