@@ -35,6 +35,14 @@ class Session:
         self.rank, self.world_size = rank, world_size
         self.sink = sink or Sink()  # the driver's console, wherever this process runs
         self._stop = StopPoller(stop)
+        self.halted: Optional[str] = None
+        """Why this run was halted while others go on (a population member found unstable), or None."""
+
+    def halt(self, reason: str) -> None:
+        """Stop training this run only (a population masks it); ``should_stop`` stays for the whole program."""
+        if self.halted is None:
+            self.halted = reason
+            self.message(f"{self.run.name}: halted ({reason})")
 
     def should_stop(self) -> bool:
         """True once the run was asked to stop (SIGINT/SIGTERM of the driver). A loop that checks it at a
@@ -58,8 +66,10 @@ class Session:
         if progress is not None:
             done, total = bar if bar is not None else (step, None)
             self.sink.progress(self.run.wl.name, done, total, progress, unit)
-        if self._report is not None:
-            self._report({**metrics, "step": step})
+        if self._report is not None and self.halted is None:
+            verdict = self._report({**metrics, "step": step})
+            if isinstance(verdict, str):  # a population's reporter: this member is unstable
+                self.halt(verdict)
 
     def finish(self, final: Mapping[str, Any]) -> dict:
         """The run's final metrics: the last logged ones updated by what ``train_fn`` returned.
@@ -118,3 +128,27 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
                      resume_command=run.resume_command())
 
+
+
+def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Optional[list] = None,
+                   reports: Optional[list] = None) -> list[RunResult]:
+    """K configurations of ``wl`` as one program (``wl.population``): each opens its own run (folder,
+    config snapshot, checkpoints, MLflow run), exactly as ``run_custom`` would open it alone."""
+    from contextlib import ExitStack
+
+    prepare = wl.extra.get("prepare")
+    runs = [open_run(wl, cfg, prepare, parent_run_id, (tags or [None] * len(cfgs))[i]) for i, cfg in enumerate(cfgs)]
+    set_threads(runs[0].cfg.launch)
+    sessions = [Session(run, report=(reports or [None] * len(cfgs))[i]) for i, run in enumerate(runs)]
+    with ExitStack() as stack:
+        for run in runs:
+            stack.enter_context(run.tracked())
+        outs = wl.population.train_fn([run.cfg for run in runs], sessions)
+        finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
+    results = []
+    for run, final in zip(runs, finals):
+        if stop_requested() is None:
+            storage.write_text(run.run_dir / "final_metrics.json", json.dumps(final, indent=1, default=float))
+        results.append(RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final,
+                                 stopped_by=stop_requested(), resume_command=run.resume_command()))
+    return results

@@ -74,6 +74,31 @@ _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True)
+class Population:
+    """How a workload trains K configurations as one program (``python -m raysys.tune --vectorize K``):
+    one process, one compile, each member with its own params, optimizer state and PRNG streams."""
+
+    train_fn: Callable[[list, list], list]
+    """train_fn(cfgs, sessions) -> one final-metrics dict per member. Member i logs, checkpoints and
+    restores through ``sessions[i]`` exactly as ``train_fn`` does with its one session; a member whose
+    ``sessions[i].halted`` is set (unstable) is masked from then on while the others go on."""
+    member_knobs: tuple[str, ...]
+    """Dotted config keys that may differ between members of one program: those that change no
+    array shape (learning rate, coefficients, seed...). Configs that differ in anything else run
+    as separate programs."""
+
+    def program_key(self, cfg: Any) -> str:
+        """Equal for configs that can share one program: everything but the member knobs and ``launch``."""
+        import json
+
+        from raysys.config import flatten, to_dict
+
+        flat = flatten(to_dict(cfg))
+        return json.dumps({k: v for k, v in sorted(flat.items())
+                           if k not in self.member_knobs and not k.startswith("launch.")}, default=str)
+
+
+@dataclass(frozen=True)
 class Workload:
     name: str
     """Short name: MLflow experiment ``raysys-<name>``, default run names ``<name>-<time>``."""
@@ -99,6 +124,8 @@ class Workload:
     dataset: Optional[Callable[[Any], Optional[Mapping[str, Any]]]] = None
     """dataset(prepared cfg) -> {'name', 'source' (a path or URI), 'profile': {...}} or None: the data a
     run trains on, recorded as its MLflow input (the runs table's Dataset column). Optional."""
+    population: Optional[Population] = None
+    """Optional, for a ``train_fn`` workload: K configurations as one program (sweeps' ``--vectorize``)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):

@@ -105,7 +105,7 @@ FOUR_DEVICES = textwrap.dedent("""
         runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
         shards = {s.device for s in jax.tree.leaves(runner.env_state)[0].addressable_shards}
         assert len(shards) == n, shards
-        runner, stats = ppo.make_train_chunk(cfg, mesh)(runner)
+        runner, stats = ppo.make_train_chunk(cfg, mesh)(runner, ppo.hparams_of(cfg))
         out[n] = [np.asarray(x) for x in jax.tree.leaves(runner.params)]
         assert len({s.device for s in runner.obs.features.addressable_shards}) == n
     err = max(float(np.abs(a - b).max()) for a, b in zip(out[4], out[1]))
@@ -139,7 +139,7 @@ def test_python_loop_path_reaches_the_fused_params():
     cfg.train = dataclasses.replace(cfg.train, num_envs=16, num_steps=16, num_minibatches=2, update_epochs=2,
                                     updates_per_chunk=2)
     mesh = ppo.make_mesh(jax.devices()[:1])
-    fused, _ = ppo.make_train_chunk(cfg, mesh)(ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh))
+    fused, _ = ppo.make_train_chunk(cfg, mesh)(ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh), ppo.hparams_of(cfg))
     slow = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
     update = python_loop_update(cfg)
     for _ in range(2):

@@ -184,7 +184,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
 
 def test_sweep_of_a_train_fn_workload(workdir):
     """hackmatrix_ppo runs its own JAX loop (Workload.train_fn), not the shared PyTorch loop: its
-    trials go through the Session path, report per chunk and land as MLflow child runs too."""
+    trials go through the Session path, report per chunk and land as MLflow child runs too. Then the
+    same workload vectorized: members of one program land exactly like lone trials."""
     space = REPO / "tune_spaces" / "hackmatrix_ppo.yaml"
     proc = _sweep(workdir, "--space", str(space), "--num-samples", "2", "--preset", "quick", "--name", "jax",
                   "--set", "train.total_timesteps=10240", "--set", "train.num_envs=32", "--set", "train.num_steps=32",
@@ -199,6 +200,43 @@ def test_sweep_of_a_train_fn_workload(workdir):
         assert {"train.precision", "optim.lr"} <= set(child.data.params)
         assert child.data.metrics["perf/env_steps_per_s"] > 0 and child.data.metrics["eval/quality"] < 0
         assert len(client.get_metric_history(child.info.run_id, "charts/episode_return")) == 2  # one per chunk
+
+    # The same workload vectorized (--vectorize 4) into the same store: 4 configurations in 2 programs
+    # (num_steps is a shape knob), each member its own child run, in the same form as the trials above.
+    # The stability rule caps the learning rate, so each program's lr=2e-3 member is unstable at its
+    # first report: it is masked, and the other member goes on.
+    vspace = workdir / "vec.yaml"
+    vspace.write_text(yaml.safe_dump({
+        "workload": "hackmatrix_ppo", "preset": "quick",
+        "fixed": {"launch.workers": 0, "train.total_timesteps": 10240, "train.num_envs": 32,
+                  "train.compilation_cache_dir": ""},
+        "space": {"train.num_steps": {"grid": [32, 16]}, "optim.lr": {"grid": [2.0e-4, 2.0e-3]}},
+        "objectives": {"tolerance": 0.5},
+        "stability": {"bounds": {"charts/learning_rate": {"max": 1.0e-3}}}}))
+    proc = _sweep(workdir, "--space", str(vspace), "--num-samples", "4", "--vectorize", "4", "--name", "vec")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("started as one program") == 2
+    runs = client.search_runs([children[0].info.experiment_id], max_results=100)
+    (vparent,) = [r for r in runs if r.data.tags.get("raysys.sweep") == "vec" and r.data.tags["raysys.kind"] == "sweep"]
+    members = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == vparent.info.run_id]
+    assert len(members) == 4 and len({r.data.tags["raysys.trial_id"] for r in members}) == 4
+    ok = [r for r in members if r.data.tags["raysys.trial_status"] == "ok"]
+    bad = [r for r in members if r.data.tags["raysys.trial_status"] == "unstable"]
+    assert len(ok) == 2 and len(bad) == 2
+    for r in bad:
+        assert float(r.data.params["optim.lr"]) == 2.0e-3 and "charts/learning_rate" in r.data.tags["raysys.trial_reason"]
+        assert len(client.get_metric_history(r.info.run_id, "charts/episode_return")) == 1  # masked after one chunk
+    for r in ok:
+        assert set(r.data.params) == set(children[0].data.params)  # every config value, as a lone trial's
+        assert set(r.data.metrics) == set(children[0].data.metrics)
+        assert {k for k in children[0].data.tags if k.startswith("raysys.")} <= set(r.data.tags)
+        chunks = 10240 // (5 * 32 * int(r.data.params["train.num_steps"]))  # quick: 5 updates per chunk
+        assert len(client.get_metric_history(r.info.run_id, "charts/episode_return")) == chunks
+        assert r.data.metrics["perf/env_steps_per_s"] > 0 and r.data.metrics["eval/quality"] < 0
+        assert r.data.tags["raysys.command"].startswith("python -m raysys train hackmatrix_ppo --preset quick ")
+    assert sorted(r.data.params["train.num_steps"] for r in members) == ["16", "16", "32", "32"]
+    table = (workdir / "raysys_runs" / "sweeps" / "vec" / "report" / "trials.csv").read_text()
+    assert sum(line.split(",")[1] in {r.data.tags["raysys.trial_id"] for r in members} for line in table.splitlines()) == 4
 
 
 @pytest.mark.slow  # ~3-5 min: one naive and one optimized summarizer trial, beam-search evaluation

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the recommendation is the fastest trial within T (absolute, in the quality metric's units) "
                         "of the best quality; default: the space's objectives.tolerance, else 0.02")
     p.add_argument("--seed", type=int, default=0, help="seed of the Optuna sampler (default: %(default)s)")
+    p.add_argument("--vectorize", type=int, default=1, metavar="K",
+                   help="train up to K configurations per trial as one program (one process, one compile), each "
+                        "with its own params, optimizer state, seed and MLflow run; for workloads with a population "
+                        "program (hackmatrix_ppo). Configurations that differ in a shape knob (num_envs, widths, "
+                        "precision...) go to separate programs. Default: 1 (one configuration per trial)")
     p.add_argument("--preset", help="replace the space's base preset (e.g. quick for a smoke run)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="extra fixed override for every trial (repeatable); naming a knob pins it to this value")
@@ -70,6 +75,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.num_samples < 1 or (args.max_concurrent is not None and args.max_concurrent < 1):
             raise ConfigError("--num-samples and --max-concurrent must be >= 1")
+        if args.vectorize < 1:
+            raise ConfigError(f"--vectorize must be >= 1, got {args.vectorize}")
         if args.budget is not None and args.budget <= 0:
             raise ConfigError("--budget must be > 0 minutes")
         from raysys import tracking
@@ -79,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             space=args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
             budget_minutes=args.budget, address=args.address, tracking_uri=args.tracking_uri, resume=args.resume,
             name=args.name, storage_path=args.storage_path, tolerance=args.tolerance, seed=args.seed,
-            preset=args.preset, sets=parse_set_args(args.sets),
+            preset=args.preset, sets=parse_set_args(args.sets), vectorize=args.vectorize,
             command=tracking.command_line(argv, module="raysys.tune")))
     except ConfigError as e:
         print(f"raysys.tune: config error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from ray.tune import Callback
 from ray.tune.stopper import Stopper
 
 from raysys.tune import objectives as obj
+from raysys.tune.population import POPULATION, member_ids, member_results
 
 PROGRESS_EVERY_S = 20.0
 
@@ -58,7 +59,13 @@ class Progress(Callback):
     # callback as it was pickled when the sweep began.
     def on_trial_start(self, iteration, trials, trial, **info):
         n = sum(t.status != "PENDING" or t is trial for t in trials)
-        self._print(f"trial {trial.trial_id} started ({n}/{self.total}): {format_knobs(trial.config)}")
+        members = trial.config.get(POPULATION)
+        if members is None:
+            self._print(f"trial {trial.trial_id} started ({n}/{self.total}): {format_knobs(trial.config)}")
+            return
+        self._print(f"trials {trial.trial_id}_0..{len(members) - 1} started as one program:")
+        for mid, knobs in zip(member_ids(trial.trial_id, len(members)), members):
+            self._print(f"  trial {mid}: {format_knobs(knobs)}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         now = time.monotonic()
@@ -68,6 +75,14 @@ class Progress(Callback):
         if now - self.last_line.get(trial.trial_id, 0.0) < PROGRESS_EVERY_S:
             return
         self.last_line[trial.trial_id] = now
+        members = trial.config.get(POPULATION)
+        if members is not None:
+            unstable = [mid for mid, _, m in member_results(result, trial.config, trial.trial_id) if m.get(obj.UNSTABLE)]
+            self._print(f"trials {trial.trial_id}_*: {len(members) - len(unstable)} of {len(members)} members training"
+                        + (f" (masked as unstable: {', '.join(unstable)})" if unstable else "")
+                        + (f", best {self.qm.split('/')[-1]} {result[obj.QUALITY]:.4g}"
+                           if isinstance(result.get(obj.QUALITY), float) else ""))
+            return
         parts = [f"step {result.get('step', '?')}"]
         if isinstance(result.get("train/loss"), (int, float)):
             parts.append(f"loss {result['train/loss']:.4g}")
@@ -79,6 +94,14 @@ class Progress(Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         r = trial.last_result or {}
+        if POPULATION in trial.config:
+            for mid, _, m in member_results(r, trial.config, trial.trial_id):
+                self._print(f"trial {mid} done in {r.get('time_total_s', 0):.0f}s (one program): {self._verdict(m)}")
+            return
+        self._print(f"trial {trial.trial_id} done in {r.get('time_total_s', 0):.0f}s: {self._verdict(r)} "
+                    f"[{_done(trials, trial)}/{self.total} done]")
+
+    def _verdict(self, r: dict) -> str:
         if r.get(obj.UNSTABLE):
             verdict = f"unstable ({r.get(obj.REASON)})"
         elif r.get(obj.FINAL):
@@ -86,7 +109,7 @@ class Progress(Callback):
                        f"{self.qm.split('/')[-1]} {r.get(obj.MEASURED_QUALITY, float('nan')):.4g}")
         else:
             verdict = "stopped before the end"
-        self._print(f"trial {trial.trial_id} done in {r.get('time_total_s', 0):.0f}s: {verdict} [{_done(trials, trial)}/{self.total} done]")
+        return verdict
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self._print(f"trial {trial.trial_id} FAILED (the sweep goes on) [{_done(trials, trial)}/{self.total} done]; "

@@ -165,11 +165,17 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
     from raysys import tracking
 
     client = MlflowClient(tracking_uri=uri)
+    from raysys.tune.population import POPULATION, member_frame, member_ids
+
     histories = {}
     for result in grid:
         df = result.metrics_dataframe
         tid = (result.metrics or {}).get("trial_id") or Path(result.path).name
-        histories[tid] = df
+        members = (result.config or {}).get(POPULATION)
+        if members is None:
+            histories[tid] = df
+        elif df is not None:
+            histories |= {mid: member_frame(df, mid) for mid in member_ids(tid, len(members))}
     for r in records:
         run_id = tracking.find_run(uri, experiment, r.run_name)
         if run_id is None:  # failed before its run opened

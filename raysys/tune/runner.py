@@ -47,6 +47,8 @@ class SweepOptions:
     sets: dict[str, str] = field(default_factory=dict)
     command: str = ""
     """The command line that started the sweep (recorded on its MLflow parent run)."""
+    vectorize: int = 1
+    """Configurations per trial, trained as one program (raysys.tune.population); 1: one per trial."""
 
 
 @dataclass
@@ -155,10 +157,15 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     sp = spaces.load(opts.space, preset=opts.preset, overrides=opts.sets)
     wl = registry.get(sp.workload)
+    if opts.vectorize > 1 and wl.population is None:
+        raise ConfigError(f"--vectorize {opts.vectorize}: {wl.name} has no population program (Workload.population); "
+                          "run it without --vectorize")
     name, sweep_dir = resolve_sweep_dir(opts, wl.name)
     stored = json.loads((sweep_dir / STATE_FILE).read_text()) if opts.resume else None
     if stored:
         _check_same_space(stored, sp, sweep_dir)
+        if int(stored.get("vectorize", 1)) != opts.vectorize:
+            raise ConfigError(f"--resume: this sweep ran with --vectorize {stored.get('vectorize', 1)}; resume it with the same")
         if opts.tracking_uri and tracking.resolve_tracking_uri(opts.tracking_uri) != stored["tracking_uri"]:
             raise ConfigError(f"--resume: this sweep tracks to {stored['tracking_uri']}, not {opts.tracking_uri}")
     uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
@@ -186,7 +193,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     if not stored:
         storage.write_text(sweep_dir / STATE_FILE, json.dumps({
             "space": sp.to_dict(), "space_file": sp.source, "tracking_uri": uri, "experiment": experiment,
-            "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance}, indent=1, default=str))
+            "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance,
+            "vectorize": opts.vectorize}, indent=1, default=str))
 
     remote = storage.remote_of(sweep_dir)
     runs_storage = storage.join(opts.storage_path, name, "runs") if remote else str(sweep_dir / "runs")
@@ -199,10 +207,13 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                        preset=sp.preset, fixed=tuple(sp.fixed.items()))
     link = report.save_sweep_view(uri, parent, name, sorted(sp.knobs))
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
-    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup),
+    if opts.vectorize > 1:
+        from raysys.tune.population import run_population_trial
+    fn = run_population_trial if opts.vectorize > 1 else run_trial
+    trainable = tune.with_resources(tune.with_parameters(fn, setup=setup),
                                     functools.partial(trial_resources, launch))
     print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
-          f"{opts.num_samples} trials, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
+          f"{opts.num_samples} trials{f' ({opts.vectorize} per program)' if opts.vectorize > 1 else ''}, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
           + tracking.ui_lines(uri, link, prefix="[raysys.tune]"), flush=True)
 
     started = time.monotonic()
@@ -214,7 +225,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False,
                                    **restore_fs)
     else:
-        tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent),
+        tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent, wl),
                            run_config=tune.RunConfig(
                                name=name, **tune_storage, verbose=0, stop=StabilityStopper(),
                                callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric)],
@@ -232,6 +243,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
               f"{max(0, _num_samples(stored, opts) - len(records))} unstarted trials; continue it with:\n"
               f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
+              + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
               + _extra_flags(opts), flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True)
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
@@ -264,7 +276,7 @@ def _extra_flags(opts: SweepOptions) -> str:
     return flags + "".join(f" --set {k}={v}" for k, v in opts.sets.items())
 
 
-def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int):
+def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl: registry.Workload):
     import optuna
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
@@ -278,30 +290,45 @@ def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int):
     searcher = OptunaSearch(space=spaces.OptunaSpace(sp.knobs), metric=[obj.THROUGHPUT, obj.QUALITY],
                             mode=["max", "max"], points_to_evaluate=grid or None,
                             sampler=optuna.samplers.TPESampler(seed=opts.seed))
+    if opts.vectorize > 1:
+        from raysys.tune.population import PopulationSearcher
+
+        searcher = PopulationSearcher(searcher, opts.vectorize, opts.num_samples, wl.population.member_knobs)
     return tune.TuneConfig(search_alg=searcher, num_samples=opts.num_samples, max_concurrent_trials=concurrent,
                            time_budget_s=60 * opts.budget_minutes if opts.budget_minutes else None,
                            reuse_actors=False, trial_dirname_creator=trial_dirname)
 
 
 def collect(grid, setup) -> list[TrialRecord]:
-    """One record per trial from Tune's results (the last report of each carries our verdict)."""
+    """One record per trial from Tune's results (the last report of each carries our verdict), one per
+    member for a vectorized trial."""
+    from raysys.tune.population import POPULATION, member_results
+
     records = []
     for result in grid:
         m = result.metrics or {}
         trial_id = m.get("trial_id") or Path(result.path).name
-        rec = TrialRecord(trial_id=trial_id, knobs=dict(result.config or {}), run_name=setup.run_name(trial_id),
-                          throughput=_float(m.get(obj.MEASURED_THROUGHPUT)), quality=_float(m.get(obj.MEASURED_QUALITY)),
-                          seconds=_float(m.get("time_total_s")))
-        if result.error is not None:
-            rec.status, rec.reason = ERROR, error_summary(result.error)
-        elif m.get(obj.UNSTABLE):
-            rec.status, rec.reason = UNSTABLE, str(m.get(obj.REASON, "unstable"))
-        elif m.get(obj.FINAL):
-            rec.status = OK
+        if POPULATION in (result.config or {}):  # a vectorized trial: one record per member
+            records += [_record(mid, knobs, {**mm, "time_total_s": m.get("time_total_s")}, result.error, setup)
+                        for mid, knobs, mm in member_results(m, result.config, trial_id)]
         else:
-            rec.status, rec.reason = INCOMPLETE, "stopped before the end (budget or interruption)"
-        records.append(rec)
+            records.append(_record(trial_id, dict(result.config or {}), m, result.error, setup))
     return sorted(records, key=lambda r: r.trial_id)
+
+
+def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
+    rec = TrialRecord(trial_id=trial_id, knobs=knobs, run_name=setup.run_name(trial_id),
+                      throughput=_float(m.get(obj.MEASURED_THROUGHPUT)), quality=_float(m.get(obj.MEASURED_QUALITY)),
+                      seconds=_float(m.get("time_total_s")))
+    if error is not None:
+        rec.status, rec.reason = ERROR, error_summary(error)
+    elif m.get(obj.UNSTABLE):
+        rec.status, rec.reason = UNSTABLE, str(m.get(obj.REASON, "unstable"))
+    elif m.get(obj.FINAL):
+        rec.status = OK
+    else:
+        rec.status, rec.reason = INCOMPLETE, "stopped before the end (budget or interruption)"
+    return rec
 
 
 def error_summary(err: BaseException) -> str:

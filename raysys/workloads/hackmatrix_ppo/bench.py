@@ -35,7 +35,9 @@ def fused_throughput(num_envs: int, num_steps: int = 128, chunks: int = 3, updat
     mesh = ppo.make_mesh()
     runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
     t0 = time.perf_counter()
-    fn = ppo.make_train_chunk(cfg, mesh).lower(runner).compile()
+    hp = ppo.replicate(ppo.hparams_of(cfg), mesh)
+    compiled = ppo.make_train_chunk(cfg, mesh).lower(runner, hp).compile()
+    fn = lambda r: compiled(r, hp)  # noqa: E731
     compile_s = time.perf_counter() - t0
     runner, stats = fn(runner)  # warm-up chunk
     jax.block_until_ready(stats)

@@ -13,12 +13,19 @@ code runs on one CPU, on 4 forced host devices, or on every chip of a multi-host
 Each env carries its own PRNG key, so a trajectory does not depend on how envs are sharded.
 The stored transition holds the observation the action was taken on (the original stored the
 next one).
+
+Population: every hyper-parameter that changes no array shape (:class:`HParams`) is an input of
+the compiled update, not a constant baked into it. ``make_population_chunk`` ``vmap``s that same
+update over a leading member axis of runners and hyper-parameters, so K configurations of one
+shape train as one program (one compile), each with its own params, Adam state, envs and PRNG
+streams; a member left out of ``active`` keeps its state unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import jax
@@ -82,11 +89,40 @@ class Transition(NamedTuple):
     ep_length: jax.Array
 
 
-def make_optimizer(cfg):
+class HParams(NamedTuple):
+    """The hyper-parameters that change no array shape, as f32 scalars (or [K] over a population)."""
+
+    lr: jax.Array
+    anneal_lr: jax.Array  # 1.0: linear decay to 0 over total_timesteps
+    total_timesteps: jax.Array
+    max_grad_norm: jax.Array
+    gamma: jax.Array
+    gae_lambda: jax.Array
+    clip_eps: jax.Array
+    ent_coef: jax.Array
+    vf_coef: jax.Array
+
+
+def hparams_of(cfg) -> HParams:
+    o, p = cfg.optim, cfg.ppo
+    values = (o.lr, float(o.anneal_lr), cfg.train.total_timesteps, o.max_grad_norm, p.gamma, p.gae_lambda,
+              p.clip_eps, p.ent_coef, p.vf_coef)
+    return HParams(*(np.float32(v) for v in values))
+
+
+def stack_hparams(cfgs) -> HParams:
+    return jax.tree.map(lambda *xs: np.stack(xs), *(hparams_of(c) for c in cfgs))
+
+
+def _optimizer(lr, max_grad_norm):
     # the LR is injected per update (linear anneal by env steps), so a resumed run with another
     # num_envs/num_steps keeps the same schedule
-    return optax.chain(optax.clip_by_global_norm(cfg.optim.max_grad_norm),
-                       optax.inject_hyperparams(optax.adam)(learning_rate=cfg.optim.lr, eps=1e-5))
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                       optax.inject_hyperparams(optax.adam)(learning_rate=lr, eps=1e-5))
+
+
+def make_optimizer(cfg):
+    return _optimizer(cfg.optim.lr, cfg.optim.max_grad_norm)
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -123,11 +159,13 @@ def init_runner(cfg, key, mesh: Mesh, params=None, opt_state=None, env_steps: in
     out_shardings = runner_shardings(mesh)
     if fresh:
         return jax.jit(lambda: build(None, None), out_shardings=out_shardings)()
+    return jax.jit(build, out_shardings=out_shardings)(*replicate((params, opt_state), mesh))
+
+
+def replicate(tree, mesh: Mesh):
+    """Host arrays -> replicated global arrays; works when the mesh spans several processes too."""
     rep = NamedSharding(mesh, P())
-    # host arrays -> replicated global arrays; works when the mesh spans several processes too
-    put = lambda x: jax.make_array_from_callback(np.shape(x), rep, lambda idx: np.asarray(x)[idx])  # noqa: E731
-    params, opt_state = jax.tree.map(put, (params, opt_state))
-    return jax.jit(build, out_shardings=out_shardings)(params, opt_state)
+    return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), rep, lambda idx: np.asarray(x)[idx]), tree)
 
 
 def env_params_of(cfg) -> hm.EnvParams:
@@ -187,11 +225,11 @@ def ppo_loss(params, mb: Transition, adv, targets, cfg, dtype=jnp.float32):
 
 
 def make_update(cfg, n_devices: int):
-    """One PPO update on this device's envs (called inside shard_map over AXIS)."""
-    tc, pc = cfg.train, cfg.ppo
+    """``update(runner, hp) -> (runner, stats)``: one PPO update on this device's envs (called inside
+    shard_map over AXIS). ``cfg`` fixes the shapes; ``hp`` (:class:`HParams`) the rest."""
+    tc = cfg.train
     dtype = jnp.bfloat16 if tc.precision == "bf16" else jnp.float32
     env_params = env_params_of(cfg)
-    optimizer = make_optimizer(cfg)
     nmb, epochs = minibatch_plan(cfg)
     local_envs = tc.num_envs // n_devices
     steps_per_update = tc.num_envs * tc.num_steps
@@ -209,11 +247,11 @@ def make_update(cfg, n_devices: int):
                        info["episode_return"], info["episode_length"])
         return (params, env_state, next_obs, env_keys), t
 
-    loss_fn = partial(ppo_loss, cfg=cfg, dtype=dtype)
-
     def sgd_step(carry, mb_data):
-        params, opt_state = carry
+        params, opt_state, hp = carry
         mb, adv, targets = mb_data
+        loss_fn = partial(ppo_loss, cfg=SimpleNamespace(ppo=hp), dtype=dtype)
+        optimizer = _optimizer(hp.lr, hp.max_grad_norm)
         # advantage normalisation with statistics over the whole minibatch across devices
         mean = jax.lax.pmean(adv.mean(), AXIS)
         std = jnp.sqrt(jax.lax.pmean(((adv - mean) ** 2).mean(), AXIS))
@@ -223,29 +261,30 @@ def make_update(cfg, n_devices: int):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         aux = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads))
-        return (params, opt_state), aux
+        return (params, opt_state, hp), aux
 
     def epoch(carry, key):
-        params, opt_state, traj, adv, targets = carry
+        params, opt_state, hp, traj, adv, targets = carry
         n = tc.num_steps * local_envs
         perm = jax.random.permutation(key, n)
         flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:])[perm].reshape((nmb, n // nmb) + x.shape[2:]),
                             (traj, adv, targets))
-        (params, opt_state), aux = jax.lax.scan(sgd_step, (params, opt_state), flat)
-        return (params, opt_state, traj, adv, targets), aux
+        (params, opt_state, hp), aux = jax.lax.scan(sgd_step, (params, opt_state, hp), flat)
+        return (params, opt_state, hp, traj, adv, targets), aux
 
-    def update(runner: Runner, _):
-        frac = 1.0 - runner.env_steps.astype(jnp.float32) / float(tc.total_timesteps)
-        lr = cfg.optim.lr * jnp.clip(frac, 0.0, 1.0) if cfg.optim.anneal_lr else jnp.float32(cfg.optim.lr)
+    def update(runner: Runner, hp: HParams):
+        frac = 1.0 - runner.env_steps.astype(jnp.float32) / hp.total_timesteps
+        lr = jnp.where(hp.anneal_lr > 0, hp.lr * jnp.clip(frac, 0.0, 1.0), hp.lr)
+        hp = hp._replace(lr=lr)
         opt_state = runner.opt_state
         opt_state[1].hyperparams["learning_rate"] = lr
         (params, env_state, obs, env_keys), traj = jax.lax.scan(
             env_step, (runner.params, runner.env_state, runner.obs, runner.env_keys), None, tc.num_steps)
         _, last_value = forward(params, obs.features, obs.action_mask, dtype)
-        adv, targets = gae(traj.reward, traj.value, traj.done, last_value, pc.gamma, pc.gae_lambda)
+        adv, targets = gae(traj.reward, traj.value, traj.done, last_value, hp.gamma, hp.gae_lambda)
         key, k_epochs = jax.random.split(runner.key)
-        (params, opt_state, _, _, _), aux = jax.lax.scan(
-            epoch, (params, opt_state, traj, adv, targets), jax.random.split(k_epochs, epochs))
+        (params, opt_state, _, _, _, _), aux = jax.lax.scan(
+            epoch, (params, opt_state, hp, traj, adv, targets), jax.random.split(k_epochs, epochs))
         episodes = jax.lax.psum(traj.done.sum(), AXIS)
         stats = {k: jax.lax.pmean(v.mean(), AXIS) for k, v in aux.items()}
         stats |= dict(
@@ -261,17 +300,79 @@ def make_update(cfg, n_devices: int):
     return update
 
 
+def _chunk_stats(stats) -> dict:
+    """Per-update stats [U, ...] -> chunk means (episode stats: chunk totals)."""
+    sums = {k: stats[k].sum(0) for k in ("episodes", "return_sum", "length_sum")}
+    means = {k: v.mean(0) for k, v in stats.items() if k not in sums}
+    return {**means, **sums, "lr_last": stats["lr"][-1]}
+
+
 def make_train_chunk(cfg, mesh: Mesh):
-    """jit(runner -> (runner, metrics)): ``updates_per_chunk`` PPO updates in one ``lax.scan``,
+    """jit((runner, hp) -> (runner, metrics)): ``updates_per_chunk`` PPO updates in one ``lax.scan``,
     the env batch split over ``mesh``. Metrics are chunk means (episode stats: chunk totals)."""
     update = make_update(cfg, mesh.size)
 
-    def chunk(runner: Runner):
-        runner, stats = jax.lax.scan(update, runner, None, cfg.train.updates_per_chunk)
-        sums = {k: stats[k].sum() for k in ("episodes", "return_sum", "length_sum")}
-        means = {k: v.mean() for k, v in stats.items() if k not in sums}
-        return runner, {**means, **sums, "lr_last": stats["lr"][-1]}
+    def chunk(runner: Runner, hp: HParams):
+        runner, stats = jax.lax.scan(lambda r, _: update(r, hp), runner, None, cfg.train.updates_per_chunk)
+        return runner, _chunk_stats(stats)
 
-    sharded = jax.shard_map(chunk, mesh=mesh, in_specs=(runner_specs(),), out_specs=(runner_specs(), P()),
+    sharded = jax.shard_map(chunk, mesh=mesh, in_specs=(runner_specs(), P()), out_specs=(runner_specs(), P()),
                             check_vma=False)
+    return jax.jit(sharded, donate_argnums=0)
+
+
+def population_specs() -> Runner:
+    """A population's runners: a leading member axis, envs still split over the mesh."""
+    return jax.tree.map(lambda spec: P(None, *spec), runner_specs(), is_leaf=lambda x: isinstance(x, P))
+
+
+def population_shardings(mesh: Mesh) -> Runner:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), population_specs(), is_leaf=lambda x: isinstance(x, P))
+
+
+def init_population(cfg, keys, mesh: Mesh) -> Runner:
+    """Fresh runners for K members of ``cfg``'s shape, member i from ``keys[i]`` exactly as
+    ``init_runner(cfg, keys[i], mesh)`` builds it, in one jitted program (one compile, not K)."""
+    n = cfg.train.num_envs
+    if n % mesh.size:
+        raise ValueError(f"train.num_envs={n} must be a multiple of the {mesh.size} devices")
+    env_params = env_params_of(cfg)
+    optimizer = make_optimizer(cfg)
+
+    def build(keys):
+        ks = jax.vmap(lambda k: jax.random.split(k, 4))(keys)
+        k_params, k_envs, k_reset, k_run = ks[:, 0], ks[:, 1], ks[:, 2], ks[:, 3]
+        # params member by member, then stacked: a vmapped orthogonal init (batched QR) wedges this
+        # jaxlib's multi-threaded CPU runtime
+        params = jax.tree.map(lambda *xs: jnp.stack(xs), *[init_params(k, tuple(cfg.model.hidden)) for k in k_params])
+        reset = jax.vmap(lambda k: jax.vmap(hm.reset, in_axes=(0, None))(jax.random.split(k, n), env_params))
+        obs, env_state = reset(k_reset)
+        return Runner(params, jax.vmap(optimizer.init)(params), env_state, obs,
+                      jax.vmap(lambda k: jax.random.split(k, n))(k_envs), k_run, jnp.zeros(len(keys), jnp.int32))
+
+    return jax.jit(build, out_shardings=population_shardings(mesh))(jnp.stack(keys))
+
+
+def stack_runners(runners: list[Runner], mesh: Mesh) -> Runner:
+    return jax.jit(lambda rs: jax.tree.map(lambda *xs: jnp.stack(xs), *rs),
+                   out_shardings=population_shardings(mesh))(runners)
+
+
+def make_population_chunk(cfg, mesh: Mesh):
+    """jit((runners, hps, active) -> (runners, metrics)): the same chunk as ``make_train_chunk`` for K
+    members at once (leading axis K on runners, hps and every metric). ``cfg`` gives the shapes all
+    members share; a member with ``active`` False keeps its state (masked, not stopped)."""
+    update = jax.vmap(make_update(cfg, mesh.size))
+
+    def chunk(runners: Runner, hps: HParams, active: jax.Array):
+        def step(r, _):
+            new, stats = update(r, hps)
+            keep = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
+            return jax.tree.map(keep, new, r), stats
+
+        runners, stats = jax.lax.scan(step, runners, None, cfg.train.updates_per_chunk)
+        return runners, _chunk_stats(stats)
+
+    sharded = jax.shard_map(chunk, mesh=mesh, in_specs=(population_specs(), P(), P()),
+                            out_specs=(population_specs(), P()), check_vma=False)
     return jax.jit(sharded, donate_argnums=0)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
 from raysys.config import ConfigError, at_least, require
 from raysys.train.config import JaxLaunchConfig
-from raysys.workload import Workload
+from raysys.workload import Population, Workload
 
 
 @dataclass
@@ -178,53 +179,89 @@ def _to_host(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x), tree)
 
 
-def train(cfg: HackMatrixPPOConfig, session) -> dict:
-    enable_compilation_cache(cfg.train.compilation_cache_dir)
+def _start(cfg: HackMatrixPPOConfig, session, mesh):
+    """-> (runner, env_steps, updates): fresh, or from the session's last checkpoint."""
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    key = jax.random.PRNGKey(cfg.train.seed)
+    ckpt = session.restore()
+    if ckpt is None:
+        return ppo.init_runner(cfg, key, mesh), 0, 0
+
+    # params and Adam state come back; envs start fresh, so num_envs/num_steps may differ
+    def fresh():
+        params = ppo.init_params(key, tuple(cfg.model.hidden))
+        return params, ppo.make_optimizer(cfg).init(params)
+
+    shapes = jax.eval_shape(fresh)  # the tree structures only; nothing is computed
+    params, opt_state = (jax.tree.unflatten(jax.tree.structure(tree), [t.numpy() for t in leaves])
+                         for tree, leaves in zip(shapes, (ckpt["params"], ckpt["opt_state"])))
+    env_steps, updates = int(ckpt["env_steps"]), int(ckpt["updates"])
+    runner = ppo.init_runner(cfg, jax.random.fold_in(key, updates), mesh, params, opt_state, env_steps)
+    saved = ckpt.get("runner")
+    leaves, tree = jax.tree.flatten(runner)
+    if saved is not None and [tuple(t.shape) for t in saved] == [tuple(x.shape) for x in leaves]:
+        # the whole state came back (envs, observations, PRNG streams): the run continues bit-exact
+        runner = jax.tree.unflatten(tree, [jax.device_put(t.numpy().astype(x.dtype), x.sharding)
+                                           for t, x in zip(saved, leaves)])
+    session.message(f"resumed at {env_steps} env steps ({updates} updates)")
+    return runner, env_steps, updates
+
+
+def _save(session, runner, env_steps: int, updates: int) -> None:
     import jax
     import numpy as np
     import torch
 
+    if not session.is_main:  # only rank 0 writes; the host copy involves no collective
+        return
+    host = _to_host((runner.params, runner.opt_state))
+    state = {"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
+             "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
+             "env_steps": env_steps, "updates": updates}
+    if jax.process_count() == 1:  # all of it, so that a resume with the same num_envs is bit-exact
+        state["runner"] = [_tensor(np.asarray(x)) for x in jax.tree.leaves(runner)]
+    session.checkpoint(state, env_steps)
+
+
+def _chunk_metrics(stats: dict, env_steps_per_s: float, compile_s: float) -> dict:
+    eps = max(stats["episodes"], 1.0)
+    return {
+        "charts/episode_return": stats["return_sum"] / eps if stats["episodes"] else float("nan"),
+        "charts/episode_length": stats["length_sum"] / eps if stats["episodes"] else float("nan"),
+        "charts/episodes": stats["episodes"],
+        "charts/entropy": stats["entropy"],
+        "charts/approx_kl": stats["approx_kl"],
+        "charts/clipfrac": stats["clipfrac"],
+        "charts/learning_rate": stats["lr_last"],
+        "losses/policy_loss": stats["policy_loss"],
+        "losses/value_loss": stats["value_loss"],
+        "losses/loss": stats["loss"],
+        "losses/grad_norm": stats["grad_norm"],
+        "perf/env_steps_per_s": env_steps_per_s,
+        "perf/compile_s": compile_s,
+    }
+
+
+def _progress(m: dict) -> str:
+    return (f"return {m['charts/episode_return']:.3f} | entropy {m['charts/entropy']:.2f} | "
+            f"kl {m['charts/approx_kl']:.4f} | {m['perf/env_steps_per_s']:.0f} env-steps/s")
+
+
+def train(cfg: HackMatrixPPOConfig, session) -> dict:
+    enable_compilation_cache(cfg.train.compilation_cache_dir)
+    import jax
+
     from raysys.workloads.hackmatrix_ppo import ppo
 
     mesh = ppo.make_mesh()
-    key = jax.random.PRNGKey(cfg.train.seed)
-    env_steps, updates = 0, 0
-    ckpt = session.restore()
-    if ckpt is None:
-        runner = ppo.init_runner(cfg, key, mesh)
-    else:
-        # params and Adam state come back; envs start fresh, so num_envs/num_steps may differ
-        def fresh():
-            params = ppo.init_params(key, tuple(cfg.model.hidden))
-            return params, ppo.make_optimizer(cfg).init(params)
-
-        shapes = jax.eval_shape(fresh)  # the tree structures only; nothing is computed
-        params, opt_state = (jax.tree.unflatten(jax.tree.structure(tree), [t.numpy() for t in leaves])
-                             for tree, leaves in zip(shapes, (ckpt["params"], ckpt["opt_state"])))
-        env_steps, updates = int(ckpt["env_steps"]), int(ckpt["updates"])
-        runner = ppo.init_runner(cfg, jax.random.fold_in(key, updates), mesh, params, opt_state, env_steps)
-        saved = ckpt.get("runner")
-        leaves, tree = jax.tree.flatten(runner)
-        if saved is not None and [tuple(t.shape) for t in saved] == [tuple(x.shape) for x in leaves]:
-            # the whole state came back (envs, observations, PRNG streams): the run continues bit-exact
-            runner = jax.tree.unflatten(tree, [jax.device_put(t.numpy().astype(x.dtype), x.sharding)
-                                               for t, x in zip(saved, leaves)])
-        session.message(f"resumed at {env_steps} env steps ({updates} updates)")
-
-    def save() -> None:
-        if not session.is_main:  # only rank 0 writes; the host copy involves no collective
-            return
-        host = _to_host((runner.params, runner.opt_state))
-        state = {"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
-                 "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
-                 "env_steps": env_steps, "updates": updates}
-        if jax.process_count() == 1:  # all of it, so that a resume with the same num_envs is bit-exact
-            state["runner"] = [_tensor(np.asarray(x)) for x in jax.tree.leaves(runner)]
-        session.checkpoint(state, env_steps)
-
+    runner, env_steps, updates = _start(cfg, session, mesh)
     chunk_fn = ppo.make_train_chunk(cfg, mesh)
+    hp = ppo.replicate(ppo.hparams_of(cfg), mesh)
     t0 = time.perf_counter()
-    compiled = chunk_fn.lower(runner).compile()  # AOT: compile time measured apart from training
+    step = chunk_fn.lower(runner, hp).compile()  # AOT: compile time measured apart from training
     compile_s = time.perf_counter() - t0
     per_chunk = cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
     n_chunks = max(0, -(-(cfg.train.total_timesteps - env_steps) // per_chunk))
@@ -234,51 +271,146 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     final: dict = {"perf/compile_s": compile_s}
     for _ in range(n_chunks):
         t = time.perf_counter()
-        runner, stats = compiled(runner)
+        runner, stats = step(runner, hp)
         stats = {k: float(v) for k, v in _to_host(stats).items()}  # the one host sync per chunk
         dt = time.perf_counter() - t
         t_train += dt
         env_steps += per_chunk
         updates += cfg.train.updates_per_chunk
-        eps = max(stats["episodes"], 1.0)
-        m = {
-            "charts/episode_return": stats["return_sum"] / eps if stats["episodes"] else float("nan"),
-            "charts/episode_length": stats["length_sum"] / eps if stats["episodes"] else float("nan"),
-            "charts/episodes": stats["episodes"],
-            "charts/entropy": stats["entropy"],
-            "charts/approx_kl": stats["approx_kl"],
-            "charts/clipfrac": stats["clipfrac"],
-            "charts/learning_rate": stats["lr_last"],
-            "losses/policy_loss": stats["policy_loss"],
-            "losses/value_loss": stats["value_loss"],
-            "losses/loss": stats["loss"],
-            "losses/grad_norm": stats["grad_norm"],
-            "perf/env_steps_per_s": per_chunk / dt,
-            "perf/compile_s": compile_s,
-        }
+        m = _chunk_metrics(stats, per_chunk / dt, compile_s)
         if stats["episodes"]:
             best = max(best, m["charts/episode_return"])
         final |= m
-        session.log(m, env_steps, progress=(
-            f"return {m['charts/episode_return']:.3f} | entropy {m['charts/entropy']:.2f} | "
-            f"kl {m['charts/approx_kl']:.4f} | {m['perf/env_steps_per_s']:.0f} env-steps/s"),
-            bar=(env_steps, cfg.train.total_timesteps), unit="env-step")
+        session.log(m, env_steps, progress=_progress(m), bar=(env_steps, cfg.train.total_timesteps), unit="env-step")
         if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
-            save()
+            _save(session, runner, env_steps, updates)
             last_ckpt = time.perf_counter()
         if jax.process_count() == 1 and session.should_stop():  # SIGINT/SIGTERM: save below and stop
-            save()
+            _save(session, runner, env_steps, updates)
             session.message(f"stopped at {env_steps}/{cfg.train.total_timesteps} env steps; checkpoint saved")
             return final
     if jax.process_count() > 1:
         # before the final checkpoint: a worker group restarted after a mismatch must not resume
         # from (and so inherit) rank 0's params, which would hide the divergence
         _check_in_hosts(runner, session)
-    save()
+    _save(session, runner, env_steps, updates)
     final |= {"eval/quality": final.get("charts/episode_return", float("nan")), "charts/best_episode_return": best,
               "perf/train_seconds": t_train, "perf/env_steps": env_steps,
               "perf/env_steps_per_s_overall": (n_chunks * per_chunk) / t_train if t_train else 0.0}
     return final
+
+
+# Changing none of the program's shapes, these may differ between the members of one population.
+MEMBER_KNOBS = ("optim.lr", "optim.anneal_lr", "optim.max_grad_norm", "ppo.gamma", "ppo.gae_lambda", "ppo.clip_eps",
+                "ppo.ent_coef", "ppo.vf_coef", "train.seed", "train.total_timesteps",
+                "train.checkpoint_every_minutes", "train.compilation_cache_dir")
+PROBE_CHUNKS = 2
+
+
+def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[dict]:
+    """K configurations of one shape as one jitted program (``ppo.make_population_chunk``).
+
+    Each member starts (or resumes) from its own session exactly as ``train`` would, logs the same
+    metrics at the same env steps, and saves a checkpoint ``train`` can resume alone. A member is
+    masked (its state frozen) once it reached its ``total_timesteps`` or its session was halted.
+    Its ``perf/env_steps_per_s`` is what its configuration does alone on this device: one program
+    of a single member of the same shape, timed over a few chunks (members share shapes, so one
+    probe serves all). The population's own rate goes to the console."""
+    enable_compilation_cache(cfgs[0].train.compilation_cache_dir)
+    import jax
+    import numpy as np
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    lead, k = cfgs[0], len(cfgs)
+    mesh = ppo.make_mesh()
+    if any(s.store.latest() is not None for s in sessions):  # a resumed sweep: each member from its checkpoint
+        starts = [_start(c, s, mesh) for c, s in zip(cfgs, sessions)]
+        runners = ppo.stack_runners([r for r, _, _ in starts], mesh)
+    else:
+        runners = ppo.init_population(lead, [jax.random.PRNGKey(c.train.seed) for c in cfgs], mesh)
+        starts = [(None, 0, 0)] * k
+    env_steps = np.array([e for _, e, _ in starts])
+    updates = np.array([u for _, _, u in starts])
+    totals = np.array([c.train.total_timesteps for c in cfgs])
+    hps = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
+    with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
+        probe = pool.submit(_probe_program, lead, mesh)
+        t0 = time.perf_counter()
+        step = ppo.make_population_chunk(lead, mesh).lower(runners, hps, ppo.replicate(np.ones(k, bool), mesh)).compile()
+        compile_s = time.perf_counter() - t0
+        alone = _time_alone(*probe.result())
+    per_chunk = lead.train.updates_per_chunk * lead.train.num_envs * lead.train.num_steps
+    sessions[0].message(f"population of {k} on {mesh.size} device(s) ({jax.devices()[0].platform}); compiled in "
+                        f"{compile_s:.1f}s; one member alone: {alone:.0f} env-steps/s")
+    finals = [{"perf/compile_s": compile_s} for _ in cfgs]
+    best = np.full(k, -np.inf)
+    last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
+
+    def save(members):
+        for i in members:
+            _save(sessions[i], jax.tree.map(lambda x: x[i], runners), int(env_steps[i]), int(updates[i]))
+
+    while True:
+        live = np.array([env_steps[i] < totals[i] and not sessions[i].halted for i in range(k)])
+        if not live.any():
+            break
+        t = time.perf_counter()
+        runners, stats = step(runners, hps, ppo.replicate(live, mesh))
+        stats = {key: np.asarray(v, np.float64) for key, v in _to_host(stats).items()}
+        dt = time.perf_counter() - t
+        done, wall = done + per_chunk * live.sum(), wall + dt
+        for i in np.flatnonzero(live):
+            env_steps[i] += per_chunk
+            updates[i] += lead.train.updates_per_chunk
+            t_train[i] += dt
+            m = _chunk_metrics({key: float(v[i]) for key, v in stats.items()}, alone, compile_s)
+            if m["charts/episodes"]:
+                best[i] = max(best[i], m["charts/episode_return"])
+            finals[i] |= m
+            first = i == np.flatnonzero(live)[0]
+            sessions[i].log(m, int(env_steps[i]), progress=_progress(m) + f" (member 1 of {live.sum()} live)" if first else None,
+                            bar=(int(env_steps[i]), int(totals[i])), unit="env-step")
+        if time.perf_counter() - last_ckpt >= 60 * lead.train.checkpoint_every_minutes:
+            save(range(k))
+            last_ckpt = time.perf_counter()
+        if sessions[0].should_stop():  # SIGINT/SIGTERM: every member saves and the program stops
+            save(range(k))
+            sessions[0].message(f"stopped at {env_steps.min()}..{env_steps.max()} env steps; checkpoints saved")
+            return finals
+    save(range(k))
+    sessions[0].message(f"population of {k}: {done / max(wall, 1e-9):.0f} env-steps/s together; one member alone: "
+                        f"{alone:.0f}")
+    for i in range(k):
+        finals[i] |= {"eval/quality": finals[i].get("charts/episode_return", float("nan")),
+                      "charts/best_episode_return": float(best[i]), "perf/train_seconds": float(t_train[i]),
+                      "perf/env_steps": int(env_steps[i]), "perf/env_steps_per_s_overall": alone}
+    return finals
+
+
+def _probe_program(cfg: HackMatrixPPOConfig, mesh):
+    """A throwaway single-member runner of this shape and its compiled chunk (``train``'s program)."""
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    runner = ppo.init_runner(cfg, jax.random.PRNGKey(cfg.train.seed), mesh)
+    hp = ppo.replicate(ppo.hparams_of(cfg), mesh)
+    return cfg, runner, hp, ppo.make_train_chunk(cfg, mesh).lower(runner, hp).compile()
+
+
+def _time_alone(cfg: HackMatrixPPOConfig, runner, hp, step) -> float:
+    """env-steps/s of one member of this shape trained alone (compile excluded)."""
+    import jax
+
+    runner, stats = step(runner, hp)  # warm-up
+    jax.block_until_ready(stats)
+    t = time.perf_counter()
+    for _ in range(PROBE_CHUNKS):
+        runner, stats = step(runner, hp)
+    jax.block_until_ready(stats)
+    steps = PROBE_CHUNKS * cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
+    return steps / (time.perf_counter() - t)
 
 
 def _check_in_hosts(runner, session) -> None:
@@ -317,6 +449,7 @@ WORKLOAD = Workload(
     presets=PRESETS,
     bench=_bench,
     train_fn=train,
+    population=Population(train_population, MEMBER_KNOBS),
     throughput_metric="perf/env_steps_per_s",
     # resume only needs the same network: num_envs / num_steps may change
     extra={"identity_sections": ("model",), "runner": "jax"},

@@ -1,0 +1,181 @@
+"""Vectorized sweeps (``python -m raysys.tune --vectorize K``): K configurations per Tune trial.
+
+The searcher still proposes one configuration at a time; :class:`PopulationSearcher` asks it for K,
+splits them by what changes the program's shapes (every knob not in the workload's
+``Population.member_knobs``) and hands each group to Tune as one trial. The trial
+(:func:`run_population_trial`) trains the group as one program through the workload's
+``Population.train_fn``; every member has its own run (folder, checkpoints, MLflow child run with
+its params and metric histories, ``<trial id>_<j>`` as its trial id), its own objective tracker and
+stability verdict. An unstable member is masked, the others go on. The trial's reports carry each
+member's objectives under ``members/<member id>/``; the searcher, the table, the front, the plot
+and the MLflow records get one trial per member back from them (:func:`member_results`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+from typing import Any, Optional, Sequence
+
+from ray.tune.search import Searcher
+
+from raysys.tune import objectives as obj
+
+POPULATION = "population"
+"""The config key of a vectorized trial: the list of its members' knobs."""
+PREFIX = "members"
+KEPT = (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY, obj.UNSTABLE, obj.REASON,
+        obj.FINAL, "step")
+
+
+def member_ids(trial_id: str, k: int) -> list[str]:
+    return [f"{trial_id}_{j}" for j in range(k)]
+
+
+def program_key(knobs: dict, member_knobs: Sequence[str]) -> str:
+    """Configurations with equal keys share one program (they differ only in member knobs)."""
+    return json.dumps({k: v for k, v in sorted(knobs.items()) if k not in member_knobs}, default=str)
+
+
+class PopulationSearcher(Searcher):
+    """Wraps a searcher: one Tune trial per group of up to ``k`` of its configurations of one shape."""
+
+    def __init__(self, inner: Searcher, k: int, total: int, member_knobs: Sequence[str]):
+        super().__init__(metric=inner.metric, mode=inner.mode)
+        self.inner, self.k, self.total, self.member_knobs = inner, k, total, tuple(member_knobs)
+        self.asked = 0
+        self.queue: list[list[tuple[str, dict]]] = []  # groups proposed, not yet handed to Tune
+        self.members: dict[str, list[str]] = {}  # Tune trial id -> the inner searcher's ids of its members
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        return self.inner.set_search_properties(metric, mode, config, **spec)
+
+    def suggest(self, trial_id: str):
+        if not self.queue:
+            batch = []
+            while len(batch) < min(self.k, self.total - self.asked):
+                iid = f"{trial_id}~{len(batch)}"
+                knobs = self.inner.suggest(iid)
+                if knobs is None or knobs == Searcher.FINISHED:
+                    break
+                batch.append((iid, knobs))
+            if not batch:
+                return Searcher.FINISHED if self.asked >= self.total else None
+            self.asked += len(batch)
+            groups: dict[str, list] = {}
+            for iid, knobs in batch:
+                groups.setdefault(program_key(knobs, self.member_knobs), []).append((iid, knobs))
+            self.queue.extend(groups.values())
+        group = self.queue.pop(0)
+        self.members[trial_id] = [iid for iid, _ in group]
+        return {POPULATION: [knobs for _, knobs in group]}
+
+    def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
+        for mid, iid in zip(member_ids(trial_id, len(self.members.get(trial_id, []))), self.members.pop(trial_id, [])):
+            values = {m: (result or {}).get(f"{PREFIX}/{mid}/{m}") for m in (obj.THROUGHPUT, obj.QUALITY)}
+            complete = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values())
+            self.inner.on_trial_complete(iid, values if complete and not error else None,
+                                         error=error or not complete)
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(self.__dict__, f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))
+
+
+def member_results(result_metrics: dict, config: dict, trial_id: str) -> list[tuple[str, dict, dict]]:
+    """One vectorized trial's last report -> [(member id, knobs, that member's metrics)]."""
+    knobs = list((config or {}).get(POPULATION) or [])
+    out = []
+    for mid, k in zip(member_ids(trial_id, len(knobs)), knobs):
+        head = f"{PREFIX}/{mid}/"
+        out.append((mid, dict(k), {key[len(head):]: v for key, v in result_metrics.items() if key.startswith(head)}))
+    return out
+
+
+def member_frame(df, mid: str):
+    """A vectorized trial's metrics dataframe -> the one member's columns, named as a lone trial's."""
+    head = f"{PREFIX}/{mid}/"
+    cols = {c: c[len(head):] for c in df.columns if c.startswith(head)}
+    keep = [c for c in ("training_iteration", "timestamp") if c in df.columns]
+    return df[keep + list(cols)].rename(columns=cols)
+
+
+class Reports:
+    """Gathers the members' reports of one chunk into one Tune report (a member reporting twice
+    means a new chunk began). Each member's report passes its own :class:`ObjectiveTracker`."""
+
+    def __init__(self, ids: list[str], trackers: list, send):
+        self.ids, self.trackers, self.send = ids, trackers, send
+        self.pending: dict[int, dict] = {}
+
+    def reporter(self, j: int):
+        def report(metrics: dict) -> Optional[str]:
+            if j in self.pending:
+                self.flush()
+            self.pending[j] = self.trackers[j].update(metrics)
+            return self.trackers[j].reason  # a reason halts this member's session
+        return report
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        out: dict[str, Any] = {}
+        for j, m in self.pending.items():
+            out |= {f"{PREFIX}/{self.ids[j]}/{k}": v for k, v in m.items() if k in KEPT}
+        # Tune checks the searcher's metrics at the top level, and its stopper reads the verdict there:
+        # the population's best objectives, unstable only once every member is
+        done = [t for t in self.trackers if t.throughput is not None]
+        out[obj.THROUGHPUT] = max((t.throughput for t in done if not t.unstable), default=math.nan)
+        out[obj.QUALITY] = max((t.quality for t in done if not t.unstable and t.quality is not None), default=math.nan)
+        out[obj.UNSTABLE] = float(all(t.unstable for t in self.trackers))
+        if all(obj.FINAL in m for m in self.pending.values()) and len(self.pending) == len(self.ids):
+            out[obj.FINAL] = 1.0
+        out["members_live"] = float(sum(not t.unstable for t in self.trackers))
+        self.pending = {}
+        self.send(out)
+
+
+def run_population_trial(config: dict, setup) -> None:
+    """The Tune function trainable of a vectorized trial: ``config[POPULATION]`` lists its members' knobs."""
+    from ray import tune
+
+    from raysys import storage
+    from raysys import workload as registry
+    from raysys.session import run_population
+    from raysys.tune.trial import log_event, trial_config
+
+    trial_id = tune.get_context().get_trial_id()
+    if setup.sweep_storage:
+        from pathlib import Path
+
+        storage.register(Path(setup.sweep_dir), setup.sweep_storage, setup.sweep_name)
+    wl = registry.get(setup.workload)
+    all_knobs = [dict(k) for k in config[POPULATION]]
+    ids = member_ids(trial_id, len(all_knobs))
+    trackers = [setup.tracker() for _ in ids]
+    reports = Reports(ids, trackers, tune.report)
+    todo = []
+    for j, (mid, knobs) in enumerate(zip(ids, all_knobs)):
+        if setup.run_exists(mid, "final_metrics.json"):  # finished before the sweep was interrupted
+            log_event(setup.sweep_dir, f"reuse {mid} run={setup.run_name(mid)}")
+            reports.reporter(j)({**json.loads(setup.read_run_file(mid, "final_metrics.json")), "done": 1.0})
+        else:
+            todo.append(j)
+    if todo:
+        cfgs = [trial_config(setup, all_knobs[j], ids[j]) for j in todo]
+        for j, cfg in zip(todo, cfgs):
+            log_event(setup.sweep_dir, f"start {ids[j]} run={cfg.launch.name} resume={cfg.launch.resume} "
+                                       f"population={trial_id}")
+        results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
+                                 tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
+                                 reports=[reports.reporter(j) for j in todo])
+        for j, res in zip(todo, results):
+            if res.stopped_by is None:
+                reports.reporter(j)({**res.metrics, "done": 1.0})
+                log_event(setup.sweep_dir, f"end {ids[j]}")
+    reports.flush()

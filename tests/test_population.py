@@ -1,0 +1,70 @@
+"""A population of PPO configurations as one program (``ppo.make_population_chunk``): every member
+trains exactly as it would alone, and a masked member's state stays as it was."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from raysys.workloads.hackmatrix_ppo import ppo
+from raysys.workloads.hackmatrix_ppo.workload import WORKLOAD, quick
+
+
+def _member(lr, ent, clip, gamma, lam, vf, grad, seed, anneal=True):
+    cfg = quick()
+    cfg.train = dataclasses.replace(cfg.train, num_envs=16, num_steps=16, updates_per_chunk=2, seed=seed,
+                                    total_timesteps=16 * 16 * 6)
+    cfg.optim = dataclasses.replace(cfg.optim, lr=lr, max_grad_norm=grad, anneal_lr=anneal)
+    cfg.ppo = dataclasses.replace(cfg.ppo, ent_coef=ent, clip_eps=clip, gamma=gamma, gae_lambda=lam, vf_coef=vf)
+    return cfg
+
+
+@pytest.mark.timeout(600)
+def test_each_member_ends_as_it_would_alone():
+    """Members differ in every shape-free hyper-parameter and the seed; after two chunks (the third
+    member masked in the second) each holds the params, and saw the returns, of its lone run."""
+    cfgs = [_member(2.5e-4, 0.1, 0.2, 0.99, 0.95, 0.5, 0.5, 0),
+            _member(1e-3, 0.0, 0.1, 0.95, 0.9, 1.0, 5.0, 7, anneal=False),
+            _member(5e-4, 0.05, 0.3, 0.999, 1.0, 0.25, 0.1, 3)]
+    assert len({WORKLOAD.population.program_key(c) for c in cfgs}) == 1  # one program
+    mesh = ppo.make_mesh(jax.devices()[:1])
+    runners = ppo.init_population(cfgs[0], [jax.random.PRNGKey(c.train.seed) for c in cfgs], mesh)
+    start = [np.asarray(x)[2] for x in jax.tree.leaves(runners)]
+    chunk = ppo.make_population_chunk(cfgs[0], mesh)
+    hps = ppo.stack_hparams(cfgs)
+    returns = []
+    for active in ([True, True, True], [True, True, False]):
+        runners, stats = chunk(runners, hps, np.array(active))
+        returns.append(np.asarray(stats["return_sum"]))
+
+    alone = ppo.make_train_chunk(cfgs[0], mesh)
+    for i, cfg in enumerate(cfgs):
+        runner = ppo.init_runner(cfg, jax.random.PRNGKey(cfg.train.seed), mesh)
+        first = [np.asarray(x) for x in jax.tree.leaves(runner.params)]
+        for c in range(2 if i < 2 else 1):
+            runner, stats = alone(runner, ppo.hparams_of(cfg))
+            assert float(stats["return_sum"]) == pytest.approx(float(returns[c][i]), rel=1e-5, abs=1e-4)
+        mine = [np.asarray(x)[i] for x in jax.tree.leaves(runners.params)]
+        lone = [np.asarray(x) for x in jax.tree.leaves(runner.params)]
+        moved = max(float(np.abs(a - b).max()) for a, b in zip(lone, first))
+        err = max(float(np.abs(a - b).max()) for a, b in zip(mine, lone))
+        assert moved > 1e-3 and err < 1e-5, (i, moved, err)
+    # the masked member's whole state (params, Adam, envs, PRNG streams, step count) is its first chunk's
+    after_one = jax.tree.leaves(runners)
+    runner = ppo.init_runner(cfgs[2], jax.random.PRNGKey(3), mesh)
+    runner, _ = alone(runner, ppo.hparams_of(cfgs[2]))
+    for a, b in zip(after_one, jax.tree.leaves(runner)):
+        np.testing.assert_allclose(np.asarray(a)[2], np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert any(not np.array_equal(a, np.asarray(b)[2]) for a, b in zip(start, after_one))
+
+
+def test_program_key_splits_on_shapes_only():
+    pop = WORKLOAD.population
+    a, b = quick(), quick()
+    b.optim.lr, b.ppo.ent_coef, b.train.seed, b.launch.name = 1e-3, 0.0, 5, "other"
+    assert pop.program_key(a) == pop.program_key(b)
+    for section, field, value in (("train", "num_envs", 64), ("model", "hidden", (32, 32)), ("train", "precision", "bf16")):
+        c = quick()
+        setattr(getattr(c, section), field, value)
+        assert pop.program_key(c) != pop.program_key(a), field
