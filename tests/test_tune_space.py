@@ -162,11 +162,24 @@ def test_cli_refuses_a_bad_space_before_anything_starts(workdir, capsys):
     assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
 
 
+def test_cli_refuses_vectorize_without_a_population_program(workdir, capsys):
+    from raysys.tune.__main__ import main
+
+    good = workdir / "good.yaml"
+    good.write_text(yaml.safe_dump(_space(space={"train.batch_size": {"choice": [16, 32]}})))
+    for args, words in ((["--vectorize", "4"], ("deep_gpcm", "no population program")),
+                        (["--vectorize", "0"], ("--vectorize", ">= 1"))):
+        assert main(["--space", str(good), "--num-samples", "2", *args]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words) and err.count("\n") == 1, err
+    assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
+
+
 def test_cli_help_explains_every_flag(capsys):
     from raysys.tune.__main__ import build_parser
 
     text = build_parser().format_help()
     for flag in ("--space", "--num-samples", "--max-concurrent", "--budget", "--address", "--tracking-uri", "--resume",
-                 "--name", "--storage-path", "--tolerance"):
+                 "--name", "--storage-path", "--tolerance", "--vectorize"):
         assert flag in text, flag
     assert text.count("default") >= 5
