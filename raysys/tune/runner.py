@@ -160,6 +160,9 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     if opts.vectorize > 1 and wl.population is None:
         raise ConfigError(f"--vectorize {opts.vectorize}: {wl.name} has no population program (Workload.population); "
                           "run it without --vectorize")
+    if opts.vectorize > 1 and (sp.base_config().launch.workers > 0 or "launch.workers" in sp.knobs):
+        raise ConfigError(f"--vectorize {opts.vectorize} trains each program in its trial's own process: "
+                          "fix launch.workers to 0 in the space")
     name, sweep_dir = resolve_sweep_dir(opts, wl.name)
     stored = json.loads((sweep_dir / STATE_FILE).read_text()) if opts.resume else None
     if stored:
