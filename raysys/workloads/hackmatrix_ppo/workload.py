@@ -347,9 +347,13 @@ def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[di
     best = np.full(k, -np.inf)
     last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
 
+    saved_at = env_steps.copy()
+
     def save(members):
         for i in members:
-            _save(sessions[i], jax.tree.map(lambda x: x[i], runners), int(env_steps[i]), int(updates[i]))
+            if env_steps[i] != saved_at[i] or sessions[i].store.latest() is None:  # only members that moved
+                _save(sessions[i], jax.tree.map(lambda x: x[i], runners), int(env_steps[i]), int(updates[i]))
+                saved_at[i] = env_steps[i]
 
     while True:
         live = np.array([env_steps[i] < totals[i] and not sessions[i].halted for i in range(k)])
