@@ -254,3 +254,45 @@ def test_sweep_of_the_summarizer(workdir):
     for child in children:
         assert child.data.tags["raysys.trial_status"] == "ok"
         assert 0.0 <= child.data.metrics["eval/rouge2"] <= 1.0 and child.data.metrics["perf/tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # ~2-3 min
+def test_interrupted_vectorized_sweep_resumes_every_member_from_its_checkpoint(workdir):
+    """Ctrl-C during a --vectorize sweep, then --resume: every member of the program continues from its
+    own checkpoint (no member starts over, none is duplicated) and all end ok."""
+    space = workdir / "vec.yaml"
+    space.write_text(yaml.safe_dump({
+        "workload": "hackmatrix_ppo", "preset": "quick",
+        "fixed": {"launch.workers": 0, "train.total_timesteps": 61440, "train.checkpoint_every_minutes": 0.001,
+                  "train.compilation_cache_dir": ""},
+        "space": {"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "ppo.ent_coef": {"choice": [0.0, 0.05, 0.1]}}}))
+    args = ["--space", str(space), "--num-samples", "3", "--vectorize", "3", "--name", "vr"]
+    sweep_dir = workdir / "raysys_runs" / "sweeps" / "vr"
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:  # until every member has a checkpoint
+        if len(list((sweep_dir / "runs").glob("*/checkpoints/step_*/meta.json"))) >= 3 and \
+                len({p.parents[1] for p in (sweep_dir / "runs").glob("*/checkpoints/step_*/meta.json")}) == 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    print(out[-5000:])
+    assert proc.returncode == 130 and "--resume --vectorize 3" in out, out[-3000:]
+
+    resumed = _sweep(workdir, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    starts = [e for e in _events(sweep_dir) if e[0] == "start"]
+    assert len({e[1] for e in starts}) == 3 and len(starts) == 6
+    assert sorted(e[3] for e in starts) == ["resume=False"] * 3 + ["resume=True"] * 3
+    runs = [p for p in (sweep_dir / "runs").glob("vr-*") if p.is_dir()]
+    assert len(runs) == 3 and all((p / "config.resume-1.yaml").is_file() for p in runs)
+    client, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}", "hackmatrix_ppo")
+    assert len(children) == 3 and parent.info.status == "FINISHED"
+    for c in children:
+        assert c.data.tags["raysys.trial_status"] == "ok"
+        steps = [m.step for m in client.get_metric_history(c.info.run_id, "charts/episode_return")]
+        # continued from its checkpoint: the first chunk was logged once (a restart would log it again)
+        assert max(steps) == 61440 and steps.count(5120) == 1, steps
