@@ -8,6 +8,9 @@ A workload is a config class, presets, and one of two ways to train:
 * ``train_fn``: a workload with its own loop (RL learners, JAX). It receives the config and a
   :class:`raysys.session.Session` that gives it tracking, checkpoints and metrics.
 
+``population`` is optional, for a ``train_fn`` workload: K configurations trained as one program,
+which ``python -m raysys.tune --vectorize K`` uses (:class:`Population`).
+
 ``bench`` is optional: without one, ``python -m raysys.bench`` times the training step of a
 ``TorchTask`` itself (both paths where the workload names its ``path_key``).
 Workload modules never import Ray; the shared layer does that for them.
