@@ -122,12 +122,15 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     session = Session(run, report=report)
     with run.tracked():
         final = session.finish(wl.train_fn(run.cfg, session) or {})
+    return _result(run, final)
 
+
+def _result(run: OpenRun, final: dict) -> RunResult:
+    """A closed run's result; its final metrics are written unless it was stopped (then it resumes)."""
     if stop_requested() is None:
         storage.write_text(run.run_dir / "final_metrics.json", json.dumps(final, indent=1, default=float))
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
                      resume_command=run.resume_command())
-
 
 
 def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Optional[list] = None,
@@ -136,19 +139,19 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
     config snapshot, checkpoints, MLflow run), exactly as ``run_custom`` would open it alone."""
     from contextlib import ExitStack
 
+    if len({wl.population.program_key(cfg) for cfg in cfgs}) > 1:
+        from raysys.config import ConfigError
+
+        raise ConfigError(f"{wl.name}: these configurations differ in more than {', '.join(wl.population.member_knobs)} "
+                          "and cannot train as one program")
+    tags, reports = tags or [None] * len(cfgs), reports or [None] * len(cfgs)
     prepare = wl.extra.get("prepare")
-    runs = [open_run(wl, cfg, prepare, parent_run_id, (tags or [None] * len(cfgs))[i]) for i, cfg in enumerate(cfgs)]
+    runs = [open_run(wl, cfg, prepare, parent_run_id, t) for cfg, t in zip(cfgs, tags)]
     set_threads(runs[0].cfg.launch)
-    sessions = [Session(run, report=(reports or [None] * len(cfgs))[i]) for i, run in enumerate(runs)]
+    sessions = [Session(run, report=r) for run, r in zip(runs, reports)]
     with ExitStack() as stack:
         for run in runs:
             stack.enter_context(run.tracked())
         outs = wl.population.train_fn([run.cfg for run in runs], sessions)
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
-    results = []
-    for run, final in zip(runs, finals):
-        if stop_requested() is None:
-            storage.write_text(run.run_dir / "final_metrics.json", json.dumps(final, indent=1, default=float))
-        results.append(RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final,
-                                 stopped_by=stop_requested(), resume_command=run.resume_command()))
-    return results
+    return [_result(run, final) for run, final in zip(runs, finals)]

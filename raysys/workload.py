@@ -92,13 +92,19 @@ class Population:
 
     def program_key(self, cfg: Any) -> str:
         """Equal for configs that can share one program: everything but the member knobs and ``launch``."""
-        import json
-
         from raysys.config import flatten, to_dict
 
-        flat = flatten(to_dict(cfg))
-        return json.dumps({k: v for k, v in sorted(flat.items())
-                           if k not in self.member_knobs and not k.startswith("launch.")}, default=str)
+        return program_key(flatten(to_dict(cfg)), self.member_knobs)
+
+
+def program_key(values: Mapping[str, Any], member_knobs: Iterable[str]) -> str:
+    """Dotted config values (a whole flattened config, or a sweep's knobs over one base config) -> a key
+    that is equal exactly where they differ only in ``member_knobs`` and ``launch``."""
+    import json
+
+    skip = set(member_knobs)
+    return json.dumps({k: v for k, v in sorted(values.items()) if k not in skip and not k.startswith("launch.")},
+                      default=str)
 
 
 @dataclass(frozen=True)

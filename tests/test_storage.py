@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, interrupt_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "raysys-test"
@@ -117,28 +117,20 @@ def _sweep_events(client, prefix: str) -> list[list[str]]:
 
 
 def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
-    import signal
-
     uri, client = s3
     sweeps = uri.replace("/runs?", "/sweeps?")
     args = ["--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"), "--num-samples", "3", "--max-concurrent", "1",
             "--preset", "quick", "--set", "train.epochs=3", "--set", "train.compile=false",
             "--set", "train.checkpoint_every_steps=2", "--storage-path", sweeps, "--name", "sw"]
-    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=tmp_path, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:  # one trial done, the next with a checkpoint in S3
+    def ready():  # one trial done, the next with a checkpoint in S3
         ev = _sweep_events(client, "sweeps/sw")
         ended = {e[1] for e in ev if e[0] == "end"}
         running = [e[1] for e in ev if e[0] == "start" and e[1] not in ended]
-        if ended and running and any(k.endswith("/meta.json") for k in _keys(client, f"sweeps/sw/runs/sw-{running[0]}/")):
-            break
-        time.sleep(0.3)
-    assert proc.poll() is None, "the sweep ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=180)
-    print(out[-4000:])
-    assert proc.returncode == 130 and "--resume" in out
+        return bool(ended and running and any(k.endswith("/meta.json")
+                                              for k in _keys(client, f"sweeps/sw/runs/sw-{running[0]}/")))
+
+    returncode, out = interrupt_sweep(args, tmp_path, ready, env=_env(), poll_s=0.3)
+    assert returncode == 130 and "--resume" in out
     finished = {e[1] for e in _sweep_events(client, "sweeps/sw") if e[0] == "end"}
 
     resumed = subprocess.run([sys.executable, "-m", "raysys.tune", *args, "--resume"], cwd=tmp_path, env=_env(),

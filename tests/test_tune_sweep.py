@@ -5,7 +5,6 @@ and compile pinned off, so that a trial takes seconds on 2 cores; see docs/tune.
 full-size command and its timing.
 """
 
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import interrupt_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 SPACE = REPO / "tune_spaces" / "deep_gpcm.yaml"
@@ -138,22 +139,15 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     args = ["--space", str(SPACE), "--num-samples", "3", "--max-concurrent", "1", *TINY,
             "--set", "train.epochs=3", "--set", "train.checkpoint_every_steps=2", "--name", "intr"]
     sweep_dir = workdir / "raysys_runs" / "sweeps" / "intr"
-    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 400
-    # interrupt once one trial has finished and the next one is under way (and has a checkpoint)
-    while time.time() < deadline and proc.poll() is None:
+
+    def ready():  # one trial has finished and the next one is under way (and has a checkpoint)
         ev = _events(sweep_dir)
         ended = {e[1] for e in ev if e[0] == "end"}
         running = [e[1] for e in ev if e[0] == "start" and e[1] not in ended]
-        if ended and running and any((sweep_dir / "runs").glob(f"*{running[0]}/checkpoints/step_*/meta.json")):
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the sweep ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops the running trial
-    out, _ = proc.communicate(timeout=180)
-    print(out[-5000:])
-    assert proc.returncode == 130, out[-3000:]
+        return bool(ended and running and any((sweep_dir / "runs").glob(f"*{running[0]}/checkpoints/step_*/meta.json")))
+
+    returncode, out = interrupt_sweep(args, workdir, ready)
+    assert returncode == 130, out[-3000:]
     assert "--resume" in out
     before = _events(sweep_dir)
     finished = {e[1] for e in before if e[0] == "end"}
@@ -268,19 +262,9 @@ def test_interrupted_vectorized_sweep_resumes_every_member_from_its_checkpoint(w
         "space": {"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "ppo.ent_coef": {"choice": [0.0, 0.05, 0.1]}}}))
     args = ["--space", str(space), "--num-samples", "3", "--vectorize", "3", "--name", "vr"]
     sweep_dir = workdir / "raysys_runs" / "sweeps" / "vr"
-    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:  # until every member has a checkpoint
-        if len(list((sweep_dir / "runs").glob("*/checkpoints/step_*/meta.json"))) >= 3 and \
-                len({p.parents[1] for p in (sweep_dir / "runs").glob("*/checkpoints/step_*/meta.json")}) == 3:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the sweep ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=180)
-    print(out[-5000:])
-    assert proc.returncode == 130 and "--resume --vectorize 3" in out, out[-3000:]
+    ready = lambda: len({p.parents[2] for p in (sweep_dir / "runs").glob("*/checkpoints/step_*/meta.json")}) == 3  # noqa: E731
+    returncode, out = interrupt_sweep(args, workdir, ready)  # once every member has a checkpoint
+    assert returncode == 130 and "--resume --vectorize 3" in out, out[-3000:]
 
     resumed = _sweep(workdir, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 from ray.tune.search import Searcher
 
 from raysys.tune import objectives as obj
+from raysys.workload import program_key
 
 POPULATION = "population"
 """The config key of a vectorized trial: the list of its members' knobs."""
@@ -31,11 +32,6 @@ KEPT = (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALI
 
 def member_ids(trial_id: str, k: int) -> list[str]:
     return [f"{trial_id}_{j}" for j in range(k)]
-
-
-def program_key(knobs: dict, member_knobs: Sequence[str]) -> str:
-    """Configurations with equal keys share one program (they differ only in member knobs)."""
-    return json.dumps({k: v for k, v in sorted(knobs.items()) if k not in member_knobs}, default=str)
 
 
 class PopulationSearcher(Searcher):
@@ -144,16 +140,12 @@ def run_population_trial(config: dict, setup) -> None:
     """The Tune function trainable of a vectorized trial: ``config[POPULATION]`` lists its members' knobs."""
     from ray import tune
 
-    from raysys import storage
     from raysys import workload as registry
     from raysys.session import run_population
     from raysys.tune.trial import log_event, trial_config
 
     trial_id = tune.get_context().get_trial_id()
-    if setup.sweep_storage:
-        from pathlib import Path
-
-        storage.register(Path(setup.sweep_dir), setup.sweep_storage, setup.sweep_name)
+    setup.attach_storage()
     wl = registry.get(setup.workload)
     all_knobs = [dict(k) for k in config[POPULATION]]
     ids = member_ids(trial_id, len(all_knobs))

@@ -163,10 +163,9 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
     from mlflow.tracking import MlflowClient
 
     from raysys import tracking
-
-    client = MlflowClient(tracking_uri=uri)
     from raysys.tune.population import POPULATION, member_frame, member_ids
 
+    client = MlflowClient(tracking_uri=uri)
     histories = {}
     for result in grid:
         df = result.metrics_dataframe

@@ -152,6 +152,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     from ray import tune
 
     from raysys.tune import report
+    from raysys.tune.population import run_population_trial
     from raysys.tune.progress import Progress, StabilityStopper
     from raysys.tune.trial import TrialSetup, run_trial
 
@@ -210,8 +211,6 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                        preset=sp.preset, fixed=tuple(sp.fixed.items()))
     link = report.save_sweep_view(uri, parent, name, sorted(sp.knobs))
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
-    if opts.vectorize > 1:
-        from raysys.tune.population import run_population_trial
     fn = run_population_trial if opts.vectorize > 1 else run_trial
     trainable = tune.with_resources(tune.with_parameters(fn, setup=setup),
                                     functools.partial(trial_resources, launch))

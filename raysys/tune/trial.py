@@ -86,6 +86,13 @@ class TrialSetup:
                 return f.read().decode()
         return (Path(self.runs_storage) / name / file).read_text()
 
+    def attach_storage(self) -> None:
+        """In a trial's process: the sweep's files it writes (its log) go to the same remote folder."""
+        if self.sweep_storage:
+            from raysys import storage
+
+            storage.register(Path(self.sweep_dir), self.sweep_storage, self.sweep_name)
+
     def run_name(self, trial_id: str) -> str:
         return f"{self.sweep_name}-{trial_id}"
 
@@ -135,10 +142,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     from raysys import workload as registry
 
     trial_id = tune.get_context().get_trial_id()
-    if setup.sweep_storage:  # this process writes the sweep's log too: into the same remote folder
-        from raysys import storage
-
-        storage.register(Path(setup.sweep_dir), setup.sweep_storage, setup.sweep_name)
+    setup.attach_storage()
     cfg = trial_config(setup, dict(config), trial_id)
     wl = registry.get(setup.workload)
     tracker = setup.tracker()

@@ -139,26 +139,30 @@ def runner_shardings(mesh: Mesh) -> Runner:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), runner_specs(), is_leaf=lambda x: isinstance(x, P))
 
 
+def _check_envs(cfg, mesh: Mesh) -> None:
+    if cfg.train.num_envs % mesh.size:
+        raise ValueError(f"train.num_envs={cfg.train.num_envs} must be a multiple of the {mesh.size} devices")
+
+
+def _build(cfg, key, params=None, opt_state=None, env_steps=0) -> Runner:
+    """One runner from ``key``: fresh envs, PRNG streams and (unless given) params and Adam state."""
+    n = cfg.train.num_envs
+    k_params, k_envs, k_reset, k_run = jax.random.split(key, 4)
+    if params is None:
+        params = init_params(k_params, tuple(cfg.model.hidden))
+        opt_state = make_optimizer(cfg).init(params)
+    obs, env_state = jax.vmap(hm.reset, in_axes=(0, None))(jax.random.split(k_reset, n), env_params_of(cfg))
+    return Runner(params, opt_state, env_state, obs, jax.random.split(k_envs, n), k_run, jnp.int32(env_steps))
+
+
 def init_runner(cfg, key, mesh: Mesh, params=None, opt_state=None, env_steps: int = 0) -> Runner:
     """Fresh envs (and fresh params/optimizer unless given). Built inside one jit with sharded
     outputs, so every process of a multi-host run computes its own shard of the same arrays."""
-    n = cfg.train.num_envs
-    if n % mesh.size:
-        raise ValueError(f"train.num_envs={n} must be a multiple of the {mesh.size} devices")
-    env_params = env_params_of(cfg)
-    k_params, k_envs, k_reset, k_run = jax.random.split(key, 4)
-    fresh = params is None
-
-    def build(params, opt_state):
-        if fresh:
-            params = init_params(k_params, tuple(cfg.model.hidden))
-            opt_state = make_optimizer(cfg).init(params)
-        obs, env_state = jax.vmap(hm.reset, in_axes=(0, None))(jax.random.split(k_reset, n), env_params)
-        return Runner(params, opt_state, env_state, obs, jax.random.split(k_envs, n), k_run, jnp.int32(env_steps))
-
+    _check_envs(cfg, mesh)
     out_shardings = runner_shardings(mesh)
-    if fresh:
-        return jax.jit(lambda: build(None, None), out_shardings=out_shardings)()
+    if params is None:
+        return jax.jit(lambda: _build(cfg, key), out_shardings=out_shardings)()
+    build = lambda params, opt_state: _build(cfg, key, params, opt_state, env_steps)  # noqa: E731
     return jax.jit(build, out_shardings=out_shardings)(*replicate((params, opt_state), mesh))
 
 
@@ -330,32 +334,27 @@ def population_shardings(mesh: Mesh) -> Runner:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), population_specs(), is_leaf=lambda x: isinstance(x, P))
 
 
+def _stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
 def init_population(cfg, keys, mesh: Mesh) -> Runner:
     """Fresh runners for K members of ``cfg``'s shape, member i from ``keys[i]`` exactly as
     ``init_runner(cfg, keys[i], mesh)`` builds it, in one jitted program (one compile, not K)."""
-    n = cfg.train.num_envs
-    if n % mesh.size:
-        raise ValueError(f"train.num_envs={n} must be a multiple of the {mesh.size} devices")
-    env_params = env_params_of(cfg)
-    optimizer = make_optimizer(cfg)
+    _check_envs(cfg, mesh)
 
     def build(keys):
-        ks = jax.vmap(lambda k: jax.random.split(k, 4))(keys)
-        k_params, k_envs, k_reset, k_run = ks[:, 0], ks[:, 1], ks[:, 2], ks[:, 3]
         # params member by member, then stacked: a vmapped orthogonal init (batched QR) wedges this
-        # jaxlib's multi-threaded CPU runtime
-        params = jax.tree.map(lambda *xs: jnp.stack(xs), *[init_params(k, tuple(cfg.model.hidden)) for k in k_params])
-        reset = jax.vmap(lambda k: jax.vmap(hm.reset, in_axes=(0, None))(jax.random.split(k, n), env_params))
-        obs, env_state = reset(k_reset)
-        return Runner(params, jax.vmap(optimizer.init)(params), env_state, obs,
-                      jax.vmap(lambda k: jax.random.split(k, n))(k_envs), k_run, jnp.zeros(len(keys), jnp.int32))
+        # jaxlib's multi-threaded CPU runtime; the rest (envs, streams) is vmapped
+        params = _stack([init_params(jax.random.split(k, 4)[0], tuple(cfg.model.hidden)) for k in keys])
+        opt_state = jax.vmap(make_optimizer(cfg).init)(params)
+        return jax.vmap(lambda k, p, o: _build(cfg, k, p, o))(keys, params, opt_state)
 
     return jax.jit(build, out_shardings=population_shardings(mesh))(jnp.stack(keys))
 
 
 def stack_runners(runners: list[Runner], mesh: Mesh) -> Runner:
-    return jax.jit(lambda rs: jax.tree.map(lambda *xs: jnp.stack(xs), *rs),
-                   out_shardings=population_shardings(mesh))(runners)
+    return jax.jit(_stack, out_shardings=population_shardings(mesh))(runners)
 
 
 def make_population_chunk(cfg, mesh: Mesh):

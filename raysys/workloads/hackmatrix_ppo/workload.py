@@ -339,14 +339,13 @@ def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[di
         t0 = time.perf_counter()
         step = ppo.make_population_chunk(lead, mesh).lower(runners, hps, ppo.replicate(np.ones(k, bool), mesh)).compile()
         compile_s = time.perf_counter() - t0
-        alone = _time_alone(*probe.result())
+        alone = _time_alone(lead, *probe.result())
     per_chunk = lead.train.updates_per_chunk * lead.train.num_envs * lead.train.num_steps
     sessions[0].message(f"population of {k} on {mesh.size} device(s) ({jax.devices()[0].platform}); compiled in "
                         f"{compile_s:.1f}s; one member alone: {alone:.0f} env-steps/s")
     finals = [{"perf/compile_s": compile_s} for _ in cfgs]
     best = np.full(k, -np.inf)
     last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
-
     saved_at = env_steps.copy()
 
     def save(members):
@@ -364,7 +363,8 @@ def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[di
         stats = {key: np.asarray(v, np.float64) for key, v in _to_host(stats).items()}
         dt = time.perf_counter() - t
         done, wall = done + per_chunk * live.sum(), wall + dt
-        for i in np.flatnonzero(live):
+        members = np.flatnonzero(live)
+        for i in members:
             env_steps[i] += per_chunk
             updates[i] += lead.train.updates_per_chunk
             t_train[i] += dt
@@ -372,8 +372,7 @@ def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[di
             if m["charts/episodes"]:
                 best[i] = max(best[i], m["charts/episode_return"])
             finals[i] |= m
-            first = i == np.flatnonzero(live)[0]
-            sessions[i].log(m, int(env_steps[i]), progress=_progress(m) + f" (member 1 of {live.sum()} live)" if first else None,
+            sessions[i].log(m, int(env_steps[i]), progress=_progress(m) + f" (member 1 of {len(members)} live)" if i == members[0] else None,
                             bar=(int(env_steps[i]), int(totals[i])), unit="env-step")
         if time.perf_counter() - last_ckpt >= 60 * lead.train.checkpoint_every_minutes:
             save(range(k))
@@ -400,7 +399,7 @@ def _probe_program(cfg: HackMatrixPPOConfig, mesh):
 
     runner = ppo.init_runner(cfg, jax.random.PRNGKey(cfg.train.seed), mesh)
     hp = ppo.replicate(ppo.hparams_of(cfg), mesh)
-    return cfg, runner, hp, ppo.make_train_chunk(cfg, mesh).lower(runner, hp).compile()
+    return runner, hp, ppo.make_train_chunk(cfg, mesh).lower(runner, hp).compile()
 
 
 def _time_alone(cfg: HackMatrixPPOConfig, runner, hp, step) -> float:
