@@ -14,6 +14,7 @@ from raysys.config import apply_overrides
 from raysys.train.data import ShardSampler
 from raysys.workloads.pointer_generator.beam import beam_search, per_example
 from raysys.workloads.pointer_generator.corpus import generate
+from raysys.workloads.pointer_generator.model import EOS
 from raysys.workloads.pointer_generator.workload import SummarizationTask, quick
 
 
@@ -73,15 +74,22 @@ def test_bf16_autocast_runs_on_a_cpu_and_both_paths_agree(prepared):
     assert abs(losses["naive"] - losses["optimized"]) <= 1e-3, losses
 
 
-def test_batched_beam_search_gives_the_per_example_summaries(prepared):
+@pytest.mark.parametrize("eos_bias", [0.0, 2.0])
+def test_batched_beam_search_gives_the_per_example_summaries(prepared, eos_bias):
+    """eos_bias 2 makes the untrained model end its summaries at different steps, so examples leave the
+    batched search one by one (and its source positions shrink) while the others go on."""
     task, cfg, _, evals = prepared
     torch.manual_seed(1)
     model = task.build_model(cfg).eval()
+    with torch.no_grad():
+        model.out.bias[EOS] += eos_bias
     batch = task.collate([evals[i] for i in range(6)])
     kw = dict(beam=4, min_len=3, max_len=30)
     one = per_example(model, batch["src"], batch["src_len"], **kw)
     many = beam_search(model, batch["src"], batch["src_len"], **kw)
     assert one == many and all(3 <= len(x) <= 30 for x in many)
+    if eos_bias:
+        assert len({len(x) for x in many}) > 2, [len(x) for x in many]
     for seq in many:  # trigram blocking: no trigram twice
         grams = [tuple(seq[i:i + 3]) for i in range(len(seq) - 2)]
         assert len(grams) == len(set(grams))

@@ -7,8 +7,9 @@ search for a whole batch, all ``B x K`` hypotheses through one decoder step, wit
   ranked by score / length ** ``length_penalty``;
 * EOS is forbidden before ``min_len`` tokens; at ``max_len`` the open beams are finished as they are;
 * trigram blocking: a token that would repeat a trigram already in the hypothesis gets -inf;
-* an example is done once it holds ``beam`` finished hypotheses (the decoder keeps stepping it with
-  the batch; its beams are ignored).
+* an example is done once it holds ``beam`` finished hypotheses; it then leaves the batch, and the
+  source positions shrink to the longest example still searching (so a batch costs what its live
+  examples cost, not its longest one at every step).
 """
 
 from __future__ import annotations
@@ -43,59 +44,62 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
     scores = torch.full((B, K), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # one live beam at the start: no K copies of the same first token
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    done = [False] * B
+    live = list(range(B))  # the examples still searching; row block j of every tensor below is live[j]
+    lens = src_len.to(dev)
     prev = torch.full((B * K,), BOS, dtype=torch.long, device=dev)
     for t in range(max_len):
+        n = len(live)
         emb = model.embed(prev)
         s, ctx, attn, state = model.step_fused(model.embedding_gates(emb), ctx, state, enc, keys, mask, group=K)
         logits, g = model.features(s, ctx, emb)
-        logp = model.final_log_probs(logits, g, attn, srcK)   # [B*K, V]
+        logp = model.final_log_probs(logits, g, attn, srcK)   # [n*K, V]
         if t < min_len:
             logp[:, EOS] = float("-inf")
         if block_trigrams:
             _block_trigrams(logp, hist)
         V = logp.shape[1]
-        cand = (scores.view(-1, 1) + logp).view(B, K * V)
+        cand = (scores.view(-1, 1) + logp).view(n, K * V)
         top_s, top_i = cand.topk(2 * K, dim=1)                 # enough to find K live continuations
         top_s, top_i = top_s.tolist(), top_i.tolist()
-        new_scores = [[float("-inf")] * K for _ in range(B)]
-        src_beam = [[b * K + k for k in range(K)] for b in range(B)]
-        new_tok = [[EOS] * K for _ in range(B)]
-        for b in range(B):
-            if done[b]:
-                continue
-            k = 0
-            for sc, idx in zip(top_s[b], top_i[b]):
+        keep, new_scores, src_beam, new_tok = [], [], [], []
+        for j, b in enumerate(live):
+            k, sc_j, beam_j, tok_j = 0, [float("-inf")] * K, [j * K] * K, [EOS] * K
+            for sc, idx in zip(top_s[j], top_i[j]):
                 if sc == float("-inf"):
                     break
                 beam_idx, tok = divmod(idx, V)
                 if tok == EOS:
-                    seq = hist[b * K + beam_idx].tolist()
+                    seq = hist[j * K + beam_idx].tolist()
                     finished[b].append((sc / max(1, len(seq) + 1) ** length_penalty, seq))
                     continue
-                new_scores[b][k], src_beam[b][k], new_tok[b][k] = sc, b * K + beam_idx, tok
+                sc_j[k], beam_j[k], tok_j[k] = sc, j * K + beam_idx, tok
                 k += 1
                 if k == K:
                     break
-            if len(finished[b]) >= K or k == 0:
-                done[b] = True
-        if all(done):
+            if len(finished[b]) < K and k > 0:  # else this example is done
+                keep.append(j), new_scores.append(sc_j), src_beam.append(beam_j), new_tok.append(tok_j)
+        if not keep:
+            live = []
             break
         order = torch.tensor(src_beam, device=dev).view(-1)
-        new_tok = torch.tensor(new_tok, device=dev).view(-1)
         state = (state[0][:, order], state[1][:, order])
         ctx = ctx[order]
-        hist = torch.cat([hist[order], new_tok[:, None]], 1)
-        prev, scores = new_tok, torch.tensor(new_scores, device=dev)
-    out = []
-    for b in range(B):
-        if not done[b]:  # max_len reached: the open beams compete as they are
-            for k in range(K):
-                if scores[b, k] > float("-inf"):
-                    seq = hist[b * K + k].tolist()
-                    finished[b].append((float(scores[b, k]) / max(1, len(seq)) ** length_penalty, seq))
-        out.append(max(finished[b], key=lambda x: x[0])[1] if finished[b] else [])
-    return out
+        prev = torch.tensor(new_tok, device=dev).view(-1)
+        hist = torch.cat([hist[order], prev[:, None]], 1)
+        scores = torch.tensor(new_scores, device=dev)
+        if len(keep) < n:  # done examples leave the batch; the source shrinks to the longest live one
+            rows = torch.tensor(keep, device=dev)
+            live = [live[j] for j in keep]
+            lens = lens[rows]
+            S = int(lens.max())
+            enc, keys, mask = enc[rows, :S], keys[rows, :S], mask[rows, :S]
+            srcK = srcK.view(n, K, -1)[rows, :, :S].reshape(len(keep) * K, S)
+    for j, b in enumerate(live):  # max_len reached: the open beams compete as they are
+        for k in range(K):
+            if scores[j, k] > float("-inf"):
+                seq = hist[j * K + k].tolist()
+                finished[b].append((float(scores[j, k]) / max(1, len(seq)) ** length_penalty, seq))
+    return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
 
 
 def per_example(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tensor, **kw) -> list[list[int]]:
