@@ -101,7 +101,8 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
-_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None, "job": None, "worker_watch": False}
+_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None, "job": None, "worker_watch": False,
+                        "event": threading.Event()}
 
 
 def stop_requested() -> Optional[int]:
@@ -110,12 +111,21 @@ def stop_requested() -> Optional[int]:
 
 
 def request_stop(signum: int = signal.SIGINT) -> None:
+    """Ask the run to stop at its next step boundary; the Ray workers learn it through the StopFlag. Safe
+    in a signal handler: no Ray call is made here (submitting a task from a handler that interrupted
+    the driver's ``ray.get`` can fail, and the workers would never hear of the stop); the relay thread
+    of :func:`stop_flag_actor` passes it on."""
     if _stop["signum"] is None:
         _stop["signum"] = signum
-    actor = _stop["actor"]
-    if actor is not None:
+    _stop["event"].set()
+
+
+def _relay(actor: Any, event: threading.Event) -> None:
+    """Driver thread: pass the stop request on to the workers' StopFlag once one comes."""
+    event.wait()
+    if _stop["actor"] is actor and _stop["signum"] is not None:
         try:
-            actor.set.remote(signum)
+            actor.set.remote(_stop["signum"])
         except Exception:  # Ray already gone: the workers are too
             pass
 
@@ -161,6 +171,8 @@ def reinstall_if_active() -> None:
 def reset() -> None:
     """Forget a stop request (tests, and a process that runs several runs)."""
     _stop["signum"], _stop["actor"] = None, None
+    _stop["event"].set()  # a waiting relay sees no actor of its own and ends
+    _stop["event"] = threading.Event()
 
 
 def settle_stop() -> Optional[int]:
@@ -236,8 +248,9 @@ def stop_flag_actor():
     job = ray.get_runtime_context().get_job_id()
     if _stop["actor"] is None or _stop["job"] != job:  # one per Ray session (tests start several)
         _stop["actor"], _stop["job"] = ray.remote(num_cpus=0)(StopFlag).remote(), job
-        if _stop["signum"] is not None:
-            _stop["actor"].set.remote(_stop["signum"])
+        # a stop already asked is passed on at once by the relay: its event is set
+        threading.Thread(target=_relay, args=(_stop["actor"], _stop["event"]), daemon=True,
+                         name="raysys-stop-relay").start()
     return _stop["actor"]
 
 

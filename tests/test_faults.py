@@ -81,9 +81,36 @@ def _train(cwd: Path, *args: str, env: dict | None = None, timeout: int = 600, *
     return proc
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test():
+    """A test that fails while its run still trains (e.g. a stop that never came) kills the run and its
+    Ray processes, so one failure does not slow or break every test after it."""
+    yield
+    import psutil
+
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            try:
+                family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+            except psutil.NoSuchProcess:
+                continue
+            for p in family:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.communicate()
+
+
 def _start(cwd: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "raysys", "train", *args], cwd=cwd, env=env or _env(),
+    proc = subprocess.Popen([sys.executable, "-m", "raysys", "train", *args], cwd=cwd, env=env or _env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    return proc
 
 
 def _client(uri: str):

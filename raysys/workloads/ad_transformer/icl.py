@@ -107,6 +107,7 @@ def plot(curve: np.ndarray, random: float, source: Optional[np.ndarray], optimal
     ax.axhline(random, color="grey", ls=":", label="random policy")
     ax.axhline(optimal, color="black", lw=0.8, label="optimum")
     ax.set(xlabel="episode", ylabel="mean return on the held-out goals", title=title)
+    ax.set_ylim(0, optimal * 1.05)  # the optimum's line stays in the picture
     ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
