@@ -53,3 +53,22 @@ def test_recommendation_is_fastest_within_tolerance():
 def test_recommendation_tie_prefers_quality_then_earlier_trial():
     assert recommend([rec("a", 100, 0.60), rec("b", 100, 0.61)], 0.1).trial_id == "b"
     assert recommend([rec("b", 100, 0.6), rec("a", 100, 0.6)], 0.1).trial_id == "a"
+
+
+def test_trials_of_one_program_share_one_pooled_throughput():
+    """Knobs that change no program (member knobs: lr, seed) do not change speed: the median of a
+    program's finished trials replaces each one's noisy measurement; other programs and unfinished
+    trials keep their own."""
+    from raysys.tune.population import pool_throughput
+
+    def rec(tid, lr, steps, tp, status=OK):
+        return TrialRecord(tid, {"optim.lr": lr, "train.num_steps": steps}, status=status, throughput=tp, quality=lr)
+
+    records = [rec("a", 1e-3, 32, 100.0), rec("b", 2e-3, 32, 300.0), rec("c", 3e-3, 32, 120.0),
+               rec("d", 1e-3, 16, 50.0), rec("e", 9e-3, 32, 10.0, status=UNSTABLE)]
+    pool_throughput(records, ["optim.lr"])
+    tp = {r.trial_id: r.throughput for r in records}
+    assert tp == {"a": 120.0, "b": 120.0, "c": 120.0, "d": 50.0, "e": 10.0}
+    assert records[1].extra["measured_throughput"] == 300.0 and "measured_throughput" not in records[3].extra
+    # with one speed per program, the front of that program is its best quality alone
+    assert ids(pareto_front(records)) == ["c"]  # d (another program) is slower and worse

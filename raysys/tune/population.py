@@ -171,3 +171,23 @@ def run_population_trial(config: dict, setup) -> None:
                 reports.reporter(j)({**res.metrics, "done": 1.0})
                 log_event(setup.sweep_dir, f"end {ids[j]}")
     reports.flush()
+
+
+def pool_throughput(records: list, member_knobs: Sequence[str]) -> None:
+    """A configuration's speed is its program's: trials whose knobs differ only in ``member_knobs`` run
+    the same compiled program, so (in place) each finished trial's throughput becomes the median of its
+    program's finished trials, and its own measurement is kept as ``extra['measured_throughput']``. One
+    trial per configuration then ranks configurations of one shape by quality alone, as a vectorized
+    sweep (one measured speed per program) does, instead of by the noise of trials that shared the
+    machine with different neighbours."""
+    from statistics import median
+
+    groups: dict[str, list] = {}
+    for r in records:
+        if r.eligible:
+            groups.setdefault(program_key(r.knobs, member_knobs), []).append(r)
+    for group in groups.values():
+        if len(group) > 1:
+            pooled = median(r.throughput for r in group)
+            for r in group:
+                r.extra["measured_throughput"], r.throughput = r.throughput, pooled

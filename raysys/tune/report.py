@@ -101,11 +101,12 @@ def write_csv(records: Sequence[TrialRecord], path: Path, front_ids: set[str] = 
     keys = sorted({k for r in records for k in r.knobs})
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["rank", "trial_id", "on_front", "recommended", "status", "reason", "throughput", "quality",
-                    "seconds", "run_name", *keys])
+        w.writerow(["rank", "trial_id", "on_front", "recommended", "status", "reason", "throughput",
+                    "measured_throughput", "quality", "seconds", "run_name", *keys])
         for i, r in enumerate(ordered(records, front_ids), 1):
             w.writerow([i, r.trial_id, r.trial_id in front_ids, r.trial_id == recommended, r.status, r.reason,
-                        r.throughput, r.quality, r.seconds, r.run_name, *(r.knobs.get(k) for k in keys)])
+                        r.throughput, r.extra.get("measured_throughput", r.throughput), r.quality, r.seconds,
+                        r.run_name, *(r.knobs.get(k) for k in keys)])
     return path
 
 
@@ -123,6 +124,9 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
             + (" (time budget reached)" if budget_hit else "") + f"; Pareto front: {len(front)} trial(s)")
     tbl = table(records, throughput_metric, quality_metric, front_ids, rec_id)
     text = recommendation_text(rec, records, tolerance, sp, throughput_metric, quality_metric)
+    if any("measured_throughput" in r.extra for r in records):
+        tbl += (f"\n{throughput_metric}: the median of the trials that run the same program (they differ only "
+                "in knobs that change no array shape); each trial's own measurement is in trials.csv.\n")
     print(f"\n{head}\n\n{tbl}\n{text}", flush=True)
 
     out = sweep_dir / "report"

@@ -234,6 +234,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                                failure_config=tune.FailureConfig(max_failures=0)))
     grid = tuner.fit()
     records = collect(grid, setup)
+    if wl.population is not None:  # one speed per program, in both kinds of sweep (population.pool_throughput)
+        from raysys.tune.population import pool_throughput
+
+        pool_throughput(records, wl.population.member_knobs)
     budget_hit = opts.budget_minutes is not None and time.monotonic() - started >= 60 * opts.budget_minutes - 1
     unfinished = [r for r in records if r.status == INCOMPLETE]
     interrupted = (bool(unfinished) or len(records) < _num_samples(stored, opts)) and not budget_hit
