@@ -51,8 +51,9 @@ def test_table_csv_and_plot_mark_front_and_recommendation_in_one_order(tmp_path)
     png = plot(ordered(recs, front_ids), front_ids, best.trial_id, tmp_path / "p.png", "perf/tokens_per_s", "eval/qwk", "t")
     assert png.read_bytes()[:4] == b"\x89PNG"
     csv = write_csv(recs, tmp_path / "t.csv", front_ids, best.trial_id).read_text().splitlines()
-    assert csv[0] == ("rank,trial_id,on_front,recommended,status,reason,throughput,quality,seconds,run_name,"
+    assert csv[0] == ("rank,trial_id,on_front,recommended,status,reason,throughput,measured_throughput,quality,"
+                      "seconds,run_name,"
                       "model.path,train.batch_size")
     assert [row.split(",")[1] for row in csv[1:]] == ["t2", "t1", "t3", "t4"]  # the table's order
     assert csv[1].startswith("1,t2,True,True,ok,") and csv[2].startswith("2,t1,True,False,ok,")
-    assert csv[4].startswith("4,t4,False,False,unstable,non-finite loss (nan),2000.0,,")
+    assert csv[4].startswith("4,t4,False,False,unstable,non-finite loss (nan),2000.0,2000.0,,")  # own = pooled
