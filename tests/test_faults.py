@@ -89,21 +89,18 @@ def _no_run_outlives_its_test():
     """A test that fails while its run still trains (e.g. a stop that never came) kills the run and its
     Ray processes, so one failure does not slow or break every test after it."""
     yield
+    import contextlib
+
     import psutil
 
     while _STARTED:
         proc = _STARTED.pop()
-        if proc.poll() is None:
-            try:
-                family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-            except psutil.NoSuchProcess:
-                continue
-            for p in family:
-                try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # gone already: nothing to kill
+            root = psutil.Process(proc.pid)
+            for p in [*root.children(recursive=True), root]:
+                with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            proc.communicate()
+        proc.communicate()
 
 
 def _start(cwd: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
