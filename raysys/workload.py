@@ -165,6 +165,7 @@ BUILTIN = {
     "hackmatrix_ppo": "raysys.workloads.hackmatrix_ppo.workload",
     "pointer_generator": "raysys.workloads.pointer_generator.workload",
     "ad_transformer": "raysys.workloads.ad_transformer.workload",
+    "ad_source": "raysys.workloads.ad_transformer.source_workload",
 }
 
 _LOADED: dict[str, Workload] = {}   # ref -> workload

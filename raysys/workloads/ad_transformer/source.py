@@ -46,15 +46,36 @@ def features(obs):
     return jnp.concatenate([jax.nn.one_hot(obs[..., 0], dr.SIZE), jax.nn.one_hot(obs[..., 1], dr.SIZE)], -1)
 
 
-def _optimizer(c: SourceConfig):
-    return optax.chain(optax.clip_by_global_norm(c.max_grad_norm), optax.adam(c.lr, eps=1e-5))
+class HParams(NamedTuple):
+    """The source PPO's shape-free hyper-parameters as arrays: an argument of the update, so the
+    members of a population (``ad_source`` sweeps, ``--vectorize``) can each have their own."""
+
+    lr: jax.Array
+    max_grad_norm: jax.Array
+    gamma: jax.Array
+    gae_lambda: jax.Array
+    clip_eps: jax.Array
+    vf_coef: jax.Array
+    ent_coef: jax.Array
+
+
+def hparams_of(c: SourceConfig) -> HParams:
+    return HParams(*(np.float32(getattr(c, f)) for f in HParams._fields))
+
+
+def stack_hparams(cs) -> HParams:
+    return HParams(*(np.stack(xs) for xs in zip(*(hparams_of(c) for c in cs))))
+
+
+def _optimizer(lr, max_grad_norm):
+    # its state (Adam moments, step count) does not depend on either value, so one init serves all
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(lr, eps=1e-5))
 
 
 def make_learner_fns(c: SourceConfig) -> tuple[Callable, Callable]:
-    """(init(key, goal) -> Learner, update(learner, goal) -> (learner, (record, mean_return))) of ONE
-    goal's learner; the caller vmaps them over goals."""
-    optimizer = _optimizer(c)
-    loss_cfg = SimpleNamespace(ppo=SimpleNamespace(clip_eps=c.clip_eps, vf_coef=c.vf_coef, ent_coef=c.ent_coef))
+    """(init(key, goal) -> Learner, update(learner, goal, hp) -> (learner, (record, mean_return))) of ONE
+    goal's learner; the caller vmaps them over goals (and over a population's members). ``c`` gives
+    the shapes (streams, n_steps, minibatch, epochs, hidden); ``hp`` (:class:`HParams`) the rest."""
     all_legal = jnp.ones(dr.N_ACTIONS, bool)
     n_mb = c.streams * c.n_steps // c.minibatch
 
@@ -65,10 +86,12 @@ def make_learner_fns(c: SourceConfig) -> tuple[Callable, Callable]:
         k_params, k_run = jax.random.split(key)
         params = init_params(k_params, c.hidden, N_FEATURES, dr.N_ACTIONS)
         obs, state = jax.vmap(lambda _: dr.reset(None, env_params(goal)))(jnp.arange(c.streams))
-        return Learner(params, optimizer.init(params), state, obs, k_run)
+        return Learner(params, _optimizer(c.lr, c.max_grad_norm).init(params), state, obs, k_run)
 
-    def update(learner: Learner, goal):
+    def update(learner: Learner, goal, hp: HParams):
         params_env = env_params(goal)
+        optimizer = _optimizer(hp.lr, hp.max_grad_norm)
+        loss_cfg = SimpleNamespace(ppo=SimpleNamespace(clip_eps=hp.clip_eps, vf_coef=hp.vf_coef, ent_coef=hp.ent_coef))
         vstep = jax.vmap(dr.step, in_axes=(None, 0, 0, None))
 
         def env_step(carry, _):
@@ -85,7 +108,7 @@ def make_learner_fns(c: SourceConfig) -> tuple[Callable, Callable]:
         (env_state, obs, key), t = jax.lax.scan(env_step, (learner.env_state, learner.obs, learner.key), None,
                                                 c.n_steps)
         _, last_value = forward(learner.params, features(obs), all_legal)
-        adv, targets = gae(t["reward"], t["value"], t["done"], last_value, c.gamma, c.gae_lambda)
+        adv, targets = gae(t["reward"], t["value"], t["done"], last_value, hp.gamma, hp.gae_lambda)
         n = c.n_steps * c.streams
         flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]),
                             dict(obs=features(t["obs"]), action=t["action"], logp=t["logp"], value=t["value"],
@@ -118,6 +141,67 @@ def make_learner_fns(c: SourceConfig) -> tuple[Callable, Callable]:
     return init, update
 
 
+def goal_keys(seed: int, goals) -> jax.Array:
+    """Each goal's own PRNG stream of ``seed``."""
+    return jax.vmap(lambda g: jax.random.fold_in(jax.random.PRNGKey(seed), g))(jnp.asarray(goals, jnp.int32))
+
+
+def init_learners(c: SourceConfig, goals, sharding=None) -> Learner:
+    """One fresh learner per goal (leading axis G), from ``c.seed``."""
+    init, _ = make_learner_fns(c)
+    goals = jnp.asarray(goals, jnp.int32)
+    return jax.jit(jax.vmap(init), out_shardings=sharding)(goal_keys(c.seed, goals), goals)
+
+
+def _goal_updates(c: SourceConfig, k: int) -> Callable:
+    """(learners [G], goals [G], hp) -> (learners, (records [k, G, ...], mean returns [k, G])): ``k``
+    updates of every goal's learner, back to back."""
+    _, update = make_learner_fns(c)
+    per_goal = jax.vmap(update, in_axes=(0, 0, None))
+    return lambda learners, goals, hp: jax.lax.scan(lambda lr, _: per_goal(lr, goals, hp), learners, None, k)
+
+
+def _masked(n, new, old):
+    """``new`` where ``n`` (a scalar, or one flag per leading-axis entry) is true, else ``old``."""
+    return jax.tree.map(lambda x, y: jnp.where(jnp.reshape(n, jnp.shape(n) + (1,) * (x.ndim - jnp.ndim(n))), x, y),
+                        new, old)
+
+
+def make_chunk(c: SourceConfig) -> Callable:
+    """jit((learners [G], goals, hp, n) -> (learners, mean returns [k, G])): ``k = c.updates_per_call``
+    updates of one setting, of which only the first ``n`` change the learners (the run's last chunk
+    may need fewer; one program serves both). Histories are not kept."""
+    _, update = make_learner_fns(c)
+    per_goal = jax.vmap(update, in_axes=(0, 0, None))
+
+    def chunk(learners, goals, hp, n):
+        def step(lr, j):
+            new, (_, ret) = per_goal(lr, goals, hp)
+            return _masked(j < n, new, lr), ret
+
+        return jax.lax.scan(step, learners, jnp.arange(c.updates_per_call))
+
+    return jax.jit(chunk, donate_argnums=0)
+
+
+def make_population_chunk(c: SourceConfig) -> Callable:
+    """jit((learners [K, G], goals, hps [K], n [K]) -> (learners, mean returns [k, K, G])): the same
+    chunk for K settings of ``c``'s shapes at once, each with its own hyper-parameters (``vmap`` over
+    members of the ``vmap`` over goals) and its own ``n``: a member with ``n == 0`` keeps its state
+    (masked, not stopped)."""
+    _, update = make_learner_fns(c)
+    per_member = jax.vmap(jax.vmap(update, in_axes=(0, 0, None)), in_axes=(0, None, 0))
+
+    def chunk(learners, goals, hps, n):
+        def step(lr, j):
+            new, (_, ret) = per_member(lr, goals, hps)
+            return _masked(j < n, new, lr), ret
+
+        return jax.lax.scan(step, learners, jnp.arange(c.updates_per_call))
+
+    return jax.jit(chunk, donate_argnums=0)
+
+
 def generate(c: SourceConfig, goals, devices=None, progress: Optional[Callable[[int, int], None]] = None) -> Histories:
     """Run one PPO learner per goal, all at once; -> their learning histories. ``progress(done, total)``
     is called between jitted calls."""
@@ -127,24 +211,15 @@ def generate(c: SourceConfig, goals, devices=None, progress: Optional[Callable[[
     # goals are sharded over the devices; pad to a multiple with copies, dropped at the end
     pad = (-len(goals)) % len(devices)
     padded = jnp.asarray(np.concatenate([goals, goals[:pad]]))
-    init, update = make_learner_fns(c)
-    keys = jax.vmap(lambda g: jax.random.fold_in(jax.random.PRNGKey(c.seed), g))(padded)
-    if len(devices) > 1:
-        shard = NamedSharding(Mesh(np.asarray(devices), ("goals",)), P("goals"))
-        keys, goals_dev = jax.device_put(keys, shard), jax.device_put(padded, shard)
-        learners = jax.jit(jax.vmap(init), out_shardings=shard)(keys, goals_dev)
-    else:
-        goals_dev = padded
-        learners = jax.jit(jax.vmap(init))(keys, goals_dev)
-
-    def calls(learners, goals, k: int):
-        return jax.lax.scan(lambda lr, _: jax.vmap(update)(lr, goals), learners, None, k)
-
-    run = jax.jit(calls, static_argnums=2)
+    shard = NamedSharding(Mesh(np.asarray(devices), ("goals",)), P("goals")) if len(devices) > 1 else None
+    goals_dev = jax.device_put(padded, shard) if shard is not None else padded
+    learners = init_learners(c, padded, shard)
+    run = jax.jit(lambda lr, g, hp, k: _goal_updates(c, k)(lr, g, hp), static_argnums=3)
+    hp = hparams_of(c)
     records, curves, done = [], [], 0
     while done < c.updates:
         k = min(c.updates_per_call, c.updates - done)
-        learners, (rec, ret) = run(learners, goals_dev, k)
+        learners, (rec, ret) = run(learners, goals_dev, hp, k)
         records.append(jax.device_get(rec))  # [k, G, S, n_steps, ...]
         curves.append(np.asarray(ret))
         done += k
