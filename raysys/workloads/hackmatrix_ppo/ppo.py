@@ -160,8 +160,8 @@ def init_runner(cfg, key, mesh: Mesh, params=None, opt_state=None, env_steps: in
     outputs, so every process of a multi-host run computes its own shard of the same arrays."""
     _check_envs(cfg, mesh)
     out_shardings = runner_shardings(mesh)
-    if params is None:
-        return jax.jit(lambda: _build(cfg, key), out_shardings=out_shardings)()
+    if params is None:  # the key an argument, not a constant: every seed runs one program (compiled once, cached)
+        return jax.jit(lambda key: _build(cfg, key), out_shardings=out_shardings)(key)
     build = lambda params, opt_state: _build(cfg, key, params, opt_state, env_steps)  # noqa: E731
     return jax.jit(build, out_shardings=out_shardings)(*replicate((params, opt_state), mesh))
 
@@ -339,18 +339,12 @@ def _stack(trees):
 
 
 def init_population(cfg, keys, mesh: Mesh) -> Runner:
-    """Fresh runners for K members of ``cfg``'s shape, member i from ``keys[i]`` exactly as
-    ``init_runner(cfg, keys[i], mesh)`` builds it, in one jitted program (one compile, not K)."""
+    """Fresh runners for K members of ``cfg``'s shape, member i from ``keys[i]``: ``init_runner``'s
+    program (compiled once) run per member, then stacked. Not a vmap: a vmapped orthogonal init
+    (batched QR) wedges this jaxlib's multi-threaded CPU runtime."""
     _check_envs(cfg, mesh)
-
-    def build(keys):
-        # params member by member, then stacked: a vmapped orthogonal init (batched QR) wedges this
-        # jaxlib's multi-threaded CPU runtime; the rest (envs, streams) is vmapped
-        params = _stack([init_params(jax.random.split(k, 4)[0], tuple(cfg.model.hidden)) for k in keys])
-        opt_state = jax.vmap(make_optimizer(cfg).init)(params)
-        return jax.vmap(lambda k, p, o: _build(cfg, k, p, o))(keys, params, opt_state)
-
-    return jax.jit(build, out_shardings=population_shardings(mesh))(jnp.stack(keys))
+    one = jax.jit(lambda key: _build(cfg, key), out_shardings=runner_shardings(mesh))
+    return stack_runners([one(k) for k in keys], mesh)
 
 
 def stack_runners(runners: list[Runner], mesh: Mesh) -> Runner:
