@@ -394,6 +394,7 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, exp
     assert len(whole) > 20 and whole == cut  # step for step, to the last bit
 
 
+@pytest.mark.slow  # ~2 min: three JAX runs; test_ad_source's bit-exact resume covers the JAX checkpoint by default
 def test_hackmatrix_ppo_resume_is_bit_exact(tmp_path):
     """The JAX workload checkpoints its whole state (envs, observations, PRNG streams) and continues
     exactly; compile cache off so both runs compile alike."""

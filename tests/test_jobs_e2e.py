@@ -90,6 +90,7 @@ def test_submit_deep_gpcm_training_job(head):
     assert (tmp / "runs" / "job-run" / "final_metrics.json").is_file()
 
 
+@pytest.mark.slow  # a sweep as a job; the training and plug-in jobs cover submission by default
 def test_submit_tiny_sweep_job(head):
     from mlflow.tracking import MlflowClient
 

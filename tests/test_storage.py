@@ -116,6 +116,7 @@ def _sweep_events(client, prefix: str) -> list[list[str]]:
         return []
 
 
+@pytest.mark.slow  # ~2 min: a sweep cut and resumed; test_a_run_lives_on_s3_and_resumes_from_it covers S3 resume by default
 def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
     uri, client = s3
     sweeps = uri.replace("/runs?", "/sweeps?")

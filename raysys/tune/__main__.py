@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vectorize", type=int, default=1, metavar="K",
                    help="train up to K configurations per trial as one program (one process, one compile), each "
                         "with its own params, optimizer state, seed and MLflow run; for workloads with a population "
-                        "program (hackmatrix_ppo). Configurations that differ in a shape knob (num_envs, widths, "
+                        "program (hackmatrix_ppo, ad_source). Configurations that differ in a shape knob (num_envs, widths, "
                         "precision...) go to separate programs. Default: 1 (one configuration per trial)")
     p.add_argument("--preset", help="replace the space's base preset (e.g. quick for a smoke run)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",

@@ -3,7 +3,9 @@ program, as K separate trials would) vs as one population program (``--vectorize
 
 Both paths train the same K settings (learning rate, entropy bonus, clip range, seed differ) on the
 same goals for the same updates; throughput is env steps/s over all K, with each path's compiles
-counted (a sweep pays them) and, apart, without. The quality columns are the mean ``eval/quality``.
+counted (a sweep pays them) and, apart, without. The cache is fresh and persistent: the settings after
+the first load the lone program from it, as the trials of a sweep do. The quality columns are the mean
+``eval/quality``.
 
 The population is the same computation, but ``vmap`` over members turns each matmul into a batched
 one, whose float rounding can differ in the last bit. RL amplifies that: the curves are identical
@@ -74,8 +76,12 @@ def run_bench(quick: bool = False) -> dict:
     from raysys.workloads.ad_transformer.source_workload import _final, _setup, _steps_per_update, learn
     from raysys.workloads.ad_transformer.source_workload import quick as quick_preset
 
+    import tempfile
+
     base = quick_preset() if quick else learn()
-    base.train.compilation_cache_dir = ""  # both paths compile cold, as a first sweep does
+    # a fresh compilation cache, as a first sweep has: the first lone program compiles, the other
+    # settings (same shapes; hyper-parameters and seeds are arguments) load it, as separate trials do
+    base.train.compilation_cache_dir = tempfile.mkdtemp(prefix="raysys-ad-source-bench-")
     _setup(base)
     import numpy as np
 
