@@ -148,7 +148,8 @@ def _main(argv: Optional[list[str]] = None) -> int:
                     print(f"{name:{w}s} (plug-in failed to load: {e})")
                     continue
                 kind = "plug-in" if name in plugins else "built-in"
-                print(f"{name:{w}s} {wl.description} [{kind}]\n{'':{w}s} presets: {', '.join(wl.presets)}")
+                vec = "; sweeps vectorize (--vectorize K)" if wl.population is not None else ""
+                print(f"{name:{w}s} {wl.description} [{kind}]\n{'':{w}s} presets: {', '.join(wl.presets)}{vec}")
             print("\nYour own: python -m raysys train my_module:WORKLOAD (docs/your-workload.md)")
             return 0
         wl, cfg = build_config(args)

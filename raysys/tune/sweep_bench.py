@@ -3,7 +3,8 @@
     python -m raysys.tune.sweep_bench --space tune_spaces/hackmatrix_ppo_members.yaml [--configs 8]
         [--preset quick] [--json out.json]
 
-For any workload with a population program (``python -m raysys list`` marks them). Both sweeps run
+For any workload with a population program (``python -m raysys list`` marks those whose sweeps
+vectorize). Both sweeps run
 ``python -m raysys.tune`` end to end (Ray, Optuna, MLflow, reports) in a fresh folder, with a fresh
 JAX compilation cache each where the workload has ``train.compilation_cache_dir``, on the same space
 and sampler seed, so they try the same configurations with the same steps each. A space whose knobs
