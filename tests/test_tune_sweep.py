@@ -7,7 +7,6 @@ full-size command and its timing.
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -45,13 +44,13 @@ def _runs(uri: str, workload: str = "deep_gpcm"):
 
 
 def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_server):
-    t0 = time.time()
     proc = _sweep(workdir, "--space", str(SPACE), "--num-samples", "6", "--max-concurrent", "2", *TINY,
                   "--tracking-uri", mlflow_server, "--name", "six")
-    elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert elapsed < 15 * 60
     out = proc.stdout
+    # a calm console: raysys's own lines, not Tune's experiment table or Optuna's study notices
+    for chatter in ("Configuration for experiment", "View detailed results here", "tensorboard", "A new study created"):
+        assert chatter not in out + proc.stderr, chatter
     assert "Pareto front" in out and "| # | trial | front | recommended | status | perf/tokens_per_s | eval/qwk |" in out
     assert "Recommended: trial" in out
     assert "python -m raysys train deep_gpcm --preset quick " in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import time
 from typing import Any
 
@@ -82,7 +84,7 @@ class Progress(Callback):
             self._print(f"trials {trial.trial_id}_*: {len(members) - len(unstable)} of {len(members)} members training"
                         + (f" (masked as unstable: {', '.join(unstable)})" if unstable else "")
                         + (f", best {self.qm.split('/')[-1]} {result[obj.QUALITY]:.4g}"
-                           if isinstance(result.get(obj.QUALITY), float) else ""))
+                           if isinstance(result.get(obj.QUALITY), float) and math.isfinite(result[obj.QUALITY]) else ""))
             return
         parts = [f"step {result.get('step', '?')}"]
         if isinstance(result.get("train/loss"), (int, float)):

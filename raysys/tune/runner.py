@@ -287,8 +287,11 @@ def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl:
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
+    from raysys import console
     from raysys.tune.progress import trial_dirname
 
+    if not console.verbose():  # "A new study created in memory": the sweep's own lines say what runs
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
     grid = sp.grid_points()
     if len(grid) > opts.num_samples:
         print(f"[raysys.tune] note: the grid knobs make {len(grid)} combinations but only {opts.num_samples} trials "
