@@ -48,7 +48,7 @@ def run_sweep(folder: Path, space: Path, knobs: list[str], name: str, n: int, pr
 
 
 def main(argv=None) -> int:
-    from raysys.config import ConfigError
+    from raysys.config import ConfigError, allowed_keys
     from raysys.tune import space as sp
 
     p = argparse.ArgumentParser(prog="python -m raysys.tune.sweep_bench", description=__doc__.split("\n\n")[0])
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         space = sp.load(args.space, args.preset)
-        cache = _has(space.base_config(), CACHE_KEY)
+        cache = CACHE_KEY in allowed_keys(space.base_config())
     except ConfigError as e:
         print(f"raysys: {e}", file=sys.stderr)
         return 2
@@ -86,14 +86,6 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=list))
     return 0
-
-
-def _has(cfg, dotted: str) -> bool:
-    for part in dotted.split("."):
-        if not hasattr(cfg, part):
-            return False
-        cfg = getattr(cfg, part)
-    return True
 
 
 if __name__ == "__main__":

@@ -167,21 +167,27 @@ def _masked(n, new, old):
                         new, old)
 
 
-def make_chunk(c: SourceConfig) -> Callable:
-    """jit((learners [G], goals, hp, n) -> (learners, mean returns [k, G])): ``k = c.updates_per_call``
-    updates of one setting, of which only the first ``n`` change the learners (the run's last chunk
-    may need fewer; one program serves both). Histories are not kept."""
-    _, update = make_learner_fns(c)
-    per_goal = jax.vmap(update, in_axes=(0, 0, None))
+def _scan_chunk(c: SourceConfig, update: Callable) -> Callable:
+    """jit((learners, goals, hp, n) -> (learners, returns [k, ...])): ``k = c.updates_per_call`` calls of
+    the batched ``update``, of which only the first ``n`` (a scalar, or one per member) change the
+    learners; one program serves a run's shorter last chunk and masked members."""
 
     def chunk(learners, goals, hp, n):
         def step(lr, j):
-            new, (_, ret) = per_goal(lr, goals, hp)
+            new, (_, ret) = update(lr, goals, hp)
             return _masked(j < n, new, lr), ret
 
         return jax.lax.scan(step, learners, jnp.arange(c.updates_per_call))
 
     return jax.jit(chunk, donate_argnums=0)
+
+
+def make_chunk(c: SourceConfig) -> Callable:
+    """jit((learners [G], goals, hp, n) -> (learners, mean returns [k, G])): ``k = c.updates_per_call``
+    updates of one setting, of which only the first ``n`` change the learners (the run's last chunk
+    may need fewer; one program serves both). Histories are not kept."""
+    _, update = make_learner_fns(c)
+    return _scan_chunk(c, jax.vmap(update, in_axes=(0, 0, None)))
 
 
 def make_population_chunk(c: SourceConfig) -> Callable:
@@ -190,16 +196,7 @@ def make_population_chunk(c: SourceConfig) -> Callable:
     members of the ``vmap`` over goals) and its own ``n``: a member with ``n == 0`` keeps its state
     (masked, not stopped)."""
     _, update = make_learner_fns(c)
-    per_member = jax.vmap(jax.vmap(update, in_axes=(0, 0, None)), in_axes=(0, None, 0))
-
-    def chunk(learners, goals, hps, n):
-        def step(lr, j):
-            new, (_, ret) = per_member(lr, goals, hps)
-            return _masked(j < n, new, lr), ret
-
-        return jax.lax.scan(step, learners, jnp.arange(c.updates_per_call))
-
-    return jax.jit(chunk, donate_argnums=0)
+    return _scan_chunk(c, jax.vmap(jax.vmap(update, in_axes=(0, 0, None)), in_axes=(0, None, 0)))
 
 
 def generate(c: SourceConfig, goals, devices=None, progress: Optional[Callable[[int, int], None]] = None) -> Histories:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from raysys.config import at_least, require
 from raysys.train.config import JaxLaunchConfig
+from raysys.train.jax_host import enable_compilation_cache, to_host, to_tensor
 from raysys.workload import Population, Workload
 from raysys.workloads.ad_transformer.histories import SourceConfig, pin_jax_to_one_core
-from raysys.workloads.hackmatrix_ppo.workload import _tensor, _to_host, enable_compilation_cache
 
 N_CELLS = 81
 
@@ -128,8 +128,8 @@ def _save(session, learners, curve, steps_per_update: int) -> None:
     import jax
     import numpy as np
 
-    state = {"learners": [_tensor(np.asarray(x)) for x in jax.tree.leaves(_to_host(learners))],
-             "curve": _tensor(np.asarray(curve, np.float32))}
+    state = {"learners": [to_tensor(np.asarray(x)) for x in jax.tree.leaves(to_host(learners))],
+             "curve": to_tensor(np.asarray(curve, np.float32))}
     session.checkpoint(state, len(curve) * steps_per_update)
 
 

@@ -9,7 +9,6 @@ slow way: a Python loop of jitted env steps and jitted minibatch updates with ho
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Literal
 
 from raysys.config import ConfigError, at_least, require
 from raysys.train.config import JaxLaunchConfig
+from raysys.train.jax_host import enable_compilation_cache, to_host, to_tensor
 from raysys.workload import Population, Workload
 
 
@@ -152,33 +152,6 @@ PRESETS = {"default": default, "seed_fast": seed_fast, "learn": learn, "quick": 
 # ---------------------------------------------------------------- training
 
 
-def enable_compilation_cache(path: str) -> None:
-    if not path:
-        return
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-    # cache every program, however fast it compiled (the defaults skip sub-second compiles)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def _tensor(x):
-    """numpy -> torch for a checkpoint (torch has no uint32 arithmetic, but stores it; bool as is)."""
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(x.astype(np.int64) if x.dtype == np.uint32 else np.array(x))  # a writable copy
-
-
-def _to_host(tree):
-    """Replicated (possibly multi-process) arrays -> numpy, via this process's own copy."""
-    import jax
-    import numpy as np
-
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x), tree)
-
-
 def _start(cfg: HackMatrixPPOConfig, session, mesh):
     """-> (runner, env_steps, updates): fresh, or from the session's last checkpoint."""
     import jax
@@ -217,12 +190,12 @@ def _save(session, runner, env_steps: int, updates: int) -> None:
 
     if not session.is_main:  # only rank 0 writes; the host copy involves no collective
         return
-    host = _to_host((runner.params, runner.opt_state))
+    host = to_host((runner.params, runner.opt_state))
     state = {"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
              "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
              "env_steps": env_steps, "updates": updates}
     if jax.process_count() == 1:  # all of it, so that a resume with the same num_envs is bit-exact
-        state["runner"] = [_tensor(np.asarray(x)) for x in jax.tree.leaves(runner)]
+        state["runner"] = [to_tensor(np.asarray(x)) for x in jax.tree.leaves(runner)]
     session.checkpoint(state, env_steps)
 
 
@@ -272,7 +245,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     for _ in range(n_chunks):
         t = time.perf_counter()
         runner, stats = step(runner, hp)
-        stats = {k: float(v) for k, v in _to_host(stats).items()}  # the one host sync per chunk
+        stats = {k: float(v) for k, v in to_host(stats).items()}  # the one host sync per chunk
         dt = time.perf_counter() - t
         t_train += dt
         env_steps += per_chunk
@@ -360,7 +333,7 @@ def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[di
             break
         t = time.perf_counter()
         runners, stats = step(runners, hps, ppo.replicate(live, mesh))
-        stats = {key: np.asarray(v, np.float64) for key, v in _to_host(stats).items()}
+        stats = {key: np.asarray(v, np.float64) for key, v in to_host(stats).items()}
         dt = time.perf_counter() - t
         done, wall = done + per_chunk * live.sum(), wall + dt
         members = np.flatnonzero(live)
@@ -427,7 +400,7 @@ def _check_in_hosts(runner, session) -> None:
     from jax.experimental import multihost_utils
 
     sha = lambda arrays: hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()  # noqa: E731
-    params = _to_host(runner.params)
+    params = to_host(runner.params)
     local_keys = [np.asarray(s.data) for s in runner.env_keys.addressable_shards]
     record = {"process_index": jax.process_index(), "process_count": jax.process_count(),
               "devices": jax.device_count(), "local_devices": jax.local_device_count(),
