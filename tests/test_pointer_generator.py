@@ -169,3 +169,24 @@ def test_two_ray_train_workers_train_with_ddp(tmp_path):
     assert proc.returncode == 0
     final = json.loads((tmp_path / "raysys_runs" / "ddp" / "final_metrics.json").read_text())
     assert final["world_size"] == 2 and final["step"] == 4 and "eval/rouge2" in final
+
+
+def test_beam_search_scores_without_tanh_are_the_tanh_scores(prepared):
+    """The batched search's additive scores through e^{2k} e^{2q} equal v^T tanh(k + q), also far out
+    in tanh's tails; beyond the formula's float range (|x| > 40) it computes the tanh instead."""
+    task, cfg, _, _ = prepared
+    torch.manual_seed(0)
+    model = task.build_model(cfg).eval()
+    B, K, S, H = 3, 4, 11, cfg.model.hidden
+    enc = torch.randn(B, S, 2 * H)
+    mask = torch.arange(S)[None] < torch.tensor([11, 7, 1])[:, None]
+    s = torch.randn(B * K, H)
+    for scale in (1.0, 8.0, 60.0):
+        keys = scale * torch.randn(B, S, H)
+        with torch.no_grad():
+            want = model.attend(s, enc, keys, mask, group=K)
+            ekeys = model.exp_keys(keys)
+            assert (ekeys is None) == (scale > 40 / 4), scale  # randn * 60 exceeds 40 somewhere
+            got = model.attend(s, enc, keys, mask, group=K, ekeys=ekeys)
+        for w, g in zip(want, got):
+            assert torch.allclose(w, g, atol=1e-5), (scale, float((w - g).abs().max()))

@@ -32,10 +32,14 @@ def _block_trigrams(logp: torch.Tensor, hist: torch.Tensor) -> None:
 
 @torch.no_grad()
 def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tensor, beam: int = 4, min_len: int = 1,
-                max_len: int = 100, length_penalty: float = 1.0, block_trigrams: bool = True) -> list[list[int]]:
-    """The best hypothesis (token ids, without EOS) of each example of the batch."""
+                max_len: int = 100, length_penalty: float = 1.0, block_trigrams: bool = True,
+                exp_scores: bool = True) -> list[list[int]]:
+    """The best hypothesis (token ids, without EOS) of each example of the batch. ``exp_scores``: the
+    additive attention's scores through e^{2k} e^{2q} (see ``model.scores_from_exp``; the same
+    function) instead of a tanh per element."""
     B, K, dev = src.shape[0], beam, src.device
     enc, keys, mask, (h, c) = model.encode(src, src_len, naive=False)
+    ekeys = model.exp_keys(keys) if exp_scores else None
     rep = lambda x, dim=0: x.repeat_interleave(K, dim=dim)  # noqa: E731  [B, ...] -> [B*K, ...]
     srcK = rep(src)  # the encodings stay [B, ...]: the K beams of an example read them together
     state = (rep(h, 1), rep(c, 1))
@@ -50,7 +54,8 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
     for t in range(max_len):
         n = len(live)
         emb = model.embed(prev)
-        s, ctx, attn, state = model.step_fused(model.embedding_gates(emb), ctx, state, enc, keys, mask, group=K)
+        s, ctx, attn, state = model.step_fused(model.embedding_gates(emb), ctx, state, enc, keys, mask, group=K,
+                                             ekeys=ekeys)
         logits, g = model.features(s, ctx, emb)
         logp = model.final_log_probs(logits, g, attn, srcK)   # [n*K, V]
         if t < min_len:
@@ -93,6 +98,7 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
             lens = lens[rows]
             S = int(lens.max())
             enc, keys, mask = enc[rows, :S], keys[rows, :S], mask[rows, :S]
+            ekeys = None if ekeys is None else ekeys[rows, :S].contiguous()
             srcK = srcK.view(n, K, -1)[rows, :, :S].reshape(len(keep) * K, S)
     for j, b in enumerate(live):  # max_len reached: the open beams compete as they are
         for k in range(K):
@@ -103,9 +109,9 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
 
 
 def per_example(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tensor, **kw) -> list[list[int]]:
-    """The original's decoding: the same search, one example at a time."""
+    """The original's decoding: the same search, one example at a time, the attention as written."""
     out = []
     for b in range(src.shape[0]):
         n = int(src_len[b])
-        out += beam_search(model, src[b:b + 1, :n], src_len[b:b + 1], **kw)
+        out += beam_search(model, src[b:b + 1, :n], src_len[b:b + 1], exp_scores=False, **kw)
     return out

@@ -6,7 +6,7 @@
 * loss parity: both paths' loss on the same weights and batch;
 * peak memory of each path's training step (tensors alive at once: CUDA allocator / torch profiler);
 * beam search: per-example (the original) vs batched, on the same weights: identical summaries?
-  and summaries/s;
+  (those that differ: by how much log-probability?) and summaries/s;
 * quality: ROUGE-2 of each path's model after the same optimizer steps from the same weights.
 """
 
@@ -64,11 +64,13 @@ def _opt_step(model, opt, micro_batches, device) -> int:
 
 def run_bench(quick: bool = False) -> dict:
     from raysys.workloads.pointer_generator.beam import beam_search, per_example
+    from raysys.workloads.pointer_generator.model import EOS
     from raysys.workloads.pointer_generator.workload import SummarizationTask, default, small
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = small() if quick else default()  # quick: the CPU-sized model; else the original's size
-    cfg = apply_overrides(base, {"data.n_train": 400, "data.n_eval": 40, "data.eval_examples": 16 if quick else 32,
+    # beam search decodes the workload's evaluation subset (50 notes, the original's), the batch it serves
+    cfg = apply_overrides(base, {"data.n_train": 400, "data.n_eval": 50, "data.eval_examples": 50,
                                  "data.data_dir": "raysys_data/pointer_generator_bench"})
     task = SummarizationTask()
     cfg = task.prepare(cfg)
@@ -116,20 +118,44 @@ def run_bench(quick: bool = False) -> dict:
     kw = dict(beam=mc.beam, min_len=mc.min_len, max_len=mc.max_len, length_penalty=mc.length_penalty,
               block_trigrams=mc.block_trigrams)
 
-    def beams(model) -> tuple[int, float, float, int]:
+    # the batched search's fused attention scores compile once per process (torch.compile): timed apart
+    t0 = time.perf_counter()
+    beam_search(m, ev_dev["src"][:2], ev_dev["src_len"][:2], beam=mc.beam, min_len=0, max_len=2)
+    compile_s = time.perf_counter() - t0
+
+    def gaps(model, one, many) -> list[tuple[float, float]]:
+        """For each summary that differs: (log-prob of the batched one minus the per-example one,
+        log-prob of the per-example one), teacher-forced: how near a tie the flip was."""
+        out = []
+        for i, (a, b) in enumerate(zip(one, many)):
+            if a != b:
+                src, src_len = ev_dev["src"][i:i + 1, :int(ev_dev["src_len"][i])], ev_dev["src_len"][i:i + 1]
+                lp = [-float(model(src, src_len, torch.tensor([seq or [EOS]], device=device))[0]) for seq in (a, b)]
+                out.append((lp[1] - lp[0], lp[0]))
+        return out
+
+    def beams(model) -> tuple[list, list, float, float]:
         t0 = time.perf_counter()
         one = per_example(model, ev_dev["src"], ev_dev["src_len"], **kw)
         t_one = time.perf_counter() - t0
         t0 = time.perf_counter()
         many = beam_search(model, ev_dev["src"], ev_dev["src_len"], **kw)
-        return sum(a == b for a, b in zip(one, many)), t_one, time.perf_counter() - t0, len(one)
+        return one, many, t_one, time.perf_counter() - t0
 
-    same, t_one, t_many, n_ev = beams(m)
+    one, many, t_one, t_many = beams(m)
+    n_ev, same = len(one), sum(a == b for a, b in zip(one, many))
+    with torch.no_grad():
+        flips = gaps(m, one, many)
+    t0 = time.perf_counter()  # batching alone: the same search with a tanh per element
+    tanh = beam_search(m, ev_dev["src"], ev_dev["src_len"], exp_scores=False, **kw)
+    t_tanh = time.perf_counter() - t0
+    same_tanh = sum(a == b for a, b in zip(one, tanh))
     # the seed's dot-product attention: per source position a dot product instead of an H-wide tanh,
     # so per-example decoding is dominated by per-step overheads that batching removes
     torch.manual_seed(0)
     dot = task.build_model(apply_overrides(cfg, {"model.attention": "dot"})).to(device).eval()
-    same_dot, t_one_dot, t_many_dot, _ = beams(dot)
+    one, many, t_one_dot, t_many_dot = beams(dot)
+    same_dot = sum(a == b for a, b in zip(one, many))
 
     # quality after the same optimizer steps from the same weights
     quality = {}
@@ -140,8 +166,10 @@ def run_bench(quick: bool = False) -> dict:
     res = {"workload": "pointer_generator", "throughput_unit": "target tokens/s (train step)", "quality_metric": "rouge2",
            "speedup": (tokens["optimized"] / sum(times["optimized"])) / (tokens["naive"] / sum(times["naive"])),
            "loss": losses, "loss_abs_diff": abs(losses["naive"] - losses["optimized"]),
-           "beam": {"examples": n_ev, "identical": same, "per_example_summaries_per_s": n_ev / t_one,
+           "beam": {"examples": n_ev, "identical": same, "differing_logprob_gaps": flips,
+                    "identical_with_tanh_scores": same_tanh, "per_example_summaries_per_s": n_ev / t_one,
                     "batched_summaries_per_s": n_ev / t_many, "speedup": t_one / t_many,
+                    "batched_tanh_scores_summaries_per_s": n_ev / t_tanh, "compile_s": compile_s,
                     "dot": {"identical": same_dot, "per_example_summaries_per_s": n_ev / t_one_dot,
                             "batched_summaries_per_s": n_ev / t_many_dot, "speedup": t_one_dot / t_many_dot}},
            "model": {"params": n_params, "vocab": models["naive"].V, "emb_dim": mc.emb_dim, "hidden": mc.hidden,
@@ -157,8 +185,11 @@ def run_bench(quick: bool = False) -> dict:
                                               f"(|diff| {res['loss_abs_diff']:.1e})",
         "peak memory of a training step": f"naive {res['naive']['peak_memory_mb']:.0f} MB, "
                                           f"optimized {res['optimized']['peak_memory_mb']:.0f} MB",
-        "beam search": f"{same}/{n_ev} summaries identical; per-example {res['beam']['per_example_summaries_per_s']:.2f}/s, "
-                       f"batched {res['beam']['batched_summaries_per_s']:.2f}/s ({res['beam']['speedup']:.1f}x)",
+        "beam search": f"{same}/{n_ev} summaries identical"
+                       + "".join(f"; one differs by {d:+.1e} nats of log-prob ({lp:.1f})" for d, lp in flips) + "; "
+                       f"per-example {res['beam']['per_example_summaries_per_s']:.2f}/s, "
+                       f"batched {res['beam']['batched_summaries_per_s']:.2f}/s ({res['beam']['speedup']:.1f}x; "
+                       f"{n_ev / t_tanh:.2f}/s and {same_tanh}/{n_ev} identical with a tanh per score; compile {compile_s:.1f} s, untimed)",
         "beam search, dot attention": f"{same_dot}/{n_ev} identical; per-example {n_ev / t_one_dot:.2f}/s, batched "
                                       f"{n_ev / t_many_dot:.2f}/s ({t_one_dot / t_many_dot:.1f}x)",
         "quality": f"ROUGE-2 after {steps + 1} optimizer steps from the same weights (a speed check, not a learning run)",

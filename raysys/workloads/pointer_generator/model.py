@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -41,6 +42,38 @@ def _lstm_kernels(x: torch.Tensor):
     if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         return torch.backends.mkldnn.flags(enabled=False)
     return contextlib.nullcontext()
+
+
+# ---- additive scores without a tanh per element (batched beam search) --------------------------------
+
+EXP_RANGE = 40.0  # |x| <= 40: e^{2x} and the product of two such stay finite and nonzero in float32
+
+
+def _scores_from_exp(ek: torch.Tensor, eq: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """v^T tanh(k + q) = sum(v) - 2 v^T 1 / (1 + e^{2k} e^{2q}): one multiply, add and divide per element
+    instead of a tanh. ek = e^{2k} [B, S, H] (once per search), eq = e^{2q} [B, K, H] -> [B, K, S]."""
+    return v.sum() - 2 * (v / (ek[:, None] * eq[:, :, None] + 1)).sum(-1)
+
+
+_compiled: dict = {}
+
+
+def scores_from_exp(ek: torch.Tensor, eq: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`_scores_from_exp` as one fused loop (torch.compile: no [B, K, S, H] temporaries); eager
+    where the compiler cannot run (no C++ compiler, no Triton)."""
+    fn = _compiled.setdefault(ek.device.type, torch.compile(_scores_from_exp, dynamic=True))
+    if fn is not _scores_from_exp:
+        # unbacked sizes: one program for every batch and source length, 1 included (no recompiles
+        # as examples leave the search)
+        for t, dims in ((ek, (0, 1)), (eq, (0,))):
+            for d in dims:
+                torch._dynamo.decorators.mark_unbacked(t, d)
+        try:
+            return fn(ek, eq, v)
+        except Exception as e:  # noqa: BLE001 -- any compiler failure: the same formula, eager
+            warnings.warn(f"torch.compile of the beam-search attention failed ({type(e).__name__}); running it eagerly")
+            _compiled[ek.device.type] = _scores_from_exp
+    return _scores_from_exp(ek, eq, v)
 
 
 class PointerGenerator(nn.Module):
@@ -143,17 +176,29 @@ class PointerGenerator(nn.Module):
 
     # ---- one decoder step (both paths, and beam search) ----------------------------------------------
 
+    def exp_keys(self, keys: torch.Tensor) -> Optional[torch.Tensor]:
+        """e^{2 keys} for :func:`scores_from_exp` (additive attention, keys within its range), else None."""
+        if self.attention != "additive" or float(keys.abs().max()) > EXP_RANGE:
+            return None
+        return torch.exp(2 * keys)
+
     def attend(self, s: torch.Tensor, enc: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-               weights: bool = True, group: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               weights: bool = True, group: int = 1, ekeys: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Context [N, 2H] (and attention weights [N, S] if asked) of decoder states s [N, H].
         ``group`` > 1: N = B x group states (beams) share each of the B encodings, which are read
-        once per example instead of once per beam."""
+        once per example instead of once per beam; ``ekeys`` (:meth:`exp_keys`) then computes the
+        additive scores without a tanh per (state, position, unit)."""
         if group > 1:
             B, K = enc.shape[0], group
             if self.attention == "additive":
-                scores = self.v(torch.tanh(keys[:, None] + self.W_s(s).view(B, K, 1, -1)))[..., 0]
-            else:
-                scores = torch.bmm(self.W_q(s).view(B, K, -1), enc.transpose(1, 2)) / math.sqrt(enc.shape[-1])
+                q = self.W_s(s).view(B, K, -1)
+                if ekeys is not None and float(q.abs().max()) <= EXP_RANGE:
+                    scores = scores_from_exp(ekeys, torch.exp(2 * q), self.v.weight[0])
+                else:
+                    scores = self.v(torch.tanh(keys[:, None] + q[:, :, None]))[..., 0]
+            else:  # [B, S, D] @ [B, D, K]: a K-wide product per position (MKL: ~2x faster than K rows x S)
+                q = self.W_q(s).view(B, K, -1)
+                scores = torch.bmm(enc, q.transpose(1, 2)).transpose(1, 2) / math.sqrt(enc.shape[-1])
             attn = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)  # [B, K, S]
             return torch.bmm(attn, enc).view(B * K, -1), attn.view(B * K, -1)
         if self.attention == "additive":
@@ -174,7 +219,7 @@ class PointerGenerator(nn.Module):
         ctx, attn = self.attend(s, enc, keys, mask, weights)
         return s, ctx, attn, state
 
-    def step_fused(self, pre_t, ctx, state, enc, keys, mask, weights: bool = True, group: int = 1):
+    def step_fused(self, pre_t, ctx, state, enc, keys, mask, weights: bool = True, group: int = 1, ekeys=None):
         """``step`` with the decoder LSTM written out: the embedding's share of the first layer's gates
         (``pre_t``, see :meth:`embedding_gates`) is computed for all steps before the loop, so the
         loop does only what depends on the previous step (the same function as ``nn.LSTM``)."""
@@ -193,7 +238,7 @@ class PointerGenerator(nn.Module):
             c = torch.sigmoid(f) * c0[layer] + torch.sigmoid(i) * torch.tanh(g)
             x = torch.sigmoid(o) * torch.tanh(c)
             hs.append(x), cs.append(c)
-        ctx, attn = self.attend(x, enc, keys, mask, weights, group)
+        ctx, attn = self.attend(x, enc, keys, mask, weights, group, ekeys)
         return x, ctx, attn, (torch.stack(hs), torch.stack(cs))
 
     def embedding_gates(self, emb: torch.Tensor) -> torch.Tensor:
