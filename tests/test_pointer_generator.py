@@ -171,22 +171,32 @@ def test_two_ray_train_workers_train_with_ddp(tmp_path):
     assert final["world_size"] == 2 and final["step"] == 4 and "eval/rouge2" in final
 
 
-def test_beam_search_scores_without_tanh_are_the_tanh_scores(prepared):
-    """The batched search's additive scores through e^{2k} e^{2q} equal v^T tanh(k + q), also far out
-    in tanh's tails; beyond the formula's float range (|x| > 40) it computes the tanh instead."""
+def test_additive_scores_without_tanh_are_the_tanh_scores_and_gradients(prepared):
+    """The additive scores through e^{2k} e^{2q} (``AdditiveScores``: the optimized training step and the
+    batched search) equal v^T tanh(k + q), with the same gradients, also far out in tanh's tails; beyond
+    the formula's float range (|x| > 40) ``exp_keys`` declines and the tanh is computed instead."""
     task, cfg, _, _ = prepared
     torch.manual_seed(0)
     model = task.build_model(cfg).eval()
     B, K, S, H = 3, 4, 11, cfg.model.hidden
     enc = torch.randn(B, S, 2 * H)
     mask = torch.arange(S)[None] < torch.tensor([11, 7, 1])[:, None]
-    s = torch.randn(B * K, H)
     for scale in (1.0, 8.0, 60.0):
         keys = scale * torch.randn(B, S, H)
-        with torch.no_grad():
-            want = model.attend(s, enc, keys, mask, group=K)
+        for group in (K, 1):  # beams sharing an encoding, and one state per example (training)
+            s = torch.tanh(3 * torch.randn(B * group, H))  # decoder states: LSTM outputs, in (-1, 1)
             ekeys = model.exp_keys(keys)
             assert (ekeys is None) == (scale > 40 / 4), scale  # randn * 60 exceeds 40 somewhere
-            got = model.attend(s, enc, keys, mask, group=K, ekeys=ekeys)
-        for w, g in zip(want, got):
-            assert torch.allclose(w, g, atol=1e-5), (scale, float((w - g).abs().max()))
+            outs = []
+            for ek in (None, ekeys):
+                k, st = keys.clone().requires_grad_(), s.clone().requires_grad_()
+                model.zero_grad()
+                ctx, attn = model.attend(st, enc, k, mask, group=group, ekeys=ek)
+                (ctx.sin().sum() + attn.square().sum()).backward()
+                outs.append([ctx, attn, k.grad, st.grad, model.v.weight.grad.clone(), model.W_s.weight.grad.clone()])
+            for w, g in zip(*outs):
+                assert torch.allclose(w, g, atol=1e-5, rtol=1e-4), (scale, group, float((w - g).abs().max()))
+    # far beyond the range of W_s: queries could overflow e^{2q}, so the tanh again
+    with torch.no_grad():
+        model.W_s.weight.mul_(100)
+    assert model.exp_keys(torch.randn(B, S, H)) is None

@@ -35,8 +35,8 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
                 max_len: int = 100, length_penalty: float = 1.0, block_trigrams: bool = True,
                 exp_scores: bool = True) -> list[list[int]]:
     """The best hypothesis (token ids, without EOS) of each example of the batch. ``exp_scores``: the
-    additive attention's scores through e^{2k} e^{2q} (see ``model.scores_from_exp``; the same
-    function) instead of a tanh per element."""
+    additive attention's scores through e^{2k} e^{2q} (``model.AdditiveScores``, as the optimized
+    training step; the same function to float rounding) instead of a tanh per element."""
     B, K, dev = src.shape[0], beam, src.device
     enc, keys, mask, (h, c) = model.encode(src, src_len, naive=False)
     ekeys = model.exp_keys(keys) if exp_scores else None

@@ -44,36 +44,105 @@ def _lstm_kernels(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
-# ---- additive scores without a tanh per element (batched beam search) --------------------------------
+# ---- additive scores without a tanh per element ---------------------------------------------------------
+# v^T tanh(k + q) = sum(v) - 2 v^T r with r = 1 / (1 + e^{2k} e^{2q}): e^{2k} once per batch (the keys do not
+# change over the decoder's steps), e^{2q} once per step, and the [B, K, S, H] work becomes a multiply, add
+# and divide per element instead of a tanh, fused with the reduction over H by torch.compile. On a CPU the
+# tanh was the largest cost of both training (18% of a step, plus its saved activations) and beam search.
 
 EXP_RANGE = 40.0  # |x| <= 40: e^{2x} and the product of two such stay finite and nonzero in float32
 
 
 def _scores_from_exp(ek: torch.Tensor, eq: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """v^T tanh(k + q) = sum(v) - 2 v^T 1 / (1 + e^{2k} e^{2q}): one multiply, add and divide per element
-    instead of a tanh. ek = e^{2k} [B, S, H] (once per search), eq = e^{2q} [B, K, H] -> [B, K, S]."""
+    """ek = e^{2k} [B, S, H], eq = e^{2q} [B, K, H] -> v^T tanh(k + q) [B, K, S]."""
     return v.sum() - 2 * (v / (ek[:, None] * eq[:, :, None] + 1)).sum(-1)
+
+
+def _scores_grads(ek: torch.Tensor, eq: torch.Tensor, v: torch.Tensor, g: torch.Tensor):
+    """d/dk, d/dq, d/dv of sum(g * v^T tanh(k + q)), from the same e^{2k} e^{2q}: tanh = 1 - 2r and
+    1 - tanh^2 = 4r(1 - r). Recomputed in the backward instead of saving [B, K, S, H] activations."""
+    r = 1 / (ek[:, None] * eq[:, :, None] + 1)
+    w = (4 * g)[..., None] * v * r * (1 - r)
+    return w.sum(1), w.sum(2), (g[..., None] * (1 - 2 * r)).sum((0, 1, 2))
 
 
 _compiled: dict = {}
 
 
-def scores_from_exp(ek: torch.Tensor, eq: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """:func:`_scores_from_exp` as one fused loop (torch.compile: no [B, K, S, H] temporaries); eager
-    where the compiler cannot run (no C++ compiler, no Triton)."""
-    fn = _compiled.setdefault(ek.device.type, torch.compile(_scores_from_exp, dynamic=True))
-    if fn is not _scores_from_exp:
-        # unbacked sizes: one program for every batch and source length, 1 included (no recompiles
-        # as examples leave the search)
-        for t, dims in ((ek, (0, 1)), (eq, (0,))):
-            for d in dims:
-                torch._dynamo.decorators.mark_unbacked(t, d)
+def fused(fn, *args: torch.Tensor):
+    """``fn(*args)`` as fused loops (torch.compile: no [B, K, S, H] temporaries), eager where the compiler
+    cannot run (no C++ compiler, no Triton). The batch and source sizes (dims 0 and 1 of e^{2k}) are
+    unbacked: one program for every size, 1 included, so no recompiles as examples leave a search."""
+    key = (fn, args[0].device.type)
+    comp = _compiled.get(key)
+    if comp is None:
+        comp = _compiled[key] = torch.compile(fn, dynamic=True)
+    if comp is not fn:
+        for d in (0, 1):
+            torch._dynamo.decorators.mark_unbacked(args[0], d)
         try:
-            return fn(ek, eq, v)
+            return comp(*args)
         except Exception as e:  # noqa: BLE001 -- any compiler failure: the same formula, eager
-            warnings.warn(f"torch.compile of the beam-search attention failed ({type(e).__name__}); running it eagerly")
-            _compiled[ek.device.type] = _scores_from_exp
-    return _scores_from_exp(ek, eq, v)
+            warnings.warn(f"torch.compile of the additive attention failed ({type(e).__name__}); running it eagerly")
+            _compiled[key] = fn
+    return fn(*args)
+
+
+class AdditiveScores(torch.autograd.Function):
+    """v^T tanh(keys + q) [B, K, S] for keys [B, S, H], queries q [B, K, H], from ek = e^{2 keys} (made
+    once, outside the graph): the same function and gradients as the tanh, without its activations."""
+
+    @staticmethod
+    def forward(ctx, keys, ek, q, v):
+        eq = torch.exp(2 * q)
+        ctx.save_for_backward(ek, eq, v)
+        return fused(_scores_from_exp, ek, eq, v)
+
+    @staticmethod
+    def backward(ctx, g):
+        ek, eq, v = ctx.saved_tensors
+        gk, gq, gv = fused(_scores_grads, ek, eq, v, g.contiguous())
+        return gk, None, gq, gv
+
+
+# ---- the context's gradient w.r.t. the encodings, once per batch instead of once per step ---------------
+
+class Context(torch.autograd.Function):
+    """ctx_t = a_t @ enc [N, 2H] for attention a_t [N, S]. Its gradient w.r.t. enc, a_t^T g_t, would be a
+    [N, S, 2H] outer product per decoder step, added into enc's gradient T times (a third of a CPU
+    training step); it is stashed instead, and :class:`CollectContextGrads` sums all steps as one
+    batched matmul A^T G."""
+
+    @staticmethod
+    def forward(ctx, attn, enc, stash: list):
+        ctx.save_for_backward(attn, enc)
+        ctx.stash = stash
+        return torch.bmm(attn[:, None], enc)[:, 0]
+
+    @staticmethod
+    def backward(ctx, g):
+        attn, enc = ctx.saved_tensors
+        ctx.stash.append((attn, g))
+        return torch.bmm(g[:, None], enc.transpose(1, 2))[:, 0], None, None
+
+
+class CollectContextGrads(torch.autograd.Function):
+    """enc, as the steps' :class:`Context` read it; its backward runs after all of theirs (they consume
+    its output) and adds their stashed gradients: sum_t a_t^T g_t = A^T G."""
+
+    @staticmethod
+    def forward(ctx, enc, stash: list):
+        ctx.stash = stash
+        return enc.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.stash:
+            a, gs = zip(*ctx.stash)
+            total = torch.bmm(torch.stack(a, 2), torch.stack(gs, 1))  # [N, S, T] @ [N, T, 2H]
+            g = total if g is None else g + total
+            ctx.stash.clear()
+        return g, None
 
 
 class PointerGenerator(nn.Module):
@@ -177,23 +246,31 @@ class PointerGenerator(nn.Module):
     # ---- one decoder step (both paths, and beam search) ----------------------------------------------
 
     def exp_keys(self, keys: torch.Tensor) -> Optional[torch.Tensor]:
-        """e^{2 keys} for :func:`scores_from_exp` (additive attention, keys within its range), else None."""
-        if self.attention != "additive" or float(keys.abs().max()) > EXP_RANGE:
+        """e^{2 keys} for :class:`AdditiveScores`, or None where it does not apply: dot attention, not
+        float32 (autocast), or keys or queries beyond its range. Queries W_s s + b of decoder states s
+        in (-1, 1) (LSTM outputs) are bounded by W_s's row L1 norms plus |b|: checked once here, so the
+        decoder's steps need no check of their own."""
+        if self.attention != "additive" or keys.dtype != torch.float32:
             return None
-        return torch.exp(2 * keys)
+        q_bound = float((self.W_s.weight.detach().abs().sum(1) + self.W_s.bias.detach().abs()).max())
+        if q_bound > EXP_RANGE or float(keys.detach().abs().max()) > EXP_RANGE:
+            return None
+        return torch.exp(2 * keys.detach())
 
     def attend(self, s: torch.Tensor, enc: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-               weights: bool = True, group: int = 1, ekeys: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               weights: bool = True, group: int = 1, ekeys: Optional[torch.Tensor] = None,
+               stash: Optional[list] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Context [N, 2H] (and attention weights [N, S] if asked) of decoder states s [N, H].
         ``group`` > 1: N = B x group states (beams) share each of the B encodings, which are read
-        once per example instead of once per beam; ``ekeys`` (:meth:`exp_keys`) then computes the
-        additive scores without a tanh per (state, position, unit)."""
+        once per example instead of once per beam. ``ekeys`` (:meth:`exp_keys`): the additive scores
+        through :class:`AdditiveScores`, without a tanh per (state, position, unit). ``stash``: the
+        context through :class:`Context` (``enc`` from :class:`CollectContextGrads` with that stash)."""
         if group > 1:
             B, K = enc.shape[0], group
             if self.attention == "additive":
                 q = self.W_s(s).view(B, K, -1)
-                if ekeys is not None and float(q.abs().max()) <= EXP_RANGE:
-                    scores = scores_from_exp(ekeys, torch.exp(2 * q), self.v.weight[0])
+                if ekeys is not None and q.dtype == torch.float32:
+                    scores = AdditiveScores.apply(keys, ekeys, q, self.v.weight[0])
                 else:
                     scores = self.v(torch.tanh(keys[:, None] + q[:, :, None]))[..., 0]
             else:  # [B, S, D] @ [B, D, K]: a K-wide product per position (MKL: ~2x faster than K rows x S)
@@ -202,7 +279,11 @@ class PointerGenerator(nn.Module):
             attn = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)  # [B, K, S]
             return torch.bmm(attn, enc).view(B * K, -1), attn.view(B * K, -1)
         if self.attention == "additive":
-            scores = self.v(torch.tanh(keys + self.W_s(s)[:, None]))[..., 0]
+            q = self.W_s(s)
+            if ekeys is not None and q.dtype == torch.float32:
+                scores = AdditiveScores.apply(keys, ekeys, q[:, None], self.v.weight[0])[:, 0]
+            else:
+                scores = self.v(torch.tanh(keys + q[:, None]))[..., 0]
         else:
             q = self.W_q(s)
             if not weights:  # the context alone: one fused kernel (flash attention on a GPU)
@@ -210,6 +291,8 @@ class PointerGenerator(nn.Module):
                 return ctx[:, 0, 0], None
             scores = torch.einsum("nd,nsd->ns", q, enc) / math.sqrt(enc.shape[-1])
         attn = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        if stash is not None:
+            return Context.apply(attn, enc, stash), attn
         return torch.bmm(attn[:, None], enc)[:, 0], attn
 
     def step(self, emb_t, ctx, state, enc, keys, mask, weights: bool = True):
@@ -219,7 +302,8 @@ class PointerGenerator(nn.Module):
         ctx, attn = self.attend(s, enc, keys, mask, weights)
         return s, ctx, attn, state
 
-    def step_fused(self, pre_t, ctx, state, enc, keys, mask, weights: bool = True, group: int = 1, ekeys=None):
+    def step_fused(self, pre_t, ctx, state, enc, keys, mask, weights: bool = True, group: int = 1, ekeys=None,
+                   stash=None):
         """``step`` with the decoder LSTM written out: the embedding's share of the first layer's gates
         (``pre_t``, see :meth:`embedding_gates`) is computed for all steps before the loop, so the
         loop does only what depends on the previous step (the same function as ``nn.LSTM``)."""
@@ -238,7 +322,7 @@ class PointerGenerator(nn.Module):
             c = torch.sigmoid(f) * c0[layer] + torch.sigmoid(i) * torch.tanh(g)
             x = torch.sigmoid(o) * torch.tanh(c)
             hs.append(x), cs.append(c)
-        ctx, attn = self.attend(x, enc, keys, mask, weights, group, ekeys)
+        ctx, attn = self.attend(x, enc, keys, mask, weights, group, ekeys, stash)
         return x, ctx, attn, (torch.stack(hs), torch.stack(cs))
 
     def embedding_gates(self, emb: torch.Tensor) -> torch.Tensor:
@@ -287,9 +371,16 @@ class PointerGenerator(nn.Module):
         # [B, T, 4H]: one GEMM instead of T. unbind, not pre[:, t]: the backward of T slices would
         # zero-fill a whole [B, T, 4H] gradient per step (quadratic in T)
         pre = self.embedding_gates(emb).unbind(1)
+        # eager: additive scores without a tanh per element (or its activations), enc's gradient once
+        # instead of per step; under torch.compile (train.compile) the compiler fuses the plain ops
+        eager = not torch.compiler.is_compiling()
+        ekeys = self.exp_keys(keys) if eager else None
+        stash = [] if need_weights and eager and torch.is_grad_enabled() else None
+        enc_c = CollectContextGrads.apply(enc, stash) if stash is not None else enc
         states, ctxs, attns = [], [], []
         for t in range(T):
-            s, ctx, attn, state = self.step_fused(pre[t], ctx, state, enc, keys, mask, weights=need_weights)
+            s, ctx, attn, state = self.step_fused(pre[t], ctx, state, enc_c, keys, mask, weights=need_weights,
+                                                 ekeys=ekeys, stash=stash)
             states.append(s), ctxs.append(ctx), attns.append(attn)
         s_all, c_all = torch.stack(states, 1), torch.stack(ctxs, 1)
         logits, g = self.features(s_all, c_all, emb)                       # [B, T, V], [B, T]
