@@ -85,7 +85,10 @@ def test_batched_beam_search_gives_the_per_example_summaries(prepared, eos_bias)
         model.out.bias[EOS] += eos_bias
     batch = task.collate([evals[i] for i in range(6)])
     kw = dict(beam=4, min_len=3, max_len=30)
+    # the same scores both ways: the original's tanh, and the exp form the batched search uses by default
     one = per_example(model, batch["src"], batch["src_len"], **kw)
+    assert one == beam_search(model, batch["src"], batch["src_len"], exp_scores=False, **kw)
+    one = per_example(model, batch["src"], batch["src_len"], exp_scores=True, **kw)
     many = beam_search(model, batch["src"], batch["src_len"], **kw)
     assert one == many and all(3 <= len(x) <= 30 for x in many)
     if eos_bias:

@@ -108,10 +108,12 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
     return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
 
 
-def per_example(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tensor, **kw) -> list[list[int]]:
-    """The original's decoding: the same search, one example at a time, the attention as written."""
+def per_example(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tensor, exp_scores: bool = False,
+                **kw) -> list[list[int]]:
+    """The original's decoding: the same search, one example at a time, the attention as written (or,
+    ``exp_scores``, as the batched search computes it)."""
     out = []
     for b in range(src.shape[0]):
         n = int(src_len[b])
-        out += beam_search(model, src[b:b + 1, :n], src_len[b:b + 1], exp_scores=False, **kw)
+        out += beam_search(model, src[b:b + 1, :n], src_len[b:b + 1], exp_scores=exp_scores, **kw)
     return out
