@@ -122,8 +122,9 @@ class Context(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         attn, enc = ctx.saved_tensors
+        g = g.to(enc.dtype)  # under autocast the forward ran in bf16/fp16; its inputs are saved as they came
         ctx.stash.append((attn, g))
-        return torch.bmm(g[:, None], enc.transpose(1, 2))[:, 0], None, None
+        return torch.bmm(g[:, None], enc.transpose(1, 2))[:, 0].to(attn.dtype), None, None
 
 
 class CollectContextGrads(torch.autograd.Function):
@@ -139,7 +140,7 @@ class CollectContextGrads(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.stash:
             a, gs = zip(*ctx.stash)
-            total = torch.bmm(torch.stack(a, 2), torch.stack(gs, 1))  # [N, S, T] @ [N, T, 2H]
+            total = torch.bmm(torch.stack(a, 2).to(gs[0].dtype), torch.stack(gs, 1))  # [N, S, T] @ [N, T, 2H]
             g = total if g is None else g + total
             ctx.stash.clear()
         return g, None
