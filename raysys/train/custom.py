@@ -20,7 +20,6 @@ Either way the workload never imports Ray.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Optional
 
 from raysys import console, lifecycle, storage, tracking
