@@ -135,34 +135,29 @@ def run_bench(quick: bool = False) -> dict:
                 out.append((lp[1] - lp[0], lp[0]))
         return out
 
-    def beams(model) -> tuple[list, list, float, float]:
+    def timed(search, model, **more) -> tuple[list, float]:
         t0 = time.perf_counter()
-        one = per_example(model, ev_dev["src"], ev_dev["src_len"], **kw)
-        t_one = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        many = beam_search(model, ev_dev["src"], ev_dev["src_len"], **kw)
-        return one, many, t_one, time.perf_counter() - t0
-
-    def timed(fn, *args, **more):
-        t0 = time.perf_counter()
-        out = fn(*args, **more)
+        out = search(model, ev_dev["src"], ev_dev["src_len"], **kw, **more)
         return out, time.perf_counter() - t0
 
-    one, many, t_one, t_many = beams(m)
-    n_ev, same = len(one), sum(a == b for a, b in zip(one, many))
+    def same_count(xs, ys) -> int:
+        return sum(a == b for a, b in zip(xs, ys))
+
+    (one, t_one), (many, t_many) = timed(per_example, m), timed(beam_search, m)
+    n_ev, same = len(one), same_count(one, many)
     with torch.no_grad():
         flips = gaps(m, one, many)
     # batching alone: per example with the batched search's scores, and batched with the tanh
-    one_exp, t_one_exp = timed(per_example, m, ev_dev["src"], ev_dev["src_len"], exp_scores=True, **kw)
-    same_exp = sum(a == b for a, b in zip(one_exp, many))
-    tanh, t_tanh = timed(beam_search, m, ev_dev["src"], ev_dev["src_len"], exp_scores=False, **kw)
-    same_tanh = sum(a == b for a, b in zip(one, tanh))
+    one_exp, t_one_exp = timed(per_example, m, exp_scores=True)
+    same_exp = same_count(one_exp, many)
+    tanh, t_tanh = timed(beam_search, m, exp_scores=False)
+    same_tanh = same_count(one, tanh)
     # the seed's dot-product attention: per source position a dot product instead of an H-wide tanh,
     # so per-example decoding is dominated by per-step overheads that batching removes
     torch.manual_seed(0)
     dot = task.build_model(apply_overrides(cfg, {"model.attention": "dot"})).to(device).eval()
-    one, many, t_one_dot, t_many_dot = beams(dot)
-    same_dot = sum(a == b for a, b in zip(one, many))
+    (one, t_one_dot), (many, t_many_dot) = timed(per_example, dot), timed(beam_search, dot)
+    same_dot = same_count(one, many)
 
     # quality after the same optimizer steps from the same weights
     quality = {}

@@ -140,8 +140,7 @@ class CollectContextGrads(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.stash:
             a, gs = zip(*ctx.stash)
-            total = torch.bmm(torch.stack(a, 2).to(gs[0].dtype), torch.stack(gs, 1))  # [N, S, T] @ [N, T, 2H]
-            g = total if g is None else g + total
+            g = g + torch.bmm(torch.stack(a, 2).to(gs[0].dtype), torch.stack(gs, 1))  # [N, S, T] @ [N, T, 2H]
             ctx.stash.clear()
         return g, None
 
@@ -258,6 +257,12 @@ class PointerGenerator(nn.Module):
             return None
         return torch.exp(2 * keys.detach())
 
+    def _additive_scores(self, keys: torch.Tensor, q: torch.Tensor, ekeys: Optional[torch.Tensor]) -> torch.Tensor:
+        """v^T tanh(keys + q): keys [B, S, H], queries [B, K, H] -> [B, K, S]; without the tanh given ekeys."""
+        if ekeys is not None and q.dtype == torch.float32:
+            return AdditiveScores.apply(keys, ekeys, q, self.v.weight[0])
+        return self.v(torch.tanh(keys[:, None] + q[:, :, None]))[..., 0]
+
     def attend(self, s: torch.Tensor, enc: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                weights: bool = True, group: int = 1, ekeys: Optional[torch.Tensor] = None,
                stash: Optional[list] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -269,22 +274,14 @@ class PointerGenerator(nn.Module):
         if group > 1:
             B, K = enc.shape[0], group
             if self.attention == "additive":
-                q = self.W_s(s).view(B, K, -1)
-                if ekeys is not None and q.dtype == torch.float32:
-                    scores = AdditiveScores.apply(keys, ekeys, q, self.v.weight[0])
-                else:
-                    scores = self.v(torch.tanh(keys[:, None] + q[:, :, None]))[..., 0]
+                scores = self._additive_scores(keys, self.W_s(s).view(B, K, -1), ekeys)
             else:  # [B, S, D] @ [B, D, K]: a K-wide product per position (MKL: ~2x faster than K rows x S)
                 q = self.W_q(s).view(B, K, -1)
                 scores = torch.bmm(enc, q.transpose(1, 2)).transpose(1, 2) / math.sqrt(enc.shape[-1])
             attn = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)  # [B, K, S]
             return torch.bmm(attn, enc).view(B * K, -1), attn.view(B * K, -1)
         if self.attention == "additive":
-            q = self.W_s(s)
-            if ekeys is not None and q.dtype == torch.float32:
-                scores = AdditiveScores.apply(keys, ekeys, q[:, None], self.v.weight[0])[:, 0]
-            else:
-                scores = self.v(torch.tanh(keys + q[:, None]))[..., 0]
+            scores = self._additive_scores(keys, self.W_s(s)[:, None], ekeys)[:, 0]
         else:
             q = self.W_q(s)
             if not weights:  # the context alone: one fused kernel (flash attention on a GPU)
