@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -53,7 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "
                                     "(default: quick with --quick where it exists, else default)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where both paths run: cuda (a GPU; JAX workloads on JAX's GPU backend), cpu (GPUs hidden "
+                        "from torch and JAX), auto (default): cuda where a GPU is visible, else cpu")
     args = p.parse_args(argv)
+    if args.device == "cpu":  # before torch or JAX first touch a GPU: both then see none
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    elif args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("raysys.bench: --device cuda: no CUDA device is visible to torch", file=sys.stderr)
+            return 2
     from raysys import console
 
     console.setup_logging()

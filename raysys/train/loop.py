@@ -38,8 +38,10 @@ def _ray_context() -> tuple[int, int]:
     return ctx.get_world_rank(), ctx.get_world_size()
 
 
-def _device(gpus_per_worker: float) -> torch.device:
+def _device(gpus_per_worker: float, workers: int) -> torch.device:
     if gpus_per_worker > 0 and torch.cuda.is_available():
+        if workers == 0:  # in this process (Train's local mode): no worker was assigned a GPU by Ray
+            return torch.device("cuda", torch.cuda.current_device())
         import ray.train.torch
 
         return ray.train.torch.get_device()
@@ -100,7 +102,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     rank, world = _ray_context()
     set_threads(cfg.launch)
     sink = Sink(payload.get("console"))
-    device = _device(cfg.launch.gpus_per_worker)
+    device = _device(cfg.launch.gpus_per_worker, cfg.launch.workers)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     np.random.seed(tc.seed)

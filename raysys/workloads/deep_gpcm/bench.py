@@ -13,6 +13,11 @@ import torch
 from raysys.config import apply_overrides
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _train_step(model, opt, batch) -> None:
     from raysys.workloads.deep_gpcm.model import masked_loss
 
@@ -23,46 +28,86 @@ def _train_step(model, opt, batch) -> None:
     opt.step()
 
 
-def step_throughput(batch: dict, n_questions: int, n_cats: int, repeats: int) -> dict:
+def step_throughput(batch: dict, n_questions: int, n_cats: int, repeats: int, device: torch.device | str = "cpu",
+                    variants: dict | None = None) -> dict:
     """Median seconds per training step (forward + backward + Adam) of each path, interleaved so
-    that drift on a shared machine hits both alike; plus prediction parity on shared weights."""
+    that drift on a shared machine hits both alike; plus prediction parity on shared weights.
+    ``variants`` maps a name to DeepGPCM keyword arguments (default: the two paths)."""
+    from raysys.train.data import to_device
     from raysys.workloads.deep_gpcm.model import DeepGPCM
 
+    device = torch.device(device)
+    variants = variants or {"naive": {"path": "naive"}, "optimized": {"path": "optimized"}}
+    batch = to_device(batch, device)
     torch.manual_seed(0)
-    models = {"naive": DeepGPCM(n_questions, n_cats, path="naive")}
-    models["optimized"] = DeepGPCM(n_questions, n_cats, path="optimized")
-    models["optimized"].load_state_dict(models["naive"].state_dict())
+    models = {k: DeepGPCM(n_questions, n_cats, **kw).to(device) for k, kw in variants.items()}
+    ref = next(iter(models.values()))
+    for m in models.values():
+        m.load_state_dict(ref.state_dict())
     with torch.no_grad():
-        a = models["naive"](batch["questions"], batch["responses"])
-        b = models["optimized"](batch["questions"], batch["responses"])
-        max_diff = float((a - b)[batch["mask"]].abs().max())
+        logits = {k: m(batch["questions"], batch["responses"]) for k, m in models.items()}
+    base = logits.get("naive", logits[next(iter(logits))])
+    diffs = {k: float((base - v)[batch["mask"]].abs().max()) for k, v in logits.items()}
     opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3) for k, m in models.items()}
     times = {k: [] for k in models}
-    for k in models:  # warm-up (allocator, lazy init)
+    for k in models:  # warm-up (allocator, lazy init, kernel compiles)
         _train_step(models[k], opts[k], batch)
+    _sync(device)
     for _ in range(repeats):
         for k in models:
             t0 = time.perf_counter()
             _train_step(models[k], opts[k], batch)
+            _sync(device)
             times[k].append(time.perf_counter() - t0)
     B, n_valid = batch["questions"].shape[0], int(batch["mask"].sum())
-    out = {"max_abs_logit_diff": max_diff}
+    out = {"max_abs_logit_diff": max(diffs.values())}
     for k, ts in times.items():
         med = statistics.median(ts)
-        out[k] = {"step_s": med, "throughput": B / med, "responses_per_s": n_valid / med, "steps_timed": len(ts)}
+        out[k] = {"step_s": med, "throughput": B / med, "responses_per_s": n_valid / med, "steps_timed": len(ts),
+                  "max_abs_logit_diff_vs_naive": diffs[k]}
+    return out
+
+
+def batch_sizes(task, cfg, sizes, repeats: int, device) -> dict:
+    """Step times at each batch size (the longest sequences of the training split, so T is the data's
+    longest): the naive path, the optimized path, and the optimized path with its recurrence as a
+    torch loop (``model.recurrence=loop``) next to whatever ``auto`` picks on this device."""
+    train_ds, _ = task.datasets(cfg)
+    seqs = task._data(cfg)
+    by_length = sorted(range(len(train_ds)), key=lambda i: -len(train_ds[i][0]))
+    variants = {"naive": {"path": "naive"}, "optimized": {"path": "optimized"},
+                "optimized_loop": {"path": "optimized", "recurrence": "loop"}}
+    out = {}
+    for bs in sizes:
+        big = task.collate([train_ds[i] for i in by_length[:bs]])
+        out[f"B={bs} T={big['questions'].shape[1]}"] = step_throughput(
+            big, seqs.n_questions, seqs.n_cats, repeats=repeats, device=device, variants=variants)
     return out
 
 
 def run_bench(quick: bool = False) -> dict:
     from raysys.train.launcher import run_training
+    from raysys.workloads.deep_gpcm.model import triton_available
     from raysys.workloads.deep_gpcm.workload import DeepGPCMTask, parity
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     task = DeepGPCMTask()
     cfg = task.prepare(parity())
     train_ds, _ = task.datasets(cfg)
     seqs = task._data(cfg)
     batch = task.collate([train_ds[i] for i in range(cfg.train.batch_size)])
-    speed = step_throughput(batch, seqs.n_questions, seqs.n_cats, repeats=3 if quick else 8)
+    speed = step_throughput(batch, seqs.n_questions, seqs.n_cats, repeats=3 if quick else 8, device=device)
+    extra = {"max |logit diff| naive vs optimized (shared weights)": f"{speed['max_abs_logit_diff']:.2e}",
+             "quality run": "12 steps each (quick)" if quick else f"{cfg.train.epochs} epochs each, fold 0"}
+    gpu_batches = {}
+    if device.type == "cuda":
+        gpu_batches = batch_sizes(task, cfg, (cfg.train.batch_size, 256), repeats=5 if quick else 10, device=device)
+        for name, r in gpu_batches.items():
+            extra[f"{name} step ms: naive / optimized / optimized loop"] = " / ".join(
+                f"{r[k]['step_s'] * 1e3:.2f}" for k in ("naive", "optimized", "optimized_loop")) + (
+                f" ({r['naive']['step_s'] / r['optimized']['step_s']:.0f}x; logits |diff| "
+                f"{r['optimized']['max_abs_logit_diff_vs_naive']:.1e})")
+        extra["recurrence on CUDA"] = "triton (fused kernels)" if triton_available() else "loop (triton missing)"
 
     # Quality: each path trained the same way from the same seed, through the shared loop in-process.
     quality = {}
@@ -70,7 +115,7 @@ def run_bench(quick: bool = False) -> dict:
         for path in ("naive", "optimized"):
             overrides = {"model.path": path, "launch.workers": 0, "launch.storage_path": tmp,
                          "launch.tracking_uri": f"sqlite:///{Path(tmp) / 'bench.db'}", "launch.name": f"bench-{path}",
-                         "train.log_every_steps": 10}
+                         "train.log_every_steps": 10, "launch.gpus_per_worker": 1 if device.type == "cuda" else 0}
             if quick:
                 overrides |= {"train.max_steps": 12, "train.epochs": 1}
             t0 = time.perf_counter()
@@ -81,9 +126,9 @@ def run_bench(quick: bool = False) -> dict:
     res = {"workload": "deep_gpcm", "throughput_unit": "samples/s (train step, same batch)", "quality_metric": "qwk",
            "batch": {"size": int(batch["questions"].shape[0]), "max_len": int(batch["questions"].shape[1]),
                      "valid_responses": int(batch["mask"].sum())},
-           "speedup": speed["naive"]["step_s"] / speed["optimized"]["step_s"],
-           "extra": {"max |logit diff| naive vs optimized (shared weights)": f"{speed['max_abs_logit_diff']:.2e}",
-                     "quality run": "12 steps each (quick)" if quick else f"{cfg.train.epochs} epochs each, fold 0"}}
+           "speedup": speed["naive"]["step_s"] / speed["optimized"]["step_s"], "extra": extra}
+    if gpu_batches:
+        res["gpu_batches"] = gpu_batches
     for path in ("naive", "optimized"):
         res[path] = {**speed[path], "quality": quality[path].get("qwk"), "eval": quality[path]}
     res["max_abs_logit_diff"] = speed["max_abs_logit_diff"]

@@ -25,6 +25,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ModelPath = Literal["naive", "optimized"]
+Recurrence = Literal["auto", "loop", "triton"]
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def linear_decay(n_cats: int, device: torch.device | str | None = None,
@@ -190,18 +199,23 @@ class DeepGPCM(nn.Module):
     memory loop with that many intra-op threads, then restores the setting; None leaves it alone.
     Its ops are small, so each thread-team barrier is a large share of them: 1 is ~25% slower on
     an idle 2-core host but several times faster when other jobs load the cores (a descheduled
-    team member stalls every op). Logits at padded steps are unspecified
+    team member stalls every op). ``recurrence`` (optimized only) picks how the memory recurrence
+    runs: ``loop`` is ``_MemoryScan``, ``triton`` the fused kernels of ``memory_kernel.py`` (a CUDA
+    device, or Triton's interpreter on a CPU), ``auto`` the kernels on CUDA where Triton is
+    installed and the loop elsewhere. Logits at padded steps are unspecified
     (the optimized path returns 0 there, the naive path whatever its loop computes): mask them.
     """
 
     def __init__(self, n_questions: int, n_cats: int = 4, memory_size: int = 50, key_dim: int = 50,
                  value_dim: int = 200, final_fc_dim: int = 50, path: ModelPath = "optimized",
-                 chunk: int = 16, recurrence_threads: int | None = None):
+                 chunk: int = 16, recurrence_threads: int | None = None, recurrence: Recurrence = "auto"):
         super().__init__()
         if path not in ("naive", "optimized"):
             raise ValueError(f"path must be 'naive' or 'optimized', got {path!r}")
+        if recurrence not in ("auto", "loop", "triton"):
+            raise ValueError(f"recurrence must be 'auto', 'loop' or 'triton', got {recurrence!r}")
         self.n_questions, self.n_cats, self.path = n_questions, n_cats, path
-        self.chunk, self.recurrence_threads = chunk, recurrence_threads
+        self.chunk, self.recurrence_threads, self.recurrence = chunk, recurrence_threads, recurrence
         self.q_embed = nn.Embedding(n_questions + 1, key_dim, padding_idx=0)
         # The original's input: a K*Q linear-decay code of (question, response). Block q-1 holds
         # the K-vector of response r; everything else is 0.
@@ -238,6 +252,11 @@ class DeepGPCM(nn.Module):
         alpha = F.softplus(self.alpha_head(torch.cat([summary, q], dim=-1)))
         steps = alpha * (theta - beta)  # [..., K-1]
         return torch.cat([torch.zeros_like(steps[..., :1]), steps.cumsum(-1)], dim=-1)
+
+    def _use_triton(self, device: torch.device) -> bool:
+        if self.recurrence == "auto":
+            return device.type == "cuda" and triton_available()
+        return self.recurrence == "triton"
 
     # ---- naive: the original's per-timestep loops ---------------------------------------------
 
@@ -302,15 +321,21 @@ class DeepGPCM(nn.Module):
         lengths = ((questions != 0) * (steps + 1)).amax(1)  # up to the last non-padding id
         order = torch.argsort(lengths, descending=True, stable=True)
         questions, responses = questions[order], responses[order]
-        inside = steps[:, None] < lengths[order][None, :]  # [T,B], sorted rows
-        active = inside.sum(1).tolist()  # one host sync
+        lengths = lengths[order]
+        inside = steps[:, None] < lengths[None, :]  # [T,B], sorted rows
 
         q_embeds = self.q_embed(questions.t())  # [T,B,Dk], time-major for the recurrence
         w = torch.softmax(q_embeds @ self.key_memory.t(), dim=-1)  # [T,B,N]
         erase, add = self._value_inputs(questions, responses)
         # the recurrence runs in float32 whatever autocast did upstream: errors compound over T steps
-        reads = _MemoryScan.apply(w.float(), erase.float(), add.float(), self.init_value_memory.float(), active,
-                                  self.chunk, self.recurrence_threads)  # [T,B,Dv]
+        args = w.float(), erase.float(), add.float(), self.init_value_memory.float()
+        if self._use_triton(w.device):
+            from raysys.workloads.deep_gpcm.memory_kernel import memory_scan
+
+            reads = memory_scan(*args, lengths, self.chunk)  # [T,B,Dv]; no host sync
+        else:
+            active = inside.sum(1).tolist()  # one host sync
+            reads = _MemoryScan.apply(*args, active, self.chunk, self.recurrence_threads)
 
         # The head runs on steps inside a sequence only (padding is ~40% of a synthetic_OC batch);
         # its logits land straight in [B,T] order, unsorted. Padded steps get logits 0.

@@ -71,9 +71,18 @@ class ModelConfig:
     """optimized: memory states kept every `chunk` steps; the backward recomputes the rest."""
     recurrence_threads: Optional[int] = None
     """optimized: torch threads for the memory loop only (1 is faster on a busy CPU); None leaves it."""
+    recurrence: Literal["auto", "loop", "triton"] = "auto"
+    """optimized: how the memory recurrence runs. loop: step by step in torch ops; triton: two fused
+    kernels that keep each row's memory on chip for all steps (CUDA; a CPU only in Triton's
+    interpreter, TRITON_INTERPRET=1); auto: triton on CUDA where it is installed, else loop."""
 
     def validate(self) -> None:
         at_least(self, "model.", 1, "memory_size", "key_dim", "value_dim", "final_fc_dim", "chunk", "recurrence_threads")
+        if self.recurrence == "triton":
+            from raysys.workloads.deep_gpcm.model import triton_available
+
+            require(triton_available(), "model.recurrence=triton needs the triton package (pip install triton)")
+            require(self.path == "optimized", "model.recurrence=triton applies to model.path=optimized only")
 
 
 @dataclass
@@ -184,7 +193,7 @@ class DeepGPCMTask:
         m = cfg.model
         return DeepGPCM(seqs.n_questions, seqs.n_cats, memory_size=m.memory_size, key_dim=m.key_dim,
                         value_dim=m.value_dim, final_fc_dim=m.final_fc_dim, path=m.path, chunk=m.chunk,
-                        recurrence_threads=m.recurrence_threads)
+                        recurrence_threads=m.recurrence_threads, recurrence=m.recurrence)
 
     def loss(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
         from raysys.workloads.deep_gpcm.model import masked_loss

@@ -1,0 +1,154 @@
+"""The DKVMN memory recurrence as two fused Triton kernels (forward, reverse-time backward).
+
+The same function as ``model._MemoryScan`` (read before write, padded steps skipped):
+
+    r_t     = w_t^T M_t
+    M_{t+1} = M_t + w_t (a_t - e_t * M_t)
+
+Why a kernel: on a GPU the loop of ``_MemoryScan`` launches a few tiny kernels per step, so an
+H100 spends its time launching them (issue #14). The recurrence is elementwise in the memory's
+columns: column j of M_{t+1} needs column j of M_t, w_t and e_t[j], a_t[j] only. So one program
+owns one batch row and one block of columns, keeps that [N, BLOCK_D] slice of M in registers for
+all T steps, and touches global memory only for its inputs and outputs.
+
+Backward: G_t = dL/dM_t runs in reverse time. From G_{t+1}, the read's gradient dr_t and M_t,
+
+    dw_t[i] = sum_j dr_t[j] M_t[i,j] + G_{t+1}[i,j] (a_t[j] - e_t[j] M_t[i,j])
+    da_t[j] = sum_i w_t[i] G_{t+1}[i,j]
+    de_t[j] = -sum_i w_t[i] G_{t+1}[i,j] M_t[i,j]
+    G_t     = G_{t+1} * (1 - w_t e_t^T) + w_t dr_t^T
+
+and dL/dM_0 = sum over rows of G_0. M_t is needed in reverse order: the forward stores M every
+``chunk`` steps; the backward recomputes one chunk into a per-program scratch slice (small enough
+to stay in L2) and walks it backwards. dw sums over all columns, so each column block writes its
+partial sum and the caller adds them (one small reduction, no atomics: results are deterministic).
+
+On a CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
+imported; numpy, slow, but the same program): that is how CI checks them against the naive path.
+Triton is imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, B, N, D,
+         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_N)
+    col_ok, row_ok = cols < D, rows < N
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    tile = rows[:, None] * D + cols[None, :]
+    m = tl.load(m0_ptr + tile, mask=tile_ok, other=0.0)
+    length = tl.load(len_ptr + b)
+    for c in range(0, (length + CHUNK - 1) // CHUNK):
+        tl.store(ckpt_ptr + (c * B + b) * N * D + tile, m, mask=tile_ok)
+        for s in range(0, CHUNK):
+            t = c * CHUNK + s
+            n_ok = tl.where(t < length, N, 0)  # masks: all rows/columns inside the sequence, none after
+            d_ok = tl.where(t < length, D, 0)
+            wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
+            et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+            at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+            tl.store(reads_ptr + (t * B + b) * D + cols, tl.sum(wt[:, None] * m, axis=0), mask=cols < d_ok)
+            m += wt[:, None] * (at[None, :] - et[None, :] * m)  # w = 0 on padded steps: no change
+
+
+@triton.jit
+def _bwd(w_ptr, e_ptr, a_ptr, len_ptr, ckpt_ptr, gr_ptr, dw_ptr, de_ptr, da_ptr, dm0_ptr, scratch_ptr, T, B, N, D,
+         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    cols = blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_N)
+    col_ok, row_ok = cols < D, rows < N
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    tile = rows[:, None] * D + cols[None, :]
+    length = tl.load(len_ptr + b)
+    g = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # G_{t+1}; 0 after a row's last step
+    n_chunks = (length + CHUNK - 1) // CHUNK
+    for cc in range(0, n_chunks):
+        c = n_chunks - 1 - cc
+        m = tl.load(ckpt_ptr + (c * B + b) * N * D + tile, mask=tile_ok, other=0.0)
+        for s in range(0, CHUNK):  # recompute M_t of this chunk into scratch
+            t = c * CHUNK + s
+            n_ok = tl.where(t < length, N, 0)  # masks: all rows/columns inside the sequence, none after
+            d_ok = tl.where(t < length, D, 0)
+            tl.store(scratch_ptr + (b * CHUNK + s) * N * D + tile, m, mask=tile_ok)
+            wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
+            et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+            at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+            m += wt[:, None] * (at[None, :] - et[None, :] * m)
+        tl.debug_barrier()  # the scratch slice written above is read back below by other threads
+        for s2 in range(0, CHUNK):
+            s = CHUNK - 1 - s2
+            t = c * CHUNK + s
+            n_ok = tl.where(t < length, N, 0)  # masks: all rows/columns inside the sequence, none after
+            d_ok = tl.where(t < length, D, 0)
+            m = tl.load(scratch_ptr + (b * CHUNK + s) * N * D + tile, mask=tile_ok, other=0.0)
+            wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
+            et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+            at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+            dr = tl.load(gr_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+            wg = wt[:, None] * g
+            tl.store(da_ptr + (t * B + b) * D + cols, tl.sum(wg, axis=0), mask=cols < d_ok)
+            tl.store(de_ptr + (t * B + b) * D + cols, -tl.sum(wg * m, axis=0), mask=cols < d_ok)
+            dw = tl.sum(dr[None, :] * m + g * (at[None, :] - et[None, :] * m), axis=1)
+            tl.store(dw_ptr + ((blk * T + t) * B + b) * N + rows, dw, mask=rows < n_ok)
+            g = g - wt[:, None] * (et[None, :] * g - dr[None, :])  # w = dr = 0 on padded steps: no change
+        tl.debug_barrier()  # the next chunk overwrites the scratch slice
+    tl.store(dm0_ptr + b * N * D + tile, g, mask=tile_ok)
+
+
+def _launch(x: torch.Tensor, d: int) -> tuple[int, int]:
+    """(the grid's column blocks, BLOCK_D) for a memory of d columns."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton memory recurrence runs on a CUDA device, or on a CPU in Triton's interpreter "
+                           "(TRITON_INTERPRET=1 set before triton is imported)")
+    block_d = min(triton.next_power_of_2(d), 64)
+    return triton.cdiv(d, block_d), block_d
+
+
+class TritonMemoryScan(torch.autograd.Function):
+    """``_MemoryScan``'s contract with per-row lengths: w [T,B,N], e, a [T,B,Dv], m0 [N,Dv], lengths [B]
+    (int32, steps inside each row's sequence) -> reads [T,B,Dv], 0 on padded steps. float32."""
+
+    @staticmethod
+    def forward(ctx, w, e, a, m0, lengths, chunk: int):
+        w, e, a, m0 = (x.float().contiguous() for x in (w, e, a, m0))
+        T, B, N = w.shape
+        D = e.shape[-1]
+        blocks, block_d = _launch(w, D)
+        reads = e.new_zeros(T, B, D)
+        ckpt = e.new_empty(triton.cdiv(T, chunk), B, N, D)
+        _fwd[(B, blocks)](w, e, a, m0, lengths, reads, ckpt, B, N, D,
+                         CHUNK=chunk, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d)
+        ctx.save_for_backward(w, e, a, lengths, ckpt)
+        ctx.chunk = chunk
+        return reads
+
+    @staticmethod
+    def backward(ctx, grad_reads):
+        w, e, a, lengths, ckpt = ctx.saved_tensors
+        T, B, N = w.shape
+        D = e.shape[-1]
+        blocks, block_d = _launch(w, D)
+        dw = w.new_zeros(blocks, T, B, N)
+        de, da = torch.zeros_like(e), torch.zeros_like(a)
+        dm0 = e.new_empty(B, N, D)
+        scratch = e.new_empty(B, ctx.chunk, N, D)
+        _bwd[(B, blocks)](w, e, a, lengths, ckpt, grad_reads.float().contiguous(), dw, de, da, dm0, scratch, T, B, N, D,
+                         CHUNK=ctx.chunk, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d)
+        return dw.sum(0), de, da, dm0.sum(0), None, None
+
+
+def memory_scan(w: torch.Tensor, e: torch.Tensor, a: torch.Tensor, m0: torch.Tensor, lengths: torch.Tensor,
+                chunk: int = 16) -> torch.Tensor:
+    return TritonMemoryScan.apply(w, e, a, m0, lengths.to(device=w.device, dtype=torch.int32).contiguous(), chunk)
