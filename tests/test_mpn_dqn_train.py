@@ -30,8 +30,13 @@ def test_seed_command_translates_and_schedules():
     assert sync_period(cfg) == (100 * 200 - 1000) // 4 // 50
     with pytest.raises(ConfigError, match="sequence_lenght"):
         apply_overrides(cfg, {"sequence_lenght": 10})
-    with pytest.raises(ConfigError, match="precision and compile"):
+    with pytest.raises(ConfigError, match="precision, compile and cuda_graph"):
         apply_overrides(registry.get("mpn_dqn").config("original"), {"precision": "bf16"})
+    # the CUDA-graphed update (tests/test_gpu.py runs it): its limits are config errors, found up front
+    for bad, fragment in (({"device": "cpu"}, "needs a CUDA learner"), ({"precision": "fp16"}, "fp16"),
+                          ({"compile": True}, "pick one"), ({"launch.workers": 2}, "across learners")):
+        with pytest.raises(ConfigError, match=fragment):
+            apply_overrides(cfg, {"cuda_graph": True, "device": "cuda", **bad})
 
 
 @pytest.mark.timeout(300)

@@ -29,11 +29,9 @@ Recurrence = Literal["auto", "loop", "triton"]
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def linear_decay(n_cats: int, device: torch.device | str | None = None,

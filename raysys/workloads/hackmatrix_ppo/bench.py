@@ -144,6 +144,81 @@ def python_loop_throughput(num_envs: int = 256, num_steps: int = 128, updates: i
             "mean_return": float(np.mean(rets)) if rets else None}
 
 
+def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3) -> dict:
+    """Where one PPO update's time goes, on one device: the env step alone (random legal actions,
+    ``raysys.envs.hackmatrix.bench``), the rollout (policy network + sampling + env step,
+    ``ppo.make_rollout``), and the whole update (rollout + GAE + epochs of minibatch SGD). Each is
+    its own jitted program, timed after compilation (median of ``repeats``); the split is the
+    differences: env | policy in the rollout | learning."""
+    import jax
+
+    from raysys.envs.hackmatrix.bench import measure
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    cfg = _cfg(num_envs, num_steps, 1)
+    env = measure(num_envs, num_steps, repeats, params=ppo.env_params_of(cfg))
+    t_env = num_envs * num_steps / env["env_steps_per_s"]
+    mesh = ppo.make_mesh(jax.devices()[:1])
+    runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
+    rollout = jax.jit(ppo.make_rollout(cfg))
+    args = (runner.params, runner.env_state, runner.obs, runner.env_keys)
+    jax.block_until_ready(rollout(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(rollout(*args))
+        times.append(time.perf_counter() - t)
+    t_rollout = float(np.median(times))
+    full = fused_throughput(num_envs, num_steps, chunks=repeats, updates_per_chunk=1)
+    t_update = num_envs * num_steps / full["env_steps_per_s"]
+    parts = {"env step": t_env, "policy network + sampling": max(t_rollout - t_env, 0.0),
+             "learning (GAE + SGD epochs)": max(t_update - t_rollout, 0.0)}
+    return {"num_envs": num_envs, "num_steps": num_steps, "device": str(jax.devices()[0].platform),
+            "update_s": t_update, "rollout_s": t_rollout, "env_s": t_env,
+            "share": {k: v / t_update for k, v in parts.items()}, "env_steps_per_s": full["env_steps_per_s"]}
+
+
+def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunks: int = 3) -> dict:
+    """Aggregate env-steps/s of K members of one shape trained as one population program (what
+    ``--vectorize K`` runs) vs one member's program alone (what each separate trial runs), on this
+    machine's devices, compiles excluded (reported apart). Members differ in seed and learning rate."""
+    import dataclasses
+
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    cfg = _cfg(num_envs, num_steps, 1)
+    alone = fused_throughput(num_envs, num_steps, chunks=chunks, updates_per_chunk=1)
+    cfgs = [dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr * (0.5 + i / k)),
+                                train=dataclasses.replace(cfg.train, seed=i)) for i in range(k)]
+    mesh = ppo.make_mesh()
+    runners = ppo.init_population(cfg, [jax.random.PRNGKey(c.train.seed) for c in cfgs], mesh)
+    hps = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
+    active = ppo.replicate(np.ones(k, bool), mesh)
+    t0 = time.perf_counter()
+    step = ppo.make_population_chunk(cfg, mesh).lower(runners, hps, active).compile()
+    compile_s = time.perf_counter() - t0
+    runners, stats = step(runners, hps, active)  # warm-up
+    jax.block_until_ready(stats)
+    times = []
+    for _ in range(chunks):
+        t = time.perf_counter()
+        runners, stats = step(runners, hps, active)
+        jax.block_until_ready(stats)
+        times.append(time.perf_counter() - t)
+    together = k * num_envs * num_steps / float(np.median(times))
+    return {"k": k, "num_envs": num_envs, "num_steps": num_steps, "population_env_steps_per_s": together,
+            "alone_env_steps_per_s": alone["env_steps_per_s"], "ratio": together / alone["env_steps_per_s"],
+            "population_compile_s": compile_s, "alone_compile_s": alone["compile_s"]}
+
+
+def _print_split(p: dict) -> None:
+    print(f"[bench] one update at {p['num_envs']} envs x {p['num_steps']} steps: {p['update_s'] * 1e3:.1f} ms "
+          f"({p['env_steps_per_s']:.0f} env-steps/s): " + ", ".join(f"{k} {v:.0%}" for k, v in p["share"].items()),
+          flush=True)
+
+
 def run_bench(quick: bool = False) -> dict:
     from raysys.envs import hackmatrix as hm
 
@@ -175,6 +250,17 @@ def run_bench(quick: bool = False) -> dict:
         "ratio_2048_vs_256": big["env_steps_per_s"] / small["env_steps_per_s"],
         "random_policy_return": random_return,
     }
+    if jax.default_backend() != "cpu":  # a GPU/TPU: the large env batches it is for, and where time goes
+        for n in (8192, 32768):
+            r = fused_throughput(n, 128, chunks=chunks, updates_per_chunk=1)
+            res[f"envs_{n}"] = r
+            extra[f"fused PPO env-steps/s at {n} envs x 128 steps"] = f"{r['env_steps_per_s']:.0f}"
+        res["profile_8192"] = split = profile_split(8192, 128, repeats=3)
+        _print_split(split)
+        extra["one update at 8192 envs: time shares"] = ", ".join(f"{k} {v:.0%}" for k, v in split["share"].items())
+        res["population_32"] = pop = population_vs_alone(32, 256, 128, chunks=chunks)
+        extra["population of 32 x 256 envs vs one member alone (aggregate env-steps/s)"] = (
+            f"{pop['population_env_steps_per_s']:.0f} vs {pop['alone_env_steps_per_s']:.0f}: {pop['ratio']:.1f}x")
     try:
         from raysys.workloads.hackmatrix_ppo.rllib_compare import measure_rllib_ppo
 
@@ -186,3 +272,23 @@ def run_bench(quick: bool = False) -> dict:
         pass
     res["extra"] = extra
     return res
+
+
+if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --profile 256 2048 | --population 32
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="where one PPO update's time goes: env step, policy, learning")
+    ap.add_argument("--profile", type=int, nargs="+", default=[256], metavar="NUM_ENVS")
+    ap.add_argument("--steps", type=int, default=128, help="env steps per update")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--population", type=int, metavar="K", help="instead: K members at 256 envs as one program vs "
+                                                                  "one member alone (aggregate env-steps/s)")
+    a = ap.parse_args()
+    if a.population:
+        print(json.dumps(population_vs_alone(a.population, 256, a.steps, a.repeats)))
+    else:
+        for n in a.profile:
+            split = profile_split(n, a.steps, a.repeats)
+            _print_split(split)
+            print(json.dumps(split))

@@ -228,15 +228,12 @@ def ppo_loss(params, mb: Transition, adv, targets, cfg, dtype=jnp.float32):
     return total, dict(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
 
 
-def make_update(cfg, n_devices: int):
-    """``update(runner, hp) -> (runner, stats)``: one PPO update on this device's envs (called inside
-    shard_map over AXIS). ``cfg`` fixes the shapes; ``hp`` (:class:`HParams`) the rest."""
-    tc = cfg.train
-    dtype = jnp.bfloat16 if tc.precision == "bf16" else jnp.float32
+def make_rollout(cfg):
+    """``rollout(params, env_state, obs, env_keys) -> ((params, env_state, obs, env_keys), traj)``: the
+    ``num_steps`` policy + env steps of one update as one ``lax.scan`` (the first half of
+    ``make_update``'s update; the bench's profile times it alone)."""
+    dtype = jnp.bfloat16 if cfg.train.precision == "bf16" else jnp.float32
     env_params = env_params_of(cfg)
-    nmb, epochs = minibatch_plan(cfg)
-    local_envs = tc.num_envs // n_devices
-    steps_per_update = tc.num_envs * tc.num_steps
     vstep = jax.vmap(hm.step, in_axes=(0, 0, 0, None))
 
     def env_step(carry, _):
@@ -250,6 +247,22 @@ def make_update(cfg, n_devices: int):
         t = Transition(obs.features, obs.action_mask, action, logp, value, reward, done.astype(jnp.float32),
                        info["episode_return"], info["episode_length"])
         return (params, env_state, next_obs, env_keys), t
+
+    def rollout(params, env_state, obs, env_keys):
+        return jax.lax.scan(env_step, (params, env_state, obs, env_keys), None, cfg.train.num_steps)
+
+    return rollout
+
+
+def make_update(cfg, n_devices: int):
+    """``update(runner, hp) -> (runner, stats)``: one PPO update on this device's envs (called inside
+    shard_map over AXIS). ``cfg`` fixes the shapes; ``hp`` (:class:`HParams`) the rest."""
+    tc = cfg.train
+    dtype = jnp.bfloat16 if tc.precision == "bf16" else jnp.float32
+    nmb, epochs = minibatch_plan(cfg)
+    local_envs = tc.num_envs // n_devices
+    steps_per_update = tc.num_envs * tc.num_steps
+    rollout = make_rollout(cfg)
 
     def sgd_step(carry, mb_data):
         params, opt_state, hp = carry
@@ -282,8 +295,7 @@ def make_update(cfg, n_devices: int):
         hp = hp._replace(lr=lr)
         opt_state = runner.opt_state
         opt_state[1].hyperparams["learning_rate"] = lr
-        (params, env_state, obs, env_keys), traj = jax.lax.scan(
-            env_step, (runner.params, runner.env_state, runner.obs, runner.env_keys), None, tc.num_steps)
+        (params, env_state, obs, env_keys), traj = rollout(runner.params, runner.env_state, runner.obs, runner.env_keys)
         _, last_value = forward(params, obs.features, obs.action_mask, dtype)
         adv, targets = gae(traj.reward, traj.value, traj.done, last_value, hp.gamma, hp.gae_lambda)
         key, k_epochs = jax.random.split(runner.key)

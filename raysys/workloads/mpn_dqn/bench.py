@@ -11,6 +11,7 @@ Two ratios, as the seed claimed them:
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -31,17 +32,72 @@ def _run(preset: str, overrides: dict, tmp: str) -> dict:
     return {k.split("/")[1]: m.get(k) for k in keys}
 
 
+def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda",
+                 kinds=("eager", "compile", "cuda_graph")) -> dict:
+    """Milliseconds per whole optimized update (TD loss, backward, clip, Adam step) at each batch
+    size: eager, ``torch.compile``d loss, and the CUDA-graphed update (``cuda_graph``), median of
+    ``repeats`` after a warm-up, on the same weights and batch."""
+    import statistics
+    import time
+
+    import torch
+
+    from raysys.workloads.mpn_dqn.loss import _setup, td_loss_optimized
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    out = {}
+    for B in batch_sizes:
+        row = {}
+        for kind in kinds:
+            online, target, batch = _setup(B, 10, 128, 7, 3, device, 0)
+            params = list(online.parameters())
+            opt = torch.optim.Adam(params, lr=2.5e-4, capturable=kind == "cuda_graph")
+            if kind == "cuda_graph":
+                from raysys.workloads.mpn_dqn.graphed import GraphedUpdate
+
+                step = functools.partial(GraphedUpdate(online, target, opt, 0.99, 10.0, None), batch)
+            else:
+                def step(compile=kind == "compile"):
+                    opt.zero_grad(set_to_none=True)
+                    loss = td_loss_optimized(online, target, batch, compile=compile)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(params, 10.0)
+                    opt.step()
+            for _ in range(5):  # warm-up, compile, capture
+                step()
+            sync()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                step()
+                sync()
+                times.append(time.perf_counter() - t0)
+            row[kind] = statistics.median(times) * 1e3
+        out[f"B={B}"] = row
+        print(f"[bench] update at B={B}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()), flush=True)
+    return out
+
+
 def run_bench(quick: bool = False) -> dict:
+    import torch
+
     from raysys.workloads.mpn_dqn.loss import compare_td_loss
 
-    td = compare_td_loss(rounds=6 if quick else 15)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    td = compare_td_loss(rounds=6 if quick else 15, device=device)
     print(f"[bench] TD-loss step: naive {td['naive_s'] * 1e3:.1f} ms, optimized {td['optimized_s'] * 1e3:.2f} ms "
           f"-> {td['speedup']:.1f}x", flush=True)
+    updates = update_times(repeats=20 if quick else 50) if device == "cuda" else None
     # Same episodes for both commands; the old one stops at its time budget.
     episodes, budget = (40, 90.0) if quick else (100, 900.0)
     with tempfile.TemporaryDirectory() as tmp:
         fast = _run("default", {"num_episodes": episodes, "eval_trials": 100}, tmp)
         old = _run("original", {"num_episodes": episodes, "max_seconds": budget, "eval_trials": 100}, tmp)
+        graphed = _run("default", {"num_episodes": episodes, "eval_trials": 100, "cuda_graph": True,
+                                   "launch.name": "bench-graphed"}, tmp) if device == "cuda" else None
     ratio = fast["env_steps_per_s"] / old["env_steps_per_s"]
     rllib = rollout_vs_rllib(rounds=6 if quick else 12)
     return {
@@ -54,6 +110,7 @@ def run_bench(quick: bool = False) -> dict:
                       "command": "default preset (the seed's fast command): sequence_batch_size=64 train_freq=4"},
         "speedup": ratio,
         "td_loss": td,
+        **({"update_ms": updates, "cuda_graph_training": graphed} if updates else {}),
         "rollout_vs_rllib": rllib,
         "extra": {
             "TD-loss step speedup (B=64 L=10 H=128)": f"{td['speedup']:.1f}x "
@@ -64,6 +121,10 @@ def run_bench(quick: bool = False) -> dict:
             "fast command": f"{fast['episodes']} episodes in {fast['train_seconds']:.0f}s, "
                             f"final avg reward {fast['final_avg_reward']:.2f}",
             "random policy reward/trial": f"{fast['random_reward_per_trial']:.3f}",
+            **({f"update ms at {b}: eager / compile / cuda_graph": " / ".join(f"{v:.2f}" for v in row.values())
+                for b, row in updates.items()} if updates else {}),
+            **({"fast command with cuda_graph": f"{graphed['env_steps_per_s']:.0f} env-steps/s, final avg reward "
+                                                f"{graphed['final_avg_reward']:.2f}"} if graphed else {}),
             "rollout pool vs RLlib EnvRunners (2 actors x 8 envs)": f"{rllib['ratio']:.2f}x "
                                                                     f"({rllib['raysys_env_steps_per_s']:.0f} vs "
                                                                     f"{rllib['rllib_env_steps_per_s']:.0f} env-steps/s)",

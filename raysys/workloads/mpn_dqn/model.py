@@ -66,10 +66,10 @@ class MPNLayer(nn.Module):
         L = obs.shape[1]
         keep = None if reset_mask is None else (~reset_mask.bool()).to(obs.dtype)
         # Eager: only steps where some sequence resets pay for the mask (one host sync); under
-        # torch.compile mask every step rather than break the graph on .tolist().
+        # torch.compile or a CUDA graph capture mask every step rather than sync on .tolist().
         if keep is None:
             resets = [False] * L
-        elif torch.compiler.is_compiling():
+        elif torch.compiler.is_compiling() or (obs.is_cuda and torch.cuda.is_current_stream_capturing()):
             resets = [True] * L
         else:
             resets = reset_mask.bool().any(0).tolist()

@@ -189,7 +189,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     target.load_state_dict(online.state_dict())
     target.requires_grad_(False)
     params = list(online.parameters())
-    opt = torch.optim.Adam(params, lr=cfg.lr)
+    if cfg.cuda_graph and device.type != "cuda":
+        raise ConfigError(f"cuda_graph needs a CUDA learner; this one is on {device}")
+    opt = torch.optim.Adam(params, lr=cfg.lr, capturable=cfg.cuda_graph)
     amp = {"fp32": False, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
     state_shape = (cfg.hidden, build.args[0]) if cfg.stored_state else None
@@ -216,6 +218,11 @@ def train(cfg: MPNDQNConfig, session) -> dict:
             rng = np.random.default_rng([cfg.seed, rank, c["updates"]])
         session.message(f"resumed at episode {c['episodes']} ({c['env_steps']} env steps, {c['updates']} updates)")
 
+    graphed = None
+    if cfg.cuda_graph:  # after the restore: the capture records the restored tensors
+        from raysys.workloads.mpn_dqn.graphed import GraphedUpdate
+
+        graphed = GraphedUpdate(online, target, opt, cfg.gamma, cfg.max_grad_norm, amp or None)
     every = sync_period(cfg, world)
     collector = Collector(cfg, rank)
     sampler = _restore_rollout(collector, ckpt, world, session)
@@ -267,17 +274,20 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                 batch = as_tensors(replay.sample(cfg.sequence_batch_size, cfg.sequence_length, rng, cfg.burn_in), device)
                 if not cfg.stored_state:
                     batch.pop("M0", None)
-                if cfg.path == "naive":
-                    loss = td_loss_naive(online, target, batch, cfg.gamma)
+                if graphed is not None:
+                    loss, gn = graphed(batch)
                 else:
-                    loss = td_loss_optimized(online, target, batch, cfg.gamma, amp=amp, compile=cfg.compile)
-                opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                average_gradients(params, world)
-                scaler.unscale_(opt)
-                gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                scaler.step(opt)
-                scaler.update()
+                    if cfg.path == "naive":
+                        loss = td_loss_naive(online, target, batch, cfg.gamma)
+                    else:
+                        loss = td_loss_optimized(online, target, batch, cfg.gamma, amp=amp, compile=cfg.compile)
+                    opt.zero_grad(set_to_none=True)
+                    scaler.scale(loss).backward()
+                    average_gradients(params, world)
+                    scaler.unscale_(opt)
+                    gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                    scaler.step(opt)
+                    scaler.update()
                 c["updates"] += 1
                 losses.append(loss.detach()), grad_norms.append(gn.detach())  # no .item(): avoid a sync per update
                 if c["updates"] % every == 0:

@@ -53,6 +53,10 @@ class MPNDQNConfig:
     """Autocast of the unrolls: bf16 (CPU or GPU), fp16 (CUDA only, with loss scaling)."""
     compile: bool = False
     """torch.compile the optimized TD loss (falls back to eager if compilation fails)."""
+    cuda_graph: bool = False
+    """Capture the whole optimized update (TD loss, backward, clip, Adam) as one CUDA graph and
+    replay it per update: the seed's small batches are launch-bound on a GPU (graphed.py). CUDA
+    learner, fp32 or bf16, one learner."""
     learner_threads: int = 0
     """torch intra-op threads of the learner; 0 keeps torch's default (all cores)."""
     device: str = "auto"
@@ -123,8 +127,15 @@ class MPNDQNConfig:
         at_least(self, "", 0, "learning_starts", "target_sync_every")
         if self.buffer_capacity < self.num_envs:
             raise ConfigError(f"buffer_capacity ({self.buffer_capacity}) must hold one step of all {self.num_envs} envs")
-        if self.path == "naive" and (self.precision != "fp32" or self.compile):
-            raise ConfigError("precision and compile apply to path=optimized only (naive is the seed's fp32 eager code)")
+        if self.path == "naive" and (self.precision != "fp32" or self.compile or self.cuda_graph):
+            raise ConfigError("precision, compile and cuda_graph apply to path=optimized only (naive is the seed's "
+                              "fp32 eager code)")
+        if self.cuda_graph:
+            require(not self.device.startswith("cpu"), "cuda_graph needs a CUDA learner (device is cpu)")
+            require(self.precision != "fp16", "cuda_graph: fp16's loss scaling skips steps on the host; use bf16")
+            require(not self.compile, "cuda_graph and compile are two ways to cut launches: pick one")
+            require(self.launch.workers <= 1, "cuda_graph: gradient averaging across learners is not captured; "
+                    "use launch.workers <= 1")
 
     @property
     def num_envs(self) -> int:

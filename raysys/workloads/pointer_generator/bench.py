@@ -47,13 +47,15 @@ def peak_memory(fn, device: torch.device) -> int:
     return peak
 
 
-def _opt_step(model, opt, micro_batches, device) -> int:
-    """One optimizer step over ``micro_batches`` (gradient accumulation); returns target tokens."""
+def _opt_step(model, opt, micro_batches, device, dtype=None) -> int:
+    """One optimizer step over ``micro_batches`` (gradient accumulation), under autocast to ``dtype``
+    if given; returns target tokens."""
     opt.zero_grad(set_to_none=True)
     tokens = 0
     for b in micro_batches:
         b = to_device(b, device)
-        total, n = model(b["src"], b["src_len"], b["tgt"])
+        with torch.autocast(device.type, dtype or torch.float32, enabled=dtype is not None):
+            total, n = model(b["src"], b["src_len"], b["tgt"])
         (total / n / len(micro_batches)).backward()
         tokens += int(n)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -159,6 +161,22 @@ def run_bench(quick: bool = False) -> dict:
     (one, t_one_dot), (many, t_many_dot) = timed(per_example, dot), timed(beam_search, dot)
     same_dot = same_count(one, many)
 
+    # On a GPU: the optimized step as a GPU runs it, bf16 autocast, with additive and with dot (SDPA,
+    # flash where it applies) attention, on the same batches, next to its fp32 figure above
+    gpu_steps = {}
+    if device.type == "cuda":
+        for name, attention in (("optimized bf16", "additive"), ("optimized bf16 dot/SDPA", "dot")):
+            torch.manual_seed(0)
+            mod = task.build_model(apply_overrides(cfg, {"model.attention": attention})).to(device)
+            o = torch.optim.Adam(mod.parameters(), lr=cfg.optim.lr)
+            _opt_step(mod, o, plans["optimized"][0], device, torch.bfloat16)  # warm-up
+            t0, n_tok = time.perf_counter(), 0
+            for st in range(1, steps + 1):
+                n_tok += _opt_step(mod, o, plans["optimized"][st], device, torch.bfloat16)
+            gpu_steps[name] = {"throughput": n_tok / (time.perf_counter() - t0),
+                               "peak_memory_mb": peak_memory(lambda: _opt_step(mod, o, plans["optimized"][0], device,
+                                                                               torch.bfloat16), device) / 2**20}
+
     # quality after the same optimizer steps from the same weights
     quality = {}
     for k, model in models.items():
@@ -200,4 +218,10 @@ def run_bench(quick: bool = False) -> dict:
                                       f"{n_ev / t_many_dot:.2f}/s ({t_one_dot / t_many_dot:.1f}x)",
         "quality": f"ROUGE-2 after {steps + 1} optimizer steps from the same weights (a speed check, not a learning run)",
     }
+    if gpu_steps:
+        res["gpu_steps"] = gpu_steps
+        for name, r in gpu_steps.items():
+            res["extra"][f"training, {name}"] = (f"{r['throughput']:.0f} target tokens/s "
+                                                 f"({r['throughput'] / res['naive']['throughput']:.1f}x naive), "
+                                                 f"peak {r['peak_memory_mb']:.0f} MB")
     return res
