@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU check and bench the open issues ask for, for a session that is lent a GPU machine.
 #
-# Here, once:   bash ../shared/devkit/build.sh            (writes .devkit/, the wheels the device lacks)
-# On the device, in two calls of under 10 minutes each (device `run` with carry [".devkit"]):
-#   source .devkit/install-on-device.sh && bash scripts/gpu_checks.sh a     # tests, deep_gpcm, mpn_dqn
-#   source .devkit/install-on-device.sh && bash scripts/gpu_checks.sh b     # hackmatrix_ppo, pointer_generator, ad_transformer
+# The device has no network and lacks some of raysys's packages, and what travels to it must stay
+# under 64 MiB, so each of the two device calls gets its own kit (devkit plus that group's extras):
+#   here:       bash scripts/gpu_checks.sh kit a        (or kit b; ~1 minute, rebuilds .devkit/)
+#   on device:  rm -rf /tmp/site; source .devkit/install-on-device.sh && bash scripts/gpu_checks.sh a
+#               (a device `run` with carry [".devkit"], under 10 minutes; the rm makes a warm machine
+#               install this call's kit, not keep the previous one)
+#   a: pytest -m gpu, the deep_gpcm and mpn_dqn benches (extras: neurogym and its needs)
+#   b: the hackmatrix_ppo, pointer_generator and ad_transformer benches (sentencepiece, rouge-score;
+#      without the SQL store's wheels, which these benches do not use, to stay under 64 MiB)
 # Each step has its own time limit, so one slow step cannot use up a call; logs and JSON land in
 # $OUT (they come back). Then record the figures in docs/benchmarks.md with the device named.
 set -uo pipefail
@@ -22,6 +27,20 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log, go on 
   echo "   exit $? ; last lines:"
   tail -n 12 "$OUT/$name.log" | sed 's/^/   /'
 }
+
+EXTRA_A="neurogym==2.3.1 pydantic-settings==2.14.1 loguru==0.7.3 tomlkit==0.15.2 natsort==8.4.0"
+EXTRA_B="sentencepiece==0.2.3 nltk==3.10.4 absl-py==2.5.1 regex==2026.5.9 joblib==1.6.0 click==8.4.0 tqdm==4.70.1 six==1.17.0"
+if [ "${1:-}" = kit ]; then  # here, not on the device
+  case "${2:-}" in
+    a) EXTRA="$EXTRA_A" DL=$(mktemp -d) bash ../shared/devkit/build.sh ;;
+    # b's benches open no MLflow store: its SQL and crypto wheels make room for the text packages
+    b) EXTRA="$EXTRA_B" DL=$(mktemp -d) bash ../shared/devkit/build.sh \
+         && rm -f .devkit/sqlalchemy-*.whl .devkit/cryptography-*.whl \
+         && python -m pip wheel -q --no-deps rouge-score==0.1.2 -w .devkit ;;  # an sdist only: built here, pure Python
+    *) echo "usage: bash scripts/gpu_checks.sh kit a|b" >&2; exit 2 ;;
+  esac
+  exit $?
+fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 case "${1:-a}" in
