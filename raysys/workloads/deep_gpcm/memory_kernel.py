@@ -107,6 +107,27 @@ def _bwd(w_ptr, e_ptr, a_ptr, len_ptr, ckpt_ptr, gr_ptr, dw_ptr, de_ptr, da_ptr,
     tl.store(dm0_ptr + b * N * D + tile, g, mask=tile_ok)
 
 
+def compile_for(arch: int = 90, chunk: int = 16, n: int = 50, d: int = 200) -> dict:
+    """Both kernels through Triton's whole compiler (to PTX and cubin) for a CUDA architecture
+    (90: H100), without a GPU: what a CPU-only CI can check besides the numerics. -> {name: PTX}."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr, i32 = "*fp32", "i32"
+    consts = {"CHUNK": chunk, "BLOCK_N": triton.next_power_of_2(n), "BLOCK_D": min(triton.next_power_of_2(d), 64)}
+    sigs = {
+        "fwd": (_fwd, [ptr] * 4 + ["*i32", ptr, ptr] + [i32] * 3),
+        "bwd": (_bwd, [ptr] * 3 + ["*i32"] + [ptr] * 7 + [i32] * 4),
+    }
+    out = {}
+    for name, (kernel, types) in sigs.items():
+        names = kernel.arg_names
+        signature = dict(zip(names, types)) | {k: "constexpr" for k in consts}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=GPUTarget("cuda", arch, 32))
+        out[name] = compiled.asm["ptx"]
+    return out
+
+
 def _launch(x: torch.Tensor, d: int) -> tuple[int, int]:
     """(the grid's column blocks, BLOCK_D) for a memory of d columns."""
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
