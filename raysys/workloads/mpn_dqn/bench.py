@@ -33,10 +33,12 @@ def _run(preset: str, overrides: dict, tmp: str) -> dict:
 
 
 def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda",
-                 kinds=("eager", "compile", "cuda_graph")) -> dict:
+                 kinds=("eager", "compile", "reduce-overhead", "cuda_graph")) -> dict:
     """Milliseconds per whole optimized update (TD loss, backward, clip, Adam step) at each batch
-    size: eager, ``torch.compile``d loss, and the CUDA-graphed update (``cuda_graph``), median of
-    ``repeats`` after a warm-up, on the same weights and batch."""
+    size: eager, the loss through ``torch.compile`` (the ``compile`` knob), the same with
+    ``mode="reduce-overhead"`` (CUDA graphs of the loss's forward and backward, inside compile), and
+    the whole update as one CUDA graph (the ``cuda_graph`` knob); median of ``repeats`` after a
+    warm-up, on the same weights and batch."""
     import statistics
     import time
 
@@ -59,6 +61,19 @@ def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda"
                 from raysys.workloads.mpn_dqn.graphed import GraphedUpdate
 
                 step = functools.partial(GraphedUpdate(online, target, opt, 0.99, 10.0, None), batch)
+            elif kind == "reduce-overhead":
+                from raysys.workloads.mpn_dqn.loss import _stream, _td_core
+
+                core = torch.compile(_td_core, mode="reduce-overhead", dynamic=False)
+                stream, reset = _stream(batch)
+                args = (stream, reset, None, batch["action"].long(), batch["reward"].float(), batch["done"].float(),
+                        batch["mask"].float(), 0.99, 0, None)
+
+                def step():
+                    opt.zero_grad(set_to_none=True)
+                    core(online, target, *args).backward()
+                    torch.nn.utils.clip_grad_norm_(params, 10.0)
+                    opt.step()
             else:
                 def step(compile=kind == "compile"):
                     opt.zero_grad(set_to_none=True)
@@ -121,7 +136,7 @@ def run_bench(quick: bool = False) -> dict:
             "fast command": f"{fast['episodes']} episodes in {fast['train_seconds']:.0f}s, "
                             f"final avg reward {fast['final_avg_reward']:.2f}",
             "random policy reward/trial": f"{fast['random_reward_per_trial']:.3f}",
-            **({f"update ms at {b}: eager / compile / cuda_graph": " / ".join(f"{v:.2f}" for v in row.values())
+            **({f"update ms at {b}: " + " / ".join(row): " / ".join(f"{v:.2f}" for v in row.values())
                 for b, row in updates.items()} if updates else {}),
             **({"fast command with cuda_graph": f"{graphed['env_steps_per_s']:.0f} env-steps/s, final avg reward "
                                                 f"{graphed['final_avg_reward']:.2f}"} if graphed else {}),
