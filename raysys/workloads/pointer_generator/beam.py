@@ -15,8 +15,9 @@ search for a whole batch, all ``B x K`` hypotheses through one decoder step, wit
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from raysys.workloads.pointer_generator.model import BOS, EOS, PointerGenerator
+from raysys.workloads.pointer_generator.model import BOS, EOS, SOURCE_BLOCK, PointerGenerator
 
 
 def _block_trigrams(logp: torch.Tensor, hist: torch.Tensor) -> None:
@@ -39,6 +40,11 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
     training step; the same function to float rounding) instead of a tanh per element."""
     B, K, dev = src.shape[0], beam, src.device
     enc, keys, mask, (h, c) = model.encode(src, src_len, naive=False)
+    # source positions padded to whole blocks (model.chunked_context): every product then has the
+    # same inner sizes alone or batched, and an example's summary does not depend on its batch
+    pad = -src.shape[1] % SOURCE_BLOCK
+    src, mask = F.pad(src, (0, pad)), F.pad(mask, (0, pad))
+    enc, keys = F.pad(enc, (0, 0, 0, pad)), F.pad(keys, (0, 0, 0, pad))
     ekeys = model.exp_keys(keys) if exp_scores else None
     rep = lambda x, dim=0: x.repeat_interleave(K, dim=dim)  # noqa: E731  [B, ...] -> [B*K, ...]
     srcK = rep(src)  # the encodings stay [B, ...]: the K beams of an example read them together
@@ -96,7 +102,7 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
             rows = torch.tensor(keep, device=dev)
             live = [live[j] for j in keep]
             lens = lens[rows]
-            S = int(lens.max())
+            S = -(-int(lens.max()) // SOURCE_BLOCK) * SOURCE_BLOCK  # whole blocks, as above
             enc, keys, mask = enc[rows, :S], keys[rows, :S], mask[rows, :S]
             ekeys = None if ekeys is None else ekeys[rows, :S].contiguous()
             srcK = srcK.view(n, K, -1)[rows, :, :S].reshape(len(keep) * K, S)

@@ -51,6 +51,25 @@ def _lstm_kernels(x: torch.Tensor):
 # tanh was the largest cost of both training (18% of a step, plus its saved activations) and beam search.
 
 EXP_RANGE = 40.0  # |x| <= 40: e^{2x} and the product of two such stay finite and nonzero in float32
+SOURCE_BLOCK = 64  # beam search: source positions in blocks of this many (see chunked_context)
+
+
+def chunked_context(attn: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+    """attn [B, K, S] @ enc [B, S, D] -> [B, K, D], with S a multiple of SOURCE_BLOCK: one product per
+    block of positions, then the blocks added in order. Why not one bmm: its sum over S is associated
+    differently for different S (BLAS blocks and unrolls its inner dimension by the length), so an
+    example's context would depend on how far the other examples of its batch pad it. Here trailing
+    blocks of padding add exact zeros, so an example's context is bit-identical alone or in any batch
+    (its decoder states too: every other product has fixed inner sizes), and a batched beam search
+    returns exactly what a per-example one does."""
+    B, K, S = attn.shape
+    n = S // SOURCE_BLOCK
+    blocks = torch.bmm(attn.view(B, K, n, SOURCE_BLOCK).transpose(1, 2).reshape(B * n, K, SOURCE_BLOCK),
+                       enc.view(B * n, SOURCE_BLOCK, -1)).view(B, n, K, -1)
+    out = blocks[:, 0]
+    for i in range(1, n):  # in order: a sum's own reduction could associate by n as well
+        out = out + blocks[:, i]
+    return out
 
 
 def _scores_from_exp(ek: torch.Tensor, eq: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -279,7 +298,8 @@ class PointerGenerator(nn.Module):
                 q = self.W_q(s).view(B, K, -1)
                 scores = torch.bmm(enc, q.transpose(1, 2)).transpose(1, 2) / math.sqrt(enc.shape[-1])
             attn = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)  # [B, K, S]
-            return torch.bmm(attn, enc).view(B * K, -1), attn.view(B * K, -1)
+            ctx = chunked_context(attn, enc) if enc.shape[1] % SOURCE_BLOCK == 0 else torch.bmm(attn, enc)
+            return ctx.view(B * K, -1), attn.view(B * K, -1)
         if self.attention == "additive":
             scores = self._additive_scores(keys, self.W_s(s)[:, None], ekeys)[:, 0]
         else:
@@ -334,17 +354,23 @@ class PointerGenerator(nn.Module):
         f = torch.cat([s, ctx, emb_t], -1)
         return self.out(self.drop(f)), self.gen(f)[..., 0]
 
-    def final_probs(self, logits, gen_logit, attn, src) -> torch.Tensor:
+    def final_probs(self, logits, gen_logit, attn, src, exact: bool = False) -> torch.Tensor:
         """P(w) over the whole vocabulary [N, V]: the softmax, mixed with the attention scattered
-        onto the source words."""
+        onto the source words. ``exact``: p_gen's sigmoid in float64 (see final_log_probs)."""
         p = torch.softmax(logits.float(), -1)
         if not self.copy:
             return p
-        pg = torch.sigmoid(gen_logit.float())[:, None]
+        pg = torch.sigmoid(gen_logit.double() if exact else gen_logit.float()).float()[:, None]
         return (pg * p).scatter_add(1, src, (1 - pg) * attn.float())
 
     def final_log_probs(self, logits, gen_logit, attn, src) -> torch.Tensor:
-        return torch.log(self.final_probs(logits, gen_logit, attn, src).clamp_min(TINY))
+        """log P(w) [N, V], as beam search scores it. The log runs in float64, rounded once to float32:
+        ATen computes a tensor's last (numel mod 2 x SIMD width) elements with scalar code and the rest
+        with SIMD, which can differ in the last bit, so in float32 an example's scores would depend on
+        the size of its batch. In float64 the two agree after rounding (but for ties ~1e-9 apart). The
+        same for p_gen's sigmoid over [N]; softmax and every product work row by row, the same alone
+        or batched (for hidden and embedding sizes that are multiples of 16)."""
+        return torch.log(self.final_probs(logits, gen_logit, attn, src, exact=True).double().clamp_min(TINY)).float()
 
     # ---- training loss ------------------------------------------------------------------------------
 
