@@ -107,23 +107,25 @@ def test_batched_beam_search_gives_the_per_example_summaries(prepared, eos_bias)
 
 @pytest.mark.parametrize("attention,exp_scores", [("additive", True), ("additive", False), ("dot", False)])
 def test_an_example_scores_the_same_alone_or_in_a_batch(prepared, attention, exp_scores):
-    """Bit for bit, not just the same argmax: every log-prob row the batched search scores for an
+    """Bit for bit, not just the same argmax: every probability row the batched search scores for an
     example equals the one its per-example search scores, at every step while all examples are live,
     for sources of different lengths (so each is padded differently in the batch). Before source
-    blocks (model.chunked_context) and the float64 log, most examples differed in the last bit and a
-    near-tie could flip a summary."""
-    task, cfg, _, evals = prepared
+    blocks (model.chunked_context) and p_gen's sigmoid in float64, most examples differed in the last
+    bit and a near-tie could flip a summary."""
+    task, cfg, notes, _ = prepared
     torch.manual_seed(2)
-    model = task.build_model(apply_overrides(cfg, {"model.attention": attention})).eval()
-    batch = task.collate([evals[i] for i in range(8)])
-    assert len(set(batch["src_len"].tolist())) > 4
-    rows, original = [], model.final_log_probs
-    model.final_log_probs = lambda *a: rows.append(original(*a)) or rows[-1]
+    # the small preset's widths: with these the one-bmm context differed alone and batched
+    model = task.build_model(apply_overrides(cfg, {"model.attention": attention, "model.hidden": 128,
+                                                  "model.emb_dim": 64})).eval()
+    batch = task.collate([notes[i] for i in range(40)])
+    assert len(set(batch["src_len"].tolist())) > 20
+    rows, original = [], model.final_probs
+    model.final_probs = lambda *a, **k: rows.append(original(*a, **k).clone()) or rows[-1]
     steps = 6  # < min_len below: no example leaves the batch, so row block i is example i
     kw = dict(beam=4, min_len=steps + 1, max_len=steps, exp_scores=exp_scores)
     beam_search(model, batch["src"], batch["src_len"], **kw)
     batched = rows[:]
-    for i in range(8):
+    for i in range(40):
         rows.clear()
         n = int(batch["src_len"][i])
         beam_search(model, batch["src"][i:i + 1, :n], batch["src_len"][i:i + 1], **kw)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raysys.workloads.pointer_generator.model import BOS, EOS, SOURCE_BLOCK, PointerGenerator
+from raysys.workloads.pointer_generator.model import BOS, EOS, SOURCE_BLOCK, TINY, PointerGenerator
 
 
 def _block_trigrams(logp: torch.Tensor, hist: torch.Tensor) -> None:
@@ -63,22 +63,27 @@ def beam_search(model: PointerGenerator, src: torch.Tensor, src_len: torch.Tenso
         s, ctx, attn, state = model.step_fused(model.embedding_gates(emb), ctx, state, enc, keys, mask, group=K,
                                              ekeys=ekeys)
         logits, g = model.features(s, ctx, emb)
-        logp = model.final_log_probs(logits, g, attn, srcK)   # [n*K, V]
+        p = model.final_probs(logits, g, attn, srcK, exact=True)  # [n*K, V]
         if t < min_len:
-            logp[:, EOS] = float("-inf")
+            p[:, EOS] = float("-inf")
         if block_trigrams:
-            _block_trigrams(logp, hist)
-        V = logp.shape[1]
-        cand = (scores.view(-1, 1) + logp).view(n, K * V)
-        top_s, top_i = cand.topk(2 * K, dim=1)                 # enough to find K live continuations
-        top_s, top_i = top_s.tolist(), top_i.tolist()
+            _block_trigrams(p, hist)
+        # A beam's best continuations by score + log p are its best by p: rank each beam's 2K on p,
+        # then take the log of those alone (float64: see final_probs on why, and a log of [n*K, V]
+        # cost more than the rest of the step's bookkeeping)
+        k2 = min(2 * K, p.shape[1])                            # enough to find K live continuations
+        p_top, tok_top = p.topk(k2, dim=1)                     # [n*K, k2]
+        lp = torch.log(p_top.double().clamp_min(TINY)).float().masked_fill_(p_top == float("-inf"), float("-inf"))
+        cand = (scores.view(-1, 1) + lp).view(n, K * k2)
+        top_s, top_i = cand.topk(k2, dim=1)
+        top_s, top_i, tok_top = top_s.tolist(), top_i.tolist(), tok_top.view(n, K * k2).tolist()
         keep, new_scores, src_beam, new_tok = [], [], [], []
         for j, b in enumerate(live):
             k, sc_j, beam_j, tok_j = 0, [float("-inf")] * K, [j * K] * K, [EOS] * K
             for sc, idx in zip(top_s[j], top_i[j]):
                 if sc == float("-inf"):
                     break
-                beam_idx, tok = divmod(idx, V)
+                beam_idx, tok = idx // k2, tok_top[j][idx]
                 if tok == EOS:
                     seq = hist[j * K + beam_idx].tolist()
                     finished[b].append((sc / max(1, len(seq) + 1) ** length_penalty, seq))

@@ -356,21 +356,17 @@ class PointerGenerator(nn.Module):
 
     def final_probs(self, logits, gen_logit, attn, src, exact: bool = False) -> torch.Tensor:
         """P(w) over the whole vocabulary [N, V]: the softmax, mixed with the attention scattered
-        onto the source words. ``exact``: p_gen's sigmoid in float64 (see final_log_probs)."""
+        onto the source words. ``exact`` (beam search): p_gen's sigmoid in float64, rounded once. ATen
+        computes a tensor's last (numel mod 2 x SIMD width) elements, and each thread's, with scalar
+        code, and a transcendental function's scalar and SIMD results can differ in the last bit, so
+        in float32 a row's p_gen would depend on how many rows its batch has; in float64 the two agree
+        after rounding (but for values ~1e-9 from a tie). Everything else here works row by row or
+        is exactly rounded arithmetic, the same alone or batched."""
         p = torch.softmax(logits.float(), -1)
         if not self.copy:
             return p
         pg = torch.sigmoid(gen_logit.double() if exact else gen_logit.float()).float()[:, None]
         return (pg * p).scatter_add(1, src, (1 - pg) * attn.float())
-
-    def final_log_probs(self, logits, gen_logit, attn, src) -> torch.Tensor:
-        """log P(w) [N, V], as beam search scores it. The log runs in float64, rounded once to float32:
-        ATen computes a tensor's last (numel mod 2 x SIMD width) elements with scalar code and the rest
-        with SIMD, which can differ in the last bit, so in float32 an example's scores would depend on
-        the size of its batch. In float64 the two agree after rounding (but for ties ~1e-9 apart). The
-        same for p_gen's sigmoid over [N]; softmax and every product work row by row, the same alone
-        or batched (for hidden and embedding sizes that are multiples of 16)."""
-        return torch.log(self.final_probs(logits, gen_logit, attn, src, exact=True).double().clamp_min(TINY)).float()
 
     # ---- training loss ------------------------------------------------------------------------------
 
