@@ -293,6 +293,16 @@ def test_triton_kernels_compile_for_an_h100_without_spills():
         assert not spills and size > 1000, (name, spills, size)
 
 
+def test_triton_recurrence_without_a_gpu_is_a_config_error(monkeypatch):
+    from raysys.config import ConfigError, apply_overrides
+    from raysys.workloads.deep_gpcm.workload import default
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="runs on a GPU|triton package"):
+        apply_overrides(default(), {"model.recurrence": "triton"})
+    apply_overrides(default(), {"model.recurrence": "loop"})  # the CPU's own: fine
+
+
 def test_bench_batch_sizes_runs_every_variant(tmp_path):
     """The GPU bench's table (naive, optimized, optimized with the loop recurrence at several batch
     sizes), run here on a CPU with a small synthetic set: every variant times and agrees."""

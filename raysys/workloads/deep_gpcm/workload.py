@@ -94,6 +94,14 @@ class DeepGPCMConfig:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def validate(self) -> None:
+        import os
+
+        require(self.model.recurrence != "triton" or self.launch.gpus_per_worker > 0
+                or os.environ.get("TRITON_INTERPRET") == "1",
+                "model.recurrence=triton runs on a GPU: add --gpus-per-worker 1 (or set TRITON_INTERPRET=1 to run "
+                "the kernels in Triton's CPU interpreter, slowly)")
+
 
 # ---- presets: plain functions deriving from each other -------------------------------------------
 
