@@ -24,7 +24,8 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU): before reading a timer."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -95,13 +96,13 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     counts = {p: (0, 0) for p in paths}
     for _ in range(repeats):
         for p in paths:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             samples = tokens = 0
             for it in items:
                 s, t = step(p, it)
                 samples, tokens = samples + s, tokens + t
-            _sync(device)
+            sync(device)
             times[p].append(time.perf_counter() - t0)
             counts[p] = (samples, tokens)
 

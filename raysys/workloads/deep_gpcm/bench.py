@@ -10,12 +10,8 @@ from pathlib import Path
 
 import torch
 
+from raysys.bench_generic import sync
 from raysys.config import apply_overrides
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _train_step(model, opt, batch) -> None:
@@ -52,12 +48,12 @@ def step_throughput(batch: dict, n_questions: int, n_cats: int, repeats: int, de
     times = {k: [] for k in models}
     for k in models:  # warm-up (allocator, lazy init, kernel compiles)
         _train_step(models[k], opts[k], batch)
-    _sync(device)
+    sync(device)
     for _ in range(repeats):
         for k in models:
             t0 = time.perf_counter()
             _train_step(models[k], opts[k], batch)
-            _sync(device)
+            sync(device)
             times[k].append(time.perf_counter() - t0)
     B, n_valid = batch["questions"].shape[0], int(batch["mask"].sum())
     out = {"max_abs_logit_diff": max(diffs.values())}

@@ -144,6 +144,20 @@ def python_loop_throughput(num_envs: int = 256, num_steps: int = 128, updates: i
             "mean_return": float(np.mean(rets)) if rets else None}
 
 
+def _median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of ``fn()`` (a JAX computation, waited for) over ``repeats``, after one
+    untimed call (compile, warm-up)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
 def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3) -> dict:
     """Where one PPO update's time goes, on one device: the env step alone (random legal actions,
     ``raysys.envs.hackmatrix.bench``), the rollout (policy network + sampling + env step,
@@ -162,13 +176,7 @@ def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3) -> dict
     runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
     rollout = jax.jit(ppo.make_rollout(cfg))
     args = (runner.params, runner.env_state, runner.obs, runner.env_keys)
-    jax.block_until_ready(rollout(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(rollout(*args))
-        times.append(time.perf_counter() - t)
-    t_rollout = float(np.median(times))
+    t_rollout = _median_seconds(lambda: rollout(*args), repeats)
     full = fused_throughput(num_envs, num_steps, chunks=repeats, updates_per_chunk=1)
     t_update = num_envs * num_steps / full["env_steps_per_s"]
     parts = {"env step": t_env, "policy network + sampling": max(t_rollout - t_env, 0.0),
@@ -199,15 +207,13 @@ def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunk
     t0 = time.perf_counter()
     step = ppo.make_population_chunk(cfg, mesh).lower(runners, hps, active).compile()
     compile_s = time.perf_counter() - t0
-    runners, stats = step(runners, hps, active)  # warm-up
-    jax.block_until_ready(stats)
-    times = []
-    for _ in range(chunks):
-        t = time.perf_counter()
-        runners, stats = step(runners, hps, active)
-        jax.block_until_ready(stats)
-        times.append(time.perf_counter() - t)
-    together = k * num_envs * num_steps / float(np.median(times))
+    state = [runners]
+
+    def chunk():
+        state[0], stats = step(state[0], hps, active)  # donated: each chunk continues the last
+        return stats
+
+    together = k * num_envs * num_steps / _median_seconds(chunk, chunks)
     return {"k": k, "num_envs": num_envs, "num_steps": num_steps, "population_env_steps_per_s": together,
             "alone_env_steps_per_s": alone["env_steps_per_s"], "ratio": together / alone["env_steps_per_s"],
             "population_compile_s": compile_s, "alone_compile_s": alone["compile_s"]}

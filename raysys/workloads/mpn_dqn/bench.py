@@ -44,11 +44,8 @@ def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda"
 
     import torch
 
+    from raysys.bench_generic import sync
     from raysys.workloads.mpn_dqn.loss import _setup, td_loss_optimized
-
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
 
     out = {}
     for B in batch_sizes:
@@ -61,21 +58,8 @@ def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda"
                 from raysys.workloads.mpn_dqn.graphed import GraphedUpdate
 
                 step = functools.partial(GraphedUpdate(online, target, opt, 0.99, 10.0, None), batch)
-            elif kind == "reduce-overhead":
-                from raysys.workloads.mpn_dqn.loss import _stream, _td_core
-
-                core = torch.compile(_td_core, mode="reduce-overhead", dynamic=False)
-                stream, reset = _stream(batch)
-                args = (stream, reset, None, batch["action"].long(), batch["reward"].float(), batch["done"].float(),
-                        batch["mask"].float(), 0.99, 0, None)
-
-                def step():
-                    opt.zero_grad(set_to_none=True)
-                    core(online, target, *args).backward()
-                    torch.nn.utils.clip_grad_norm_(params, 10.0)
-                    opt.step()
             else:
-                def step(compile=kind == "compile"):
+                def step(compile={"eager": False, "compile": True}.get(kind, kind)):
                     opt.zero_grad(set_to_none=True)
                     loss = td_loss_optimized(online, target, batch, compile=compile)
                     loss.backward()
@@ -83,12 +67,12 @@ def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda"
                     opt.step()
             for _ in range(5):  # warm-up, compile, capture
                 step()
-            sync()
+            sync(torch.device(device))
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 step()
-                sync()
+                sync(torch.device(device))
                 times.append(time.perf_counter() - t0)
             row[kind] = statistics.median(times) * 1e3
         out[f"B={B}"] = row

@@ -124,12 +124,14 @@ def _td_core(
 _compiled: dict[str, Callable] = {}
 
 
-def _core_fn(compile: bool) -> Callable:
+def _core_fn(compile: bool | str) -> Callable:
+    """``compile``: False (eager), True (torch.compile's default mode) or a torch.compile mode name."""
     if not compile or _compiled.get("failed"):
         return _td_core
-    if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(_td_core, dynamic=False)
-    return _compiled["fn"]
+    mode = compile if isinstance(compile, str) else "default"
+    if mode not in _compiled:
+        _compiled[mode] = torch.compile(_td_core, mode=mode, dynamic=False)
+    return _compiled[mode]
 
 
 def amp_dtype_for(device: torch.device | str) -> torch.dtype:
@@ -143,9 +145,10 @@ def td_loss_optimized(
     batch: dict,
     gamma: float = 0.99,
     amp: bool | torch.dtype = False,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> torch.Tensor:
-    """``amp``: False (fp32), True (bf16 on CPU, fp16 on CUDA) or an explicit autocast dtype."""
+    """``amp``: False (fp32), True (bf16 on CPU, fp16 on CUDA) or an explicit autocast dtype.
+    ``compile``: False, True, or a torch.compile mode (e.g. "reduce-overhead")."""
     stream, reset = _stream(batch)
     amp_dtype = amp if isinstance(amp, torch.dtype) else (amp_dtype_for(stream.device) if amp else None)
     args = (
