@@ -68,3 +68,53 @@ def test_program_key_splits_on_shapes_only():
         c = quick()
         setattr(getattr(c, section), field, value)
         assert pop.program_key(c) != pop.program_key(a), field
+
+
+def _run_cfg(tmp_path, name, cfg, population):
+    cfg.train.compilation_cache_dir, cfg.train.population = "", population
+    cfg.launch.storage_path, cfg.launch.name = str(tmp_path / "runs"), name
+    cfg.launch.tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return cfg
+
+
+def _params(tmp_path, name):
+    import torch
+
+    last = sorted((tmp_path / "runs" / name / "checkpoints").glob("step_*"))[-1]
+    return [t.numpy() for t in torch.load(last / "state.pt", weights_only=True)["params"]]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("population", ["loop", "vmap"])
+def test_a_population_run_ends_each_member_as_its_lone_run(tmp_path, population):
+    """Through the sessions (run folders, checkpoints, MLflow runs), both ways of carrying a
+    population: each member ends with its lone run's params and return, with its own measured speed.
+    The second member is reported unstable at its first chunk: it stops there, the others go on."""
+    from raysys.session import run_custom, run_population
+
+    cfgs = [_member(2.5e-4, 0.1, 0.2, 0.99, 0.95, 0.5, 0.5, 0), _member(5e-3, 0.0, 0.1, 0.95, 0.9, 1.0, 5.0, 7),
+            _member(1e-3, 0.05, 0.3, 0.999, 1.0, 0.25, 0.1, 3, anneal=False)]
+    seen = []
+
+    def report(metrics):
+        seen.append(metrics["step"])
+        return "lr too high"  # the verdict of a stability rule, at this member's first report
+
+    reports = [None, report, None]
+    together = run_population(WORKLOAD, [_run_cfg(tmp_path, f"pop-{i}", c, population) for i, c in enumerate(cfgs)],
+                              reports=reports)
+    assert seen == [16 * 16 * 2]  # halted at its first chunk: nothing more reported, nothing more trained
+    assert together[1].metrics["perf/env_steps"] == 16 * 16 * 2
+    for i in (0, 2):
+        cfg = _member(*[(2.5e-4, 0.1, 0.2, 0.99, 0.95, 0.5, 0.5, 0), None, (1e-3, 0.05, 0.3, 0.999, 1.0, 0.25, 0.1, 3)][i],
+                      anneal=i == 0)
+        alone = run_custom(WORKLOAD, _run_cfg(tmp_path, f"alone-{i}", cfg, population))
+        mine, lone = _params(tmp_path, f"pop-{i}"), _params(tmp_path, f"alone-{i}")
+        err = max(float(np.abs(a - b).max()) for a, b in zip(mine, lone))
+        assert err < 1e-5, (i, err)
+        if population == "loop":  # the same compiled program: bit-identical
+            assert err == 0.0
+        assert together[i].metrics["perf/env_steps"] == alone.metrics["perf/env_steps"] == 16 * 16 * 6
+        assert together[i].metrics["charts/episode_return"] == pytest.approx(alone.metrics["charts/episode_return"],
+                                                                              rel=1e-5, abs=1e-4)
+        assert together[i].metrics["perf/env_steps_per_s"] > 0

@@ -195,15 +195,16 @@ def test_sweep_of_a_train_fn_workload(workdir):
         assert len(client.get_metric_history(child.info.run_id, "charts/episode_return")) == 2  # one per chunk
 
     # The same workload vectorized (--vectorize 4) into the same store: 4 configurations in 2 programs
-    # (num_steps is a shape knob), each member its own child run, in the same form as the trials above.
-    # The stability rule caps the learning rate, so each program's lr=2e-3 member is unstable at its
-    # first report: it is masked, and the other member goes on.
+    # (train.population is not a member knob: one program batches its members with vmap, the other runs
+    # them in turn), each member its own child run, in the same form as the trials above. The stability
+    # rule caps the learning rate, so each program's lr=2e-3 member is unstable at its first report: it
+    # is masked, and the other member goes on.
     vspace = workdir / "vec.yaml"
     vspace.write_text(yaml.safe_dump({
         "workload": "hackmatrix_ppo", "preset": "quick",
         "fixed": {"launch.workers": 0, "train.total_timesteps": 10240, "train.num_envs": 32,
                   "train.compilation_cache_dir": ""},
-        "space": {"train.num_steps": {"grid": [32, 16]}, "optim.lr": {"grid": [2.0e-4, 2.0e-3]}},
+        "space": {"train.population": {"grid": ["vmap", "loop"]}, "optim.lr": {"grid": [2.0e-4, 2.0e-3]}},
         "objectives": {"tolerance": 0.5},
         "stability": {"bounds": {"charts/learning_rate": {"max": 1.0e-3}}}}))
     proc = _sweep(workdir, "--space", str(vspace), "--num-samples", "4", "--vectorize", "4", "--name", "vec")
@@ -223,11 +224,11 @@ def test_sweep_of_a_train_fn_workload(workdir):
         assert set(r.data.params) == set(children[0].data.params)  # every config value, as a lone trial's
         assert set(r.data.metrics) == set(children[0].data.metrics)
         assert {k for k in children[0].data.tags if k.startswith("raysys.")} <= set(r.data.tags)
-        chunks = 10240 // (5 * 32 * int(r.data.params["train.num_steps"]))  # quick: 5 updates per chunk
+        chunks = 10240 // (5 * 32 * 32)  # quick: 5 updates of 32 envs x 32 steps per chunk
         assert len(client.get_metric_history(r.info.run_id, "charts/episode_return")) == chunks
         assert r.data.metrics["perf/env_steps_per_s"] > 0 and r.data.metrics["eval/quality"] < 0
         assert r.data.tags["raysys.command"].startswith("python -m raysys train hackmatrix_ppo --preset quick ")
-    assert sorted(r.data.params["train.num_steps"] for r in members) == ["16", "16", "32", "32"]
+    assert sorted(r.data.params["train.population"] for r in members) == ["loop", "loop", "vmap", "vmap"]
     table = (workdir / "raysys_runs" / "sweeps" / "vec" / "report" / "trials.csv").read_text()
     assert sum(line.split(",")[1] in {r.data.tags["raysys.trial_id"] for r in members} for line in table.splitlines()) == 4
 

@@ -350,13 +350,17 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def init_population(cfg, keys, mesh: Mesh) -> Runner:
-    """Fresh runners for K members of ``cfg``'s shape, member i from ``keys[i]``: ``init_runner``'s
-    program (compiled once) run per member, then stacked. Not a vmap: a vmapped orthogonal init
-    (batched QR) wedges this jaxlib's multi-threaded CPU runtime."""
+def init_runners(cfg, keys, mesh: Mesh) -> list[Runner]:
+    """Fresh runners of ``cfg``'s shape, one per key: ``init_runner``'s program, compiled once."""
     _check_envs(cfg, mesh)
     one = jax.jit(lambda key: _build(cfg, key), out_shardings=runner_shardings(mesh))
-    return stack_runners([one(k) for k in keys], mesh)
+    return [one(k) for k in keys]
+
+
+def init_population(cfg, keys, mesh: Mesh) -> Runner:
+    """Fresh runners for K members of ``cfg``'s shape, member i from ``keys[i]``, stacked. Not a
+    vmap: a vmapped orthogonal init (batched QR) wedges this jaxlib's multi-threaded CPU runtime."""
+    return stack_runners(init_runners(cfg, keys, mesh), mesh)
 
 
 def stack_runners(runners: list[Runner], mesh: Mesh) -> Runner:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -62,6 +61,10 @@ class TrainConfig:
     """PRNG seed of params, envs and shuffling."""
     compilation_cache_dir: str = "~/.cache/raysys/jax"
     """Persistent JAX compilation cache ('' disables): a second start skips compilation."""
+    population: Literal["auto", "vmap", "loop"] = "auto"
+    """How ``--vectorize`` trains configurations of this shape in one process: vmap (one batched
+    program; pays on a GPU/TPU that one member leaves idle) or loop (this program, member after
+    member: one compile, no speed probe; a CPU runs a batch no faster). auto: loop on CPU, else vmap."""
 
     def validate(self) -> None:
         for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "updates_per_chunk"):
@@ -277,116 +280,13 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
 MEMBER_KNOBS = ("optim.lr", "optim.anneal_lr", "optim.max_grad_norm", "ppo.gamma", "ppo.gae_lambda", "ppo.clip_eps",
                 "ppo.ent_coef", "ppo.vf_coef", "train.seed", "train.total_timesteps",
                 "train.checkpoint_every_minutes", "train.compilation_cache_dir")
-PROBE_CHUNKS = 2
 
 
 def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[dict]:
-    """K configurations of one shape as one jitted program (``ppo.make_population_chunk``).
+    """K configurations of one shape in one process: see population.py."""
+    from raysys.workloads.hackmatrix_ppo.population import train_population as run
 
-    Each member starts (or resumes) from its own session exactly as ``train`` would, logs the same
-    metrics at the same env steps, and saves a checkpoint ``train`` can resume alone. A member is
-    masked (its state frozen) once it reached its ``total_timesteps`` or its session was halted.
-    Its ``perf/env_steps_per_s`` is what its configuration does alone on this device: one program
-    of a single member of the same shape, timed over a few chunks (members share shapes, so one
-    probe serves all). The population's own rate goes to the console."""
-    enable_compilation_cache(cfgs[0].train.compilation_cache_dir)
-    import jax
-    import numpy as np
-
-    from raysys.workloads.hackmatrix_ppo import ppo
-
-    lead, k = cfgs[0], len(cfgs)
-    mesh = ppo.make_mesh()
-    if any(s.store.latest() is not None for s in sessions):  # a resumed sweep: each member from its checkpoint
-        starts = [_start(c, s, mesh) for c, s in zip(cfgs, sessions)]
-        runners = ppo.stack_runners([r for r, _, _ in starts], mesh)
-    else:
-        runners = ppo.init_population(lead, [jax.random.PRNGKey(c.train.seed) for c in cfgs], mesh)
-        starts = [(None, 0, 0)] * k
-    env_steps = np.array([e for _, e, _ in starts])
-    updates = np.array([u for _, _, u in starts])
-    totals = np.array([c.train.total_timesteps for c in cfgs])
-    hps = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
-    with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
-        probe = pool.submit(_probe_program, lead, mesh)
-        t0 = time.perf_counter()
-        step = ppo.make_population_chunk(lead, mesh).lower(runners, hps, ppo.replicate(np.ones(k, bool), mesh)).compile()
-        compile_s = time.perf_counter() - t0
-        alone = _time_alone(lead, *probe.result())
-    per_chunk = lead.train.updates_per_chunk * lead.train.num_envs * lead.train.num_steps
-    sessions[0].message(f"population of {k} on {mesh.size} device(s) ({jax.devices()[0].platform}); compiled in "
-                        f"{compile_s:.1f}s; one member alone: {alone:.0f} env-steps/s")
-    finals = [{"perf/compile_s": compile_s} for _ in cfgs]
-    best = np.full(k, -np.inf)
-    last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
-    saved_at = env_steps.copy()
-
-    def save(members):
-        for i in members:
-            if env_steps[i] != saved_at[i] or sessions[i].store.latest() is None:  # only members that moved
-                _save(sessions[i], jax.tree.map(lambda x: x[i], runners), int(env_steps[i]), int(updates[i]))
-                saved_at[i] = env_steps[i]
-
-    while True:
-        live = np.array([env_steps[i] < totals[i] and not sessions[i].halted for i in range(k)])
-        if not live.any():
-            break
-        t = time.perf_counter()
-        runners, stats = step(runners, hps, ppo.replicate(live, mesh))
-        stats = {key: np.asarray(v, np.float64) for key, v in to_host(stats).items()}
-        dt = time.perf_counter() - t
-        done, wall = done + per_chunk * live.sum(), wall + dt
-        members = np.flatnonzero(live)
-        for i in members:
-            env_steps[i] += per_chunk
-            updates[i] += lead.train.updates_per_chunk
-            t_train[i] += dt
-            m = _chunk_metrics({key: float(v[i]) for key, v in stats.items()}, alone, compile_s)
-            if m["charts/episodes"]:
-                best[i] = max(best[i], m["charts/episode_return"])
-            finals[i] |= m
-            sessions[i].log(m, int(env_steps[i]), progress=_progress(m) + f" (member 1 of {len(members)} live)" if i == members[0] else None,
-                            bar=(int(env_steps[i]), int(totals[i])), unit="env-step")
-        if time.perf_counter() - last_ckpt >= 60 * lead.train.checkpoint_every_minutes:
-            save(range(k))
-            last_ckpt = time.perf_counter()
-        if sessions[0].should_stop():  # SIGINT/SIGTERM: every member saves and the program stops
-            save(range(k))
-            sessions[0].message(f"stopped at {env_steps.min()}..{env_steps.max()} env steps; checkpoints saved")
-            return finals
-    save(range(k))
-    sessions[0].message(f"population of {k}: {done / max(wall, 1e-9):.0f} env-steps/s together; one member alone: "
-                        f"{alone:.0f}")
-    for i in range(k):
-        finals[i] |= {"eval/quality": finals[i].get("charts/episode_return", float("nan")),
-                      "charts/best_episode_return": float(best[i]), "perf/train_seconds": float(t_train[i]),
-                      "perf/env_steps": int(env_steps[i]), "perf/env_steps_per_s_overall": alone}
-    return finals
-
-
-def _probe_program(cfg: HackMatrixPPOConfig, mesh):
-    """A throwaway single-member runner of this shape and its compiled chunk (``train``'s program)."""
-    import jax
-
-    from raysys.workloads.hackmatrix_ppo import ppo
-
-    runner = ppo.init_runner(cfg, jax.random.PRNGKey(cfg.train.seed), mesh)
-    hp = ppo.replicate(ppo.hparams_of(cfg), mesh)
-    return runner, hp, ppo.make_train_chunk(cfg, mesh).lower(runner, hp).compile()
-
-
-def _time_alone(cfg: HackMatrixPPOConfig, runner, hp, step) -> float:
-    """env-steps/s of one member of this shape trained alone (compile excluded)."""
-    import jax
-
-    runner, stats = step(runner, hp)  # warm-up
-    jax.block_until_ready(stats)
-    t = time.perf_counter()
-    for _ in range(PROBE_CHUNKS):
-        runner, stats = step(runner, hp)
-    jax.block_until_ready(stats)
-    steps = PROBE_CHUNKS * cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
-    return steps / (time.perf_counter() - t)
+    return run(cfgs, sessions)
 
 
 def _check_in_hosts(runner, session) -> None:

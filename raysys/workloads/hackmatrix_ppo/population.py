@@ -1,0 +1,212 @@
+"""K HackMatrix PPO configurations of one shape in one process (``python -m raysys.tune --vectorize K``).
+
+Each member starts (or resumes) from its own session exactly as ``train`` would, logs the same
+metrics at the same env steps, and saves a checkpoint ``train`` can resume alone. A member stops
+(its state kept) once it reached its ``total_timesteps`` or its session was halted (unstable); the
+others go on. Two programs can carry the members (``train.population``), under one loop:
+
+* ``vmap``: ``ppo.make_population_chunk``, every member in one batched program. It pays where one
+  member leaves the device idle (a GPU at 256 envs). A member's ``perf/env_steps_per_s`` is what its
+  configuration does alone: a probe, ``train``'s program for one member of the same shape, is
+  compiled beside the population's and timed over a few chunks (members share shapes: one probe).
+* ``loop``: ``train``'s own compiled chunk, member after member. The same arithmetic with one
+  compile and no probe: each member's chunks are timed as a lone run's are. On a CPU a batch of
+  members runs no faster than one member (docs/benchmarks.md), so there the batched program's own
+  compile and its probe are all cost.
+
+``auto`` (the default) is ``loop`` on a CPU and ``vmap`` on a GPU or TPU.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from raysys.train.jax_host import enable_compilation_cache, to_host
+from raysys.workloads.hackmatrix_ppo import workload as lone
+
+PROBE_CHUNKS = 2
+
+
+def mode(cfg) -> str:
+    """``cfg.train.population`` with ``auto`` resolved for the devices JAX sees."""
+    import jax
+
+    if cfg.train.population != "auto":
+        return cfg.train.population
+    return "loop" if jax.devices()[0].platform == "cpu" else "vmap"
+
+
+def train_population(cfgs: list, sessions: list) -> list[dict]:
+    """``Population.train_fn``: train ``cfgs`` (one shape) together, each through its own session."""
+    enable_compilation_cache(cfgs[0].train.compilation_cache_dir)
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    lead, k = cfgs[0], len(cfgs)
+    mesh = ppo.make_mesh()
+    starts = _starts(cfgs, sessions, mesh)
+    program = (InTurn if mode(lead) == "loop" else Batched)(cfgs, [r for r, _, _ in starts], mesh)
+    env_steps = np.array([e for _, e, _ in starts])
+    updates = np.array([u for _, _, u in starts])
+    totals = np.array([c.train.total_timesteps for c in cfgs])
+    per_chunk = lead.train.updates_per_chunk * lead.train.num_envs * lead.train.num_steps
+    sessions[0].message(f"population of {k} on {mesh.size} device(s) ({jax.devices()[0].platform}), "
+                        f"{program.what}; compiled in {program.compile_s:.1f}s")
+    finals = [{"perf/compile_s": program.compile_s} for _ in cfgs]
+    best = np.full(k, -np.inf)
+    last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
+    saved_at = env_steps.copy()
+
+    def save(members):
+        for i in members:
+            if env_steps[i] != saved_at[i] or sessions[i].store.latest() is None:  # only members that moved
+                lone._save(sessions[i], program.runner(i), int(env_steps[i]), int(updates[i]))
+                saved_at[i] = env_steps[i]
+
+    while True:
+        live = np.array([env_steps[i] < totals[i] and not sessions[i].halted for i in range(k)])
+        if not live.any():
+            break
+        t = time.perf_counter()
+        chunk = program.step(live)
+        wall += time.perf_counter() - t
+        done += per_chunk * live.sum()
+        members = np.flatnonzero(live)
+        for i in members:
+            stats, seconds = chunk[i]
+            env_steps[i] += per_chunk
+            updates[i] += lead.train.updates_per_chunk
+            t_train[i] += seconds
+            m = lone._chunk_metrics(stats, program.rate(per_chunk, seconds), program.compile_s)
+            if m["charts/episodes"]:
+                best[i] = max(best[i], m["charts/episode_return"])
+            finals[i] |= m
+            progress = lone._progress(m) + f" (member 1 of {len(members)} live)" if i == members[0] else None
+            sessions[i].log(m, int(env_steps[i]), progress=progress, bar=(int(env_steps[i]), int(totals[i])),
+                            unit="env-step")
+        if time.perf_counter() - last_ckpt >= 60 * lead.train.checkpoint_every_minutes:
+            save(range(k))
+            last_ckpt = time.perf_counter()
+        if sessions[0].should_stop():  # SIGINT/SIGTERM: every member saves and the program stops
+            save(range(k))
+            sessions[0].message(f"stopped at {env_steps.min()}..{env_steps.max()} env steps; checkpoints saved")
+            return finals
+    save(range(k))
+    sessions[0].message(f"population of {k}: {done / max(wall, 1e-9):.0f} env-steps/s together{program.alone_note}")
+    for i in range(k):
+        trained = int(env_steps[i] - starts[i][1])
+        finals[i] |= {"eval/quality": finals[i].get("charts/episode_return", float("nan")),
+                      "charts/best_episode_return": float(best[i]), "perf/train_seconds": float(t_train[i]),
+                      "perf/env_steps": int(env_steps[i]),
+                      "perf/env_steps_per_s_overall": program.rate(trained, t_train[i])}
+    return finals
+
+
+def _starts(cfgs: list, sessions: list, mesh) -> list[tuple]:
+    """-> [(runner, env_steps, updates)]: each member from its checkpoint (a resumed sweep), or fresh
+    from one build program shared by all (the seed an argument of it, so compiled once)."""
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    fresh = [i for i, s in enumerate(sessions) if s.store.latest() is None]
+    built = dict(zip(fresh, ppo.init_runners(cfgs[0], [jax.random.PRNGKey(cfgs[i].train.seed) for i in fresh], mesh)))
+    return [(built[i], 0, 0) if i in built else lone._start(c, s, mesh) for i, (c, s) in enumerate(zip(cfgs, sessions))]
+
+
+class Batched:
+    """``vmap``: every member in ``ppo.make_population_chunk``; a member's speed is the probe's."""
+
+    what = "one batched program (train.population=vmap)"
+
+    def __init__(self, cfgs: list, runners: list, mesh):
+        from raysys.workloads.hackmatrix_ppo import ppo
+
+        self.mesh, lead = mesh, cfgs[0]
+        self.runners = ppo.stack_runners(runners, mesh)
+        self.hps = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
+        with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
+            probe = pool.submit(_probe_program, lead, mesh)
+            t0 = time.perf_counter()
+            active = ppo.replicate(np.ones(len(cfgs), bool), mesh)
+            self.step_fn = ppo.make_population_chunk(lead, mesh).lower(self.runners, self.hps, active).compile()
+            self.compile_s = time.perf_counter() - t0
+            self.alone = _time_alone(lead, *probe.result())
+        self.alone_note = f"; one member alone: {self.alone:.0f}"
+
+    def step(self, live: np.ndarray) -> dict[int, tuple[dict, float]]:
+        from raysys.workloads.hackmatrix_ppo import ppo
+
+        t = time.perf_counter()
+        self.runners, stats = self.step_fn(self.runners, self.hps, ppo.replicate(live, self.mesh))
+        stats = {key: np.asarray(v, np.float64) for key, v in to_host(stats).items()}
+        dt = time.perf_counter() - t
+        return {i: ({key: float(v[i]) for key, v in stats.items()}, dt) for i in np.flatnonzero(live)}
+
+    def rate(self, steps: float, seconds: float) -> float:
+        return self.alone  # the chunk's time is the whole population's
+
+    def runner(self, i: int):
+        import jax
+
+        return jax.tree.map(lambda x: x[i], self.runners)
+
+
+class InTurn:
+    """``loop``: ``train``'s compiled chunk run for each live member in turn, each timed on its own."""
+
+    what = "members in turn through one program (train.population=loop)"
+    alone_note = ""
+
+    def __init__(self, cfgs: list, runners: list, mesh):
+        from raysys.workloads.hackmatrix_ppo import ppo
+
+        self.runners = list(runners)
+        self.hps = [ppo.replicate(ppo.hparams_of(c), mesh) for c in cfgs]
+        t0 = time.perf_counter()
+        self.step_fn = ppo.make_train_chunk(cfgs[0], mesh).lower(self.runners[0], self.hps[0]).compile()
+        self.compile_s = time.perf_counter() - t0
+
+    def step(self, live: np.ndarray) -> dict[int, tuple[dict, float]]:
+        out = {}
+        for i in np.flatnonzero(live):
+            t = time.perf_counter()
+            self.runners[i], stats = self.step_fn(self.runners[i], self.hps[i])
+            stats = {key: float(v) for key, v in to_host(stats).items()}  # the member's one host sync per chunk
+            out[i] = (stats, time.perf_counter() - t)
+        return out
+
+    def rate(self, steps: float, seconds: float) -> float:
+        return steps / seconds if seconds else 0.0
+
+    def runner(self, i: int):
+        return self.runners[i]
+
+
+def _probe_program(cfg, mesh):
+    """A throwaway single-member runner of this shape and its compiled chunk (``train``'s program)."""
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    runner = ppo.init_runner(cfg, jax.random.PRNGKey(cfg.train.seed), mesh)
+    hp = ppo.replicate(ppo.hparams_of(cfg), mesh)
+    return runner, hp, ppo.make_train_chunk(cfg, mesh).lower(runner, hp).compile()
+
+
+def _time_alone(cfg, runner, hp, step) -> float:
+    """env-steps/s of one member of this shape trained alone (compile excluded)."""
+    import jax
+
+    runner, stats = step(runner, hp)  # warm-up
+    jax.block_until_ready(stats)
+    t = time.perf_counter()
+    for _ in range(PROBE_CHUNKS):
+        runner, stats = step(runner, hp)
+    jax.block_until_ready(stats)
+    steps = PROBE_CHUNKS * cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
+    return steps / (time.perf_counter() - t)
