@@ -71,16 +71,25 @@ def _cfg(tmp_path, name, **source_over):
 
 
 @pytest.mark.timeout(600)
-def test_a_population_run_gives_each_member_its_lone_runs_result(tmp_path):
+@pytest.mark.parametrize("population", ["vmap", "loop"])
+def test_a_population_run_gives_each_member_its_lone_runs_result(tmp_path, population):
     """Through the sessions (run folders, checkpoints, MLflow runs): two members trained as one
-    program end with the quality of the same settings trained one by one. (Short runs: over long
+    program, batched or in turn, end with the quality of the same settings trained one by one. (Short runs: over long
     ones a last-bit difference of the batched matmuls can flip one sampled action, and from there
     the two runs are different learners; source_bench.py reports for how long they stay equal.)"""
     pair = [dict(lr=3e-4, seed=1, steps_per_goal=10 * 20 * 8), dict(lr=2e-3, ent_coef=0.01, seed=2, steps_per_goal=10 * 20 * 10)]
-    together = run_population(WORKLOAD, [_cfg(tmp_path, f"pop-{i}", **kw) for i, kw in enumerate(pair)])
+    def cfg(name, **kw):
+        c = _cfg(tmp_path, name, **kw)
+        c.train.population = population
+        return c
+
+    together = run_population(WORKLOAD, [cfg(f"pop-{i}", **kw) for i, kw in enumerate(pair)])
     for i, kw in enumerate(pair):
-        alone = run_custom(WORKLOAD, _cfg(tmp_path, f"alone-{i}", **kw))
+        alone = run_custom(WORKLOAD, cfg(f"alone-{i}", **kw))
         assert together[i].metrics["eval/quality"] == pytest.approx(alone.metrics["eval/quality"], abs=1e-4)
+        if population == "loop":  # the lone program itself: bit-identical
+            assert together[i].metrics["eval/quality"] == alone.metrics["eval/quality"]
+        assert together[i].metrics["perf/env_steps_per_s"] > 0
         assert (tmp_path / "runs" / f"pop-{i}" / "final_metrics.json").is_file()
 
 

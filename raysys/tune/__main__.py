@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train up to K configurations per trial as one program (one process, one compile), each "
                         "with its own params, optimizer state, seed and MLflow run; for workloads with a population "
                         "program (hackmatrix_ppo, ad_source). Configurations that differ in a shape knob (num_envs, widths, "
-                        "precision...) go to separate programs. Default: 1 (one configuration per trial)")
+                        "precision...) go to separate programs. The members are batched (vmap) on a GPU/TPU and run "
+                        "in turn through one compiled program on a CPU (train.population). "
+                        "Default: 1 (one configuration per trial)")
     p.add_argument("--preset", help="replace the space's base preset (e.g. quick for a smoke run)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="extra fixed override for every trial (repeatable); naming a knob pins it to this value")

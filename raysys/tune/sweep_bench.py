@@ -77,7 +77,12 @@ def main(argv=None) -> int:
            "max_quality_difference": max(diffs) if diffs else None,
            "front": {"one_trial_each": alone["front"], "vectorized": vec["front"]},
            "same_front": alone["front"] == vec["front"],
-           "same_recommendation": alone["recommended"] == vec["recommended"]}
+           "same_recommendation": alone["recommended"] == vec["recommended"],
+           "knobs": knobs,
+           "trials": {side: [{"config": list(k), "throughput": float(r["throughput"] or "nan"),
+                              "quality": float(r["quality"] or "nan"), "on_front": r["on_front"] == "True"}
+                             for k, r in sorted(res["trials"].items())]
+                      for side, res in (("one_trial_each", alone), ("vectorized", vec))}}
     print(f"{space.workload}: {args.configs} configurations, preset {args.preset}: one trial each "
           f"{alone['wall_s']:.1f} s, vectorized {vec['wall_s']:.1f} s -> {out['speedup']:.2f}x less wall time")
     print(f"same configurations: {same_configs}; largest quality difference per configuration: "

@@ -19,6 +19,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 from raysys.config import at_least, require
 from raysys.train.config import JaxLaunchConfig
@@ -40,6 +41,10 @@ class TrainConfig:
     """Checkpoint when this much time has passed since the last one (and at the end)."""
     compilation_cache_dir: str = "~/.cache/raysys/jax"
     """Persistent JAX compilation cache ('' disables)."""
+    population: Literal["auto", "vmap", "loop"] = "auto"
+    """How ``--vectorize`` trains settings of this shape in one process: vmap (one batched program; pays
+    on a GPU/TPU that one member leaves idle) or loop (this program, member after member: one compile,
+    no speed probe; a CPU runs a batch no faster). auto: loop on CPU, else vmap."""
 
     def validate(self) -> None:
         require(len(self.goals) > 0 and all(0 <= g < N_CELLS for g in self.goals),
@@ -192,58 +197,48 @@ def train(cfg: ADSourceConfig, session) -> dict:
 
 
 def train_population(cfgs: list[ADSourceConfig], sessions: list) -> list[dict]:
-    """K settings of one shape as one jitted program (``source.make_population_chunk``). Each member
-    starts (or resumes) from its own session as ``train`` would, logs the same metrics at the same env
-    steps and saves a checkpoint ``train`` can resume alone; it is masked once it has done its
-    updates or its session was halted. Its ``perf/env_steps_per_s`` is what its setting does alone on
-    this device (``train``'s program for one member of this shape, compiled alongside and timed over a
-    chunk; members share shapes, so one probe serves all), the speed a chosen setting will have."""
+    """K settings of one shape in one process. Each member starts (or resumes) from its own session as
+    ``train`` would, logs the same metrics at the same env steps and saves a checkpoint ``train`` can
+    resume alone; it stops once it has done its updates or its session was halted. The members ride
+    in one ``vmap``ped program (:class:`_Batched`) or in turn through ``train``'s own (:class:`_InTurn`),
+    as ``train.population`` says (hackmatrix_ppo/population.py: why, and ``auto``)."""
     _setup(cfgs[0])
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from raysys.envs import darkroom as dr
-    from raysys.workloads.ad_transformer import source
+    from raysys.train.jax_host import population_mode
 
     lead, K = cfgs[0], len(cfgs)
     goals, optimal = np.asarray(lead.train.goals, np.int32), dr.optimal_return(lead.train.goals)
     starts = [_start(c, s, goals) for c, s in zip(cfgs, sessions)]
-    learners = jax.tree.map(lambda *xs: jnp.stack(xs), *[lr for lr, _ in starts])
     curves = [c for _, c in starts]
-    hps, k, per_update = source.stack_hparams([c.source for c in cfgs]), lead.source.updates_per_call, _steps_per_update(lead)
-    totals = [c.source.updates for c in cfgs]
-    with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
-        probe = pool.submit(_probe, lead, goals)
-        t0 = time.perf_counter()
-        step = source.make_population_chunk(lead.source).lower(learners, goals, hps, np.full(K, k, np.int32)).compile()
-        compile_s = time.perf_counter() - t0
-        alone = probe.result()
+    carrier = _InTurn if population_mode(lead.train.population) == "loop" else _Batched
+    program = carrier(cfgs, [lr for lr, _ in starts], goals)
+    k, per_update, totals = lead.source.updates_per_call, _steps_per_update(lead), [c.source.updates for c in cfgs]
     sessions[0].message(f"population of {K}: {len(goals)} goals x {lead.source.streams} streams each on "
-                        f"{jax.devices()[0].platform}; compiled in {compile_s:.1f}s; one member alone: {alone:.0f} "
-                        "env-steps/s")
-    finals = [{"perf/compile_s": compile_s} for _ in cfgs]
+                        f"{jax.devices()[0].platform}, {program.what}; compiled in {program.compile_s:.1f}s")
+    finals = [{"perf/compile_s": program.compile_s} for _ in cfgs]
     last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(K), 0, 0.0
 
     def save(members):
         for i in members:
-            _save(sessions[i], jax.tree.map(lambda x: x[i], learners), curves[i], per_update)
+            _save(sessions[i], program.learners_of(i), curves[i], per_update)
 
     def todo():
         return np.array([0 if sessions[i].halted else min(k, totals[i] - len(curves[i])) for i in range(K)], np.int32)
 
     while (n := todo()).any():
         t = time.perf_counter()
-        learners, returns = step(learners, goals, hps, n)
-        returns = np.asarray(returns)  # [k, K, G]
-        dt = time.perf_counter() - t
+        chunk = program.step(n)
+        wall += time.perf_counter() - t
         live = np.flatnonzero(n)
         done += int(n.sum()) * per_update
-        wall += dt
         for i in live:
-            t_train[i] += dt
-            curves[i] = np.concatenate([curves[i], returns[: n[i], i]])
-            finals[i] |= _metrics(returns[: n[i], i], optimal, alone, compile_s)
+            returns, seconds = chunk[i]
+            t_train[i] += seconds
+            curves[i] = np.concatenate([curves[i], returns])
+            finals[i] |= _metrics(returns, optimal, program.rate(n[i] * per_update, seconds), program.compile_s)
             sessions[i].log(finals[i], len(curves[i]) * per_update, bar=(len(curves[i]), totals[i]), unit="update",
                             progress=_progress(finals[i]) + f" (member 1 of {len(live)} live)" if i == live[0] else None)
         stop = sessions[0].should_stop()
@@ -254,10 +249,88 @@ def train_population(cfgs: list[ADSourceConfig], sessions: list) -> list[dict]:
             sessions[0].message("stopped; every member's checkpoint saved")
             return finals
     save(range(K))
-    sessions[0].message(f"population of {K}: {done / max(wall, 1e-9):.0f} env-steps/s together; one member alone: "
-                        f"{alone:.0f}")
+    sessions[0].message(f"population of {K}: {done / max(wall, 1e-9):.0f} env-steps/s together{program.alone_note}")
     return [f | _final(c, optimal, cfg.train.last_updates) | {"perf/train_seconds": float(t)}
             for f, c, cfg, t in zip(finals, curves, cfgs, t_train)]
+
+
+class _Batched:
+    """``vmap``: every member in ``source.make_population_chunk``; a member's speed is the probe's
+    (``train``'s program for one member of this shape, compiled alongside and timed over a chunk)."""
+
+    what = "one batched program (train.population=vmap)"
+
+    def __init__(self, cfgs: list, learners: list, goals):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from raysys.workloads.ad_transformer import source
+
+        lead, self.goals = cfgs[0], goals
+        self.learners = jax.tree.map(lambda *xs: jnp.stack(xs), *learners)
+        self.hps = source.stack_hparams([c.source for c in cfgs])
+        with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
+            probe = pool.submit(_probe, lead, goals)
+            t0 = time.perf_counter()
+            full = np.full(len(cfgs), lead.source.updates_per_call, np.int32)
+            self.step_fn = source.make_population_chunk(lead.source).lower(self.learners, goals, self.hps, full).compile()
+            self.compile_s = time.perf_counter() - t0
+            self.alone = probe.result()
+        self.alone_note = f"; one member alone: {self.alone:.0f}"
+
+    def step(self, n) -> dict:
+        import numpy as np
+
+        t = time.perf_counter()
+        self.learners, returns = self.step_fn(self.learners, self.goals, self.hps, n)
+        returns = np.asarray(returns)  # [k, K, G]
+        dt = time.perf_counter() - t
+        return {i: (returns[: n[i], i], dt) for i in np.flatnonzero(n)}
+
+    def rate(self, steps: float, seconds: float) -> float:
+        return self.alone  # the chunk's time is the whole population's
+
+    def learners_of(self, i: int):
+        import jax
+
+        return jax.tree.map(lambda x: x[i], self.learners)
+
+
+class _InTurn:
+    """``loop``: ``train``'s compiled chunk for each live member in turn, each timed on its own."""
+
+    what = "members in turn through one program (train.population=loop)"
+    alone_note = ""
+
+    def __init__(self, cfgs: list, learners: list, goals):
+        import numpy as np
+
+        from raysys.workloads.ad_transformer import source
+
+        self.learners, self.goals = list(learners), goals
+        self.hps = [source.hparams_of(c.source) for c in cfgs]
+        t0 = time.perf_counter()
+        k = np.int32(cfgs[0].source.updates_per_call)
+        self.step_fn = source.make_chunk(cfgs[0].source).lower(self.learners[0], goals, self.hps[0], k).compile()
+        self.compile_s = time.perf_counter() - t0
+
+    def step(self, n) -> dict:
+        import numpy as np
+
+        out = {}
+        for i in np.flatnonzero(n):
+            t = time.perf_counter()
+            self.learners[i], returns = self.step_fn(self.learners[i], self.goals, self.hps[i], np.int32(n[i]))
+            returns = np.asarray(returns)[: n[i]]  # the member's one host sync per chunk
+            out[i] = (returns, time.perf_counter() - t)
+        return out
+
+    def rate(self, steps: float, seconds: float) -> float:
+        return steps / seconds if seconds else 0.0
+
+    def learners_of(self, i: int):
+        return self.learners[i]
 
 
 def _probe(cfg: ADSourceConfig, goals) -> float:

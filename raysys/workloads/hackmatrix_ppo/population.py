@@ -24,19 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from raysys.train.jax_host import enable_compilation_cache, to_host
+from raysys.train.jax_host import enable_compilation_cache, population_mode, to_host
 from raysys.workloads.hackmatrix_ppo import workload as lone
 
 PROBE_CHUNKS = 2
-
-
-def mode(cfg) -> str:
-    """``cfg.train.population`` with ``auto`` resolved for the devices JAX sees."""
-    import jax
-
-    if cfg.train.population != "auto":
-        return cfg.train.population
-    return "loop" if jax.devices()[0].platform == "cpu" else "vmap"
 
 
 def train_population(cfgs: list, sessions: list) -> list[dict]:
@@ -49,7 +40,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     lead, k = cfgs[0], len(cfgs)
     mesh = ppo.make_mesh()
     starts = _starts(cfgs, sessions, mesh)
-    program = (InTurn if mode(lead) == "loop" else Batched)(cfgs, [r for r, _, _ in starts], mesh)
+    program = (InTurn if population_mode(lead.train.population) == "loop" else Batched)(cfgs, [r for r, _, _ in starts], mesh)
     env_steps = np.array([e for _, e, _ in starts])
     updates = np.array([u for _, _, u in starts])
     totals = np.array([c.train.total_timesteps for c in cfgs])
