@@ -94,22 +94,21 @@ def test_a_population_run_ends_each_member_as_its_lone_run(tmp_path, population)
     The second member is reported unstable at its first chunk: it stops there, the others go on."""
     from raysys.session import run_custom, run_population
 
-    cfgs = [_member(2.5e-4, 0.1, 0.2, 0.99, 0.95, 0.5, 0.5, 0), _member(5e-3, 0.0, 0.1, 0.95, 0.9, 1.0, 5.0, 7),
-            _member(1e-3, 0.05, 0.3, 0.999, 1.0, 0.25, 0.1, 3, anneal=False)]
+    settings = [dict(lr=2.5e-4, ent=0.1, clip=0.2, gamma=0.99, lam=0.95, vf=0.5, grad=0.5, seed=0),
+                dict(lr=5e-3, ent=0.0, clip=0.1, gamma=0.95, lam=0.9, vf=1.0, grad=5.0, seed=7),
+                dict(lr=1e-3, ent=0.05, clip=0.3, gamma=0.999, lam=1.0, vf=0.25, grad=0.1, seed=3, anneal=False)]
     seen = []
 
     def report(metrics):
         seen.append(metrics["step"])
         return "lr too high"  # the verdict of a stability rule, at this member's first report
 
-    reports = [None, report, None]
-    together = run_population(WORKLOAD, [_run_cfg(tmp_path, f"pop-{i}", c, population) for i, c in enumerate(cfgs)],
-                              reports=reports)
+    cfgs = [_run_cfg(tmp_path, f"pop-{i}", _member(**kw), population) for i, kw in enumerate(settings)]
+    together = run_population(WORKLOAD, cfgs, reports=[None, report, None])
     assert seen == [16 * 16 * 2]  # halted at its first chunk: nothing more reported, nothing more trained
     assert together[1].metrics["perf/env_steps"] == 16 * 16 * 2
     for i in (0, 2):
-        cfg = _member(*[(2.5e-4, 0.1, 0.2, 0.99, 0.95, 0.5, 0.5, 0), None, (1e-3, 0.05, 0.3, 0.999, 1.0, 0.25, 0.1, 3)][i],
-                      anneal=i == 0)
+        cfg = _member(**settings[i])
         alone = run_custom(WORKLOAD, _run_cfg(tmp_path, f"alone-{i}", cfg, population))
         mine, lone = _params(tmp_path, f"pop-{i}"), _params(tmp_path, f"alone-{i}")
         err = max(float(np.abs(a - b).max()) for a, b in zip(mine, lone))
@@ -117,6 +116,6 @@ def test_a_population_run_ends_each_member_as_its_lone_run(tmp_path, population)
         if population == "loop":  # the same compiled program: bit-identical
             assert err == 0.0
         assert together[i].metrics["perf/env_steps"] == alone.metrics["perf/env_steps"] == 16 * 16 * 6
-        assert together[i].metrics["charts/episode_return"] == pytest.approx(alone.metrics["charts/episode_return"],
-                                                                              rel=1e-5, abs=1e-4)
+        ret = alone.metrics["charts/episode_return"]
+        assert together[i].metrics["charts/episode_return"] == pytest.approx(ret, rel=1e-5, abs=1e-4)
         assert together[i].metrics["perf/env_steps_per_s"] > 0

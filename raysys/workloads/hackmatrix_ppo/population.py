@@ -40,7 +40,8 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     lead, k = cfgs[0], len(cfgs)
     mesh = ppo.make_mesh()
     starts = _starts(cfgs, sessions, mesh)
-    program = (InTurn if population_mode(lead.train.population) == "loop" else Batched)(cfgs, [r for r, _, _ in starts], mesh)
+    carrier = InTurn if population_mode(lead.train.population) == "loop" else Batched
+    program = carrier(cfgs, [r for r, _, _ in starts], mesh)
     env_steps = np.array([e for _, e, _ in starts])
     updates = np.array([u for _, _, u in starts])
     totals = np.array([c.train.total_timesteps for c in cfgs])
