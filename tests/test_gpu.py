@@ -3,7 +3,8 @@
 Skipped where there is none (CI). Each case is a real run or a real kernel on the device: the fused
 deep_gpcm recurrence against the naive path, the CUDA-graphed mpn_dqn update against the eager one,
 Ray Train with `--gpus-per-worker 1` and `torch.compile`, two DDP workers sharing one GPU (NCCL
-collectives really run), and a checkpoint written on CUDA resumed at the exact step.
+collectives really run), a checkpoint written on CUDA resumed at the exact step, and a
+``--vectorize`` population batched on the GPU against lone runs.
 """
 
 import json
@@ -110,3 +111,46 @@ def test_checkpoint_on_cuda_resumes_at_the_exact_step(workdir):
     events = (workdir / "raysys_runs" / "ck" / "events.log").read_text()
     assert "resumed step=4" in events
     assert _final(workdir, "ck")["step"] == 2 * 6  # quick: 2 epochs of 6 steps
+
+
+def test_a_population_on_the_gpu_is_one_batched_program_equal_to_lone_runs(tmp_path):
+    """``--vectorize``'s population (issue #17) where JAX sees the GPU: ``train.population=auto`` picks
+    the batched program, and each member ends with its lone run's params and return."""
+    jax = pytest.importorskip("jax")
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("JAX sees no GPU")
+    import dataclasses
+
+    import numpy as np
+
+    from raysys.session import run_custom, run_population
+    from raysys.train.jax_host import population_mode
+    from raysys.workloads.hackmatrix_ppo.workload import WORKLOAD, quick
+
+    assert population_mode("auto") == "vmap"
+
+    def cfg(name, lr, seed):
+        c = quick()
+        c.train = dataclasses.replace(c.train, num_envs=64, num_steps=16, total_timesteps=64 * 16 * 10, seed=seed,
+                                      compilation_cache_dir="")
+        c.optim.lr = lr
+        c.launch.storage_path, c.launch.name = str(tmp_path / "runs"), name
+        c.launch.tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        return c
+
+    def params(name):
+        last = sorted((tmp_path / "runs" / name / "checkpoints").glob("step_*"))[-1]
+        return [t.numpy() for t in torch.load(last / "state.pt", weights_only=True)["params"]]
+
+    pair = [(2.5e-4, 0), (1e-3, 5)]
+    # full fp32 matmuls (no TF32): batched and lone kernels then round alike enough to stay one learner
+    with jax.default_matmul_precision("highest"):
+        together = run_population(WORKLOAD, [cfg(f"pop-{i}", *p) for i, p in enumerate(pair)])
+        alone = [run_custom(WORKLOAD, cfg(f"alone-{i}", *p)) for i, p in enumerate(pair)]
+    for i, lone in enumerate(alone):
+        err = max(float(np.abs(a - b).max()) for a, b in zip(params(f"pop-{i}"), params(f"alone-{i}")))
+        assert err < 1e-4, (i, err)
+        ret = lone.metrics["charts/episode_return"]
+        assert together[i].metrics["charts/episode_return"] == pytest.approx(ret, rel=1e-4, abs=1e-3)
+        assert together[i].metrics["perf/env_steps_per_s"] > 0
+        assert together[i].metrics["perf/env_steps"] == lone.metrics["perf/env_steps"] == 64 * 16 * 10
