@@ -71,7 +71,8 @@ def test_program_key_splits_on_shapes_only():
 
 
 def _run_cfg(tmp_path, name, cfg, population):
-    cfg.train.compilation_cache_dir, cfg.train.population = "", population
+    # one cache for the test: the lone runs load the programs the population compiled (loop: the same one)
+    cfg.train.compilation_cache_dir, cfg.train.population = str(tmp_path / "jax-cache"), population
     cfg.launch.storage_path, cfg.launch.name = str(tmp_path / "runs"), name
     cfg.launch.tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return cfg
