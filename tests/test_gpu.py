@@ -124,7 +124,7 @@ def test_a_population_on_the_gpu_is_one_batched_program_equal_to_lone_runs(tmp_p
     import numpy as np
 
     from raysys.session import run_custom, run_population
-    from raysys.train.jax_host import population_mode
+    from raysys.train.population import population_mode
     from raysys.workloads.hackmatrix_ppo.workload import WORKLOAD, quick
 
     assert population_mode("auto") == "vmap"

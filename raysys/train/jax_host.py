@@ -18,17 +18,6 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def population_mode(setting: str) -> str:
-    """A JAX workload's ``train.population`` with ``auto`` resolved for the devices JAX sees: ``loop``
-    (members in turn through the lone program) on a CPU, where a batch of members runs no faster than
-    one, and ``vmap`` (one batched program) on a GPU or TPU, which one member leaves idle."""
-    if setting != "auto":
-        return setting
-    import jax
-
-    return "loop" if jax.devices()[0].platform == "cpu" else "vmap"
-
-
 def to_tensor(x):
     """numpy -> torch for a checkpoint (torch has no uint32 arithmetic, but stores it; bool as is)."""
     import numpy as np

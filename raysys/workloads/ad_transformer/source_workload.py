@@ -200,20 +200,20 @@ def train_population(cfgs: list[ADSourceConfig], sessions: list) -> list[dict]:
     """K settings of one shape in one process. Each member starts (or resumes) from its own session as
     ``train`` would, logs the same metrics at the same env steps and saves a checkpoint ``train`` can
     resume alone; it stops once it has done its updates or its session was halted. The members ride
-    in one ``vmap``ped program (:class:`_Batched`) or in turn through ``train``'s own (:class:`_InTurn`),
-    as ``train.population`` says (hackmatrix_ppo/population.py: why, and ``auto``)."""
+    in one ``vmap``ped program (:func:`_batched`) or in turn through ``train``'s own (:func:`_in_turn`),
+    as ``train.population`` says (raysys/train/population.py: why, and ``auto``)."""
     _setup(cfgs[0])
     import jax
     import numpy as np
 
     from raysys.envs import darkroom as dr
-    from raysys.train.jax_host import population_mode
+    from raysys.train.population import population_mode
 
     lead, K = cfgs[0], len(cfgs)
     goals, optimal = np.asarray(lead.train.goals, np.int32), dr.optimal_return(lead.train.goals)
     starts = [_start(c, s, goals) for c, s in zip(cfgs, sessions)]
     curves = [c for _, c in starts]
-    carrier = _InTurn if population_mode(lead.train.population) == "loop" else _Batched
+    carrier = _in_turn if population_mode(lead.train.population) == "loop" else _batched
     program = carrier(cfgs, [lr for lr, _ in starts], goals)
     k, per_update, totals = lead.source.updates_per_call, _steps_per_update(lead), [c.source.updates for c in cfgs]
     sessions[0].message(f"population of {K}: {len(goals)} goals x {lead.source.streams} streams each on "
@@ -223,7 +223,7 @@ def train_population(cfgs: list[ADSourceConfig], sessions: list) -> list[dict]:
 
     def save(members):
         for i in members:
-            _save(sessions[i], program.learners_of(i), curves[i], per_update)
+            _save(sessions[i], program.state(i), curves[i], per_update)
 
     def todo():
         return np.array([0 if sessions[i].halted else min(k, totals[i] - len(curves[i])) for i in range(K)], np.int32)
@@ -254,83 +254,52 @@ def train_population(cfgs: list[ADSourceConfig], sessions: list) -> list[dict]:
             for f, c, cfg, t in zip(finals, curves, cfgs, t_train)]
 
 
-class _Batched:
-    """``vmap``: every member in ``source.make_population_chunk``; a member's speed is the probe's
-    (``train``'s program for one member of this shape, compiled alongside and timed over a chunk)."""
+def _batched(cfgs: list, learners: list, goals):
+    """Every member in ``source.make_population_chunk``; the probe compiles beside it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-    what = "one batched program (train.population=vmap)"
+    from raysys.train.population import Batched
+    from raysys.workloads.ad_transformer import source
 
-    def __init__(self, cfgs: list, learners: list, goals):
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
-
-        from raysys.workloads.ad_transformer import source
-
-        lead, self.goals = cfgs[0], goals
-        self.learners = jax.tree.map(lambda *xs: jnp.stack(xs), *learners)
-        self.hps = source.stack_hparams([c.source for c in cfgs])
-        with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
-            probe = pool.submit(_probe, lead, goals)
-            t0 = time.perf_counter()
-            full = np.full(len(cfgs), lead.source.updates_per_call, np.int32)
-            self.step_fn = source.make_population_chunk(lead.source).lower(self.learners, goals, self.hps, full).compile()
-            self.compile_s = time.perf_counter() - t0
-            self.alone = probe.result()
-        self.alone_note = f"; one member alone: {self.alone:.0f}"
-
-    def step(self, n) -> dict:
-        import numpy as np
-
-        t = time.perf_counter()
-        self.learners, returns = self.step_fn(self.learners, self.goals, self.hps, n)
-        returns = np.asarray(returns)  # [k, K, G]
-        dt = time.perf_counter() - t
-        return {i: (returns[: n[i], i], dt) for i in np.flatnonzero(n)}
-
-    def rate(self, steps: float, seconds: float) -> float:
-        return self.alone  # the chunk's time is the whole population's
-
-    def learners_of(self, i: int):
-        import jax
-
-        return jax.tree.map(lambda x: x[i], self.learners)
-
-
-class _InTurn:
-    """``loop``: ``train``'s compiled chunk for each live member in turn, each timed on its own."""
-
-    what = "members in turn through one program (train.population=loop)"
-    alone_note = ""
-
-    def __init__(self, cfgs: list, learners: list, goals):
-        import numpy as np
-
-        from raysys.workloads.ad_transformer import source
-
-        self.learners, self.goals = list(learners), goals
-        self.hps = [source.hparams_of(c.source) for c in cfgs]
+    lead = cfgs[0]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *learners)
+    hps = source.stack_hparams([c.source for c in cfgs])
+    with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
+        probe = pool.submit(_probe, lead, goals)
         t0 = time.perf_counter()
-        k = np.int32(cfgs[0].source.updates_per_call)
-        self.step_fn = source.make_chunk(cfgs[0].source).lower(self.learners[0], goals, self.hps[0], k).compile()
-        self.compile_s = time.perf_counter() - t0
+        full = np.full(len(cfgs), lead.source.updates_per_call, np.int32)
+        step = source.make_population_chunk(lead.source).lower(stacked, goals, hps, full).compile()
+        compile_s = time.perf_counter() - t0
+        alone = probe.result()
 
-    def step(self, n) -> dict:
-        import numpy as np
+    def run(learners, n):
+        learners, returns = step(learners, goals, hps, n)
+        returns = np.asarray(returns)  # [k, K, G]
+        return learners, {i: returns[: n[i], i] for i in np.flatnonzero(n)}
 
-        out = {}
-        for i in np.flatnonzero(n):
-            t = time.perf_counter()
-            self.learners[i], returns = self.step_fn(self.learners[i], self.goals, self.hps[i], np.int32(n[i]))
-            returns = np.asarray(returns)[: n[i]]  # the member's one host sync per chunk
-            out[i] = (returns, time.perf_counter() - t)
-        return out
+    return Batched(stacked, run, compile_s, alone)
 
-    def rate(self, steps: float, seconds: float) -> float:
-        return steps / seconds if seconds else 0.0
 
-    def learners_of(self, i: int):
-        return self.learners[i]
+def _in_turn(cfgs: list, learners: list, goals):
+    """``train``'s compiled chunk, each live member in turn."""
+    import numpy as np
+
+    from raysys.train.population import InTurn
+    from raysys.workloads.ad_transformer import source
+
+    hps = [source.hparams_of(c.source) for c in cfgs]
+    t0 = time.perf_counter()
+    k = np.int32(cfgs[0].source.updates_per_call)
+    step = source.make_chunk(cfgs[0].source).lower(learners[0], goals, hps[0], k).compile()
+    compile_s = time.perf_counter() - t0
+
+    def run(i, learners, n):
+        learners, returns = step(learners, goals, hps[i], np.int32(n))
+        return learners, np.asarray(returns)[:n]
+
+    return InTurn(learners, run, compile_s)
 
 
 def _probe(cfg: ADSourceConfig, goals) -> float:

@@ -3,7 +3,8 @@
 Each member starts (or resumes) from its own session exactly as ``train`` would, logs the same
 metrics at the same env steps, and saves a checkpoint ``train`` can resume alone. A member stops
 (its state kept) once it reached its ``total_timesteps`` or its session was halted (unstable); the
-others go on. Two programs can carry the members (``train.population``), under one loop:
+others go on. Two carriers (raysys/train/population.py) can take the members, as
+``train.population`` says, under one loop:
 
 * ``vmap``: ``ppo.make_population_chunk``, every member in one batched program. It pays where one
   member leaves the device idle (a GPU at 256 envs). A member's ``perf/env_steps_per_s`` is what its
@@ -24,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from raysys.train.jax_host import enable_compilation_cache, population_mode, to_host
+from raysys.train.jax_host import enable_compilation_cache, to_host
+from raysys.train.population import Batched, InTurn, population_mode
 from raysys.workloads.hackmatrix_ppo import workload as lone
 
 PROBE_CHUNKS = 2
@@ -40,7 +42,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     lead, k = cfgs[0], len(cfgs)
     mesh = ppo.make_mesh()
     starts = _starts(cfgs, sessions, mesh)
-    carrier = InTurn if population_mode(lead.train.population) == "loop" else Batched
+    carrier = _in_turn if population_mode(lead.train.population) == "loop" else _batched
     program = carrier(cfgs, [r for r, _, _ in starts], mesh)
     env_steps = np.array([e for _, e, _ in starts])
     updates = np.array([u for _, _, u in starts])
@@ -56,7 +58,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     def save(members):
         for i in members:
             if env_steps[i] != saved_at[i] or sessions[i].store.latest() is None:  # only members that moved
-                lone._save(sessions[i], program.runner(i), int(env_steps[i]), int(updates[i]))
+                lone._save(sessions[i], program.state(i), int(env_steps[i]), int(updates[i]))
                 saved_at[i] = env_steps[i]
 
     while True:
@@ -110,73 +112,43 @@ def _starts(cfgs: list, sessions: list, mesh) -> list[tuple]:
     return [(built[i], 0, 0) if i in built else lone._start(c, s, mesh) for i, (c, s) in enumerate(zip(cfgs, sessions))]
 
 
-class Batched:
-    """``vmap``: every member in ``ppo.make_population_chunk``; a member's speed is the probe's."""
+def _batched(cfgs: list, runners: list, mesh) -> Batched:
+    """Every member in ``ppo.make_population_chunk``; the probe compiles beside it."""
+    from raysys.workloads.hackmatrix_ppo import ppo
 
-    what = "one batched program (train.population=vmap)"
-
-    def __init__(self, cfgs: list, runners: list, mesh):
-        from raysys.workloads.hackmatrix_ppo import ppo
-
-        self.mesh, lead = mesh, cfgs[0]
-        self.runners = ppo.stack_runners(runners, mesh)
-        self.hps = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
-        with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
-            probe = pool.submit(_probe_program, lead, mesh)
-            t0 = time.perf_counter()
-            active = ppo.replicate(np.ones(len(cfgs), bool), mesh)
-            self.step_fn = ppo.make_population_chunk(lead, mesh).lower(self.runners, self.hps, active).compile()
-            self.compile_s = time.perf_counter() - t0
-            self.alone = _time_alone(lead, *probe.result())
-        self.alone_note = f"; one member alone: {self.alone:.0f}"
-
-    def step(self, live: np.ndarray) -> dict[int, tuple[dict, float]]:
-        from raysys.workloads.hackmatrix_ppo import ppo
-
-        t = time.perf_counter()
-        self.runners, stats = self.step_fn(self.runners, self.hps, ppo.replicate(live, self.mesh))
-        stats = {key: np.asarray(v, np.float64) for key, v in to_host(stats).items()}
-        dt = time.perf_counter() - t
-        return {i: ({key: float(v[i]) for key, v in stats.items()}, dt) for i in np.flatnonzero(live)}
-
-    def rate(self, steps: float, seconds: float) -> float:
-        return self.alone  # the chunk's time is the whole population's
-
-    def runner(self, i: int):
-        import jax
-
-        return jax.tree.map(lambda x: x[i], self.runners)
-
-
-class InTurn:
-    """``loop``: ``train``'s compiled chunk run for each live member in turn, each timed on its own."""
-
-    what = "members in turn through one program (train.population=loop)"
-    alone_note = ""
-
-    def __init__(self, cfgs: list, runners: list, mesh):
-        from raysys.workloads.hackmatrix_ppo import ppo
-
-        self.runners = list(runners)
-        self.hps = [ppo.replicate(ppo.hparams_of(c), mesh) for c in cfgs]
+    lead = cfgs[0]
+    stacked = ppo.stack_runners(runners, mesh)
+    hps = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
+    with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
+        probe = pool.submit(_probe_program, lead, mesh)
         t0 = time.perf_counter()
-        self.step_fn = ppo.make_train_chunk(cfgs[0], mesh).lower(self.runners[0], self.hps[0]).compile()
-        self.compile_s = time.perf_counter() - t0
+        active = ppo.replicate(np.ones(len(cfgs), bool), mesh)
+        step = ppo.make_population_chunk(lead, mesh).lower(stacked, hps, active).compile()
+        compile_s = time.perf_counter() - t0
+        alone = _time_alone(lead, *probe.result())
 
-    def step(self, live: np.ndarray) -> dict[int, tuple[dict, float]]:
-        out = {}
-        for i in np.flatnonzero(live):
-            t = time.perf_counter()
-            self.runners[i], stats = self.step_fn(self.runners[i], self.hps[i])
-            stats = {key: float(v) for key, v in to_host(stats).items()}  # the member's one host sync per chunk
-            out[i] = (stats, time.perf_counter() - t)
-        return out
+    def run(runners, live):
+        runners, stats = step(runners, hps, ppo.replicate(live, mesh))
+        stats = {key: np.asarray(v, np.float64) for key, v in to_host(stats).items()}
+        return runners, {i: {key: float(v[i]) for key, v in stats.items()} for i in np.flatnonzero(live)}
 
-    def rate(self, steps: float, seconds: float) -> float:
-        return steps / seconds if seconds else 0.0
+    return Batched(stacked, run, compile_s, alone)
 
-    def runner(self, i: int):
-        return self.runners[i]
+
+def _in_turn(cfgs: list, runners: list, mesh) -> InTurn:
+    """``train``'s compiled chunk, each live member in turn."""
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    hps = [ppo.replicate(ppo.hparams_of(c), mesh) for c in cfgs]
+    t0 = time.perf_counter()
+    step = ppo.make_train_chunk(cfgs[0], mesh).lower(runners[0], hps[0]).compile()
+    compile_s = time.perf_counter() - t0
+
+    def run(i, runner, _):
+        runner, stats = step(runner, hps[i])
+        return runner, {key: float(v) for key, v in to_host(stats).items()}
+
+    return InTurn(runners, run, compile_s)
 
 
 def _probe_program(cfg, mesh):
