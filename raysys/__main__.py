@@ -1,5 +1,3 @@
-import sys
+from raysys.cli import entry
 
-from raysys.cli import main
-
-sys.exit(main())
+entry()

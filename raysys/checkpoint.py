@@ -20,8 +20,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from raysys.config import flatten
 
 
@@ -101,6 +99,8 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:09d}"
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        import torch  # here, not at import: drivers that never save (a sweep's) skip torch's 1.3 s import
+
         try:
             tmp.mkdir()
             with open(tmp / "state.pt", "wb") as f:
@@ -166,6 +166,8 @@ class CheckpointStore:
         if diff:
             raise CheckpointError(f"checkpoint {path} was written with a different config: {'; '.join(diff)}. "
                                   "Resume with the same settings, or start a new run (another --name).")
+        import torch
+
         try:
             state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
         except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message

@@ -263,5 +263,10 @@ def _summary(wl: registry.Workload, result: Any) -> str:
     return line
 
 
+def entry() -> None:
+    """The ``raysys`` command (``python -m raysys``)."""
+    console.exit_with(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

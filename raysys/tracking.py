@@ -87,6 +87,23 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def open_in_background(uri: str):
+    """Open a local store on a thread (a fresh one gets its schema: MLflow's imports and migrations took
+    ~3 s on 2 cores) while the caller starts Ray. Errors are left to the next real call to report."""
+    import threading
+
+    def touch():
+        try:
+            if not is_server(uri):
+                _client(uri)
+        except Exception:  # noqa: BLE001 - reported by the caller's own first call
+            pass
+
+    thread = threading.Thread(target=touch, name="raysys-open-store", daemon=True)
+    thread.start()
+    return thread
+
+
 class TrackingUnavailable(RuntimeError):
     """The tracking server cannot be reached."""
 

@@ -36,9 +36,10 @@ import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: a JAX workload's process never imports torch
+    import torch
 
 ENTRY_POINT_GROUP = "raysys.workloads"
 

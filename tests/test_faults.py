@@ -160,6 +160,7 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--set", "optim.betas=[0.9]"], "optim.betas must be two values"),
     (["--storage-path", "nosuchfs://bucket/runs"], "storage path"),  # s3:// itself: tests/test_storage.py
     (["--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
+    (["--workers", "1", "--address", "127.0.0.1:9"], "no Ray cluster answers at 127.0.0.1:9"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     proc = _train(tmp_path, *QUICK, *args, timeout=120)  # a hang guard: MLflow's retries would take minutes

@@ -112,12 +112,43 @@ def _next_snapshot(run_dir: Path, resume: bool) -> Path:
     return run_dir / f"config.resume-{n}.yaml"
 
 
+def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
+    """One line in seconds, where ``ray.init`` would retry for minutes, when nothing listens at ``address``
+    (or $RAY_ADDRESS): a Ray cluster's GCS (``host:port``, port 6379 unless given) or Ray Client server
+    (``ray://host:port``, port 10001 unless given). ``auto``, ``local`` and no address start or find Ray
+    by themselves."""
+    import socket
+    from urllib.parse import urlsplit
+
+    addr = (address or os.environ.get("RAY_ADDRESS", "")).strip()
+    if addr in ("", "auto", "local"):
+        return
+    scheme, _, rest = addr.rpartition("://")
+    if scheme not in ("", "ray"):
+        return
+    try:
+        parts = urlsplit("//" + rest)
+        host, port = parts.hostname, parts.port or (10001 if scheme == "ray" else 6379)
+    except ValueError as e:
+        raise ConfigError(f"Ray address {addr!r}: {e}") from None
+    if not host:
+        raise ConfigError(f"Ray address {addr!r} names no host; give host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(f"no Ray cluster answers at {addr} ({host}:{port}: {reason}); start one with "
+                          "`ray start --head`, or leave out --address and $RAY_ADDRESS to run Ray in this process "
+                          "(nothing was created)") from None
+
+
 def init_ray(address: Optional[str]) -> None:
     """Connect to ``address`` / $RAY_ADDRESS, or start Ray in this process with quiet defaults."""
     import ray
 
     if ray.is_initialized():
         return
+    check_ray_address(address)
     # Train V2's preemption watcher polls every 5 s and dominates teardown of short local runs.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
@@ -310,6 +341,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         tracking.check_reachable(uri)
     except tracking.TrackingUnavailable as e:
         raise ConfigError(str(e)) from None
+    if getattr(launch, "workers", 0) > 0 or wl.extra.get("needs_ray", False):
+        check_ray_address(getattr(launch, "address", None))
     if launch.resume:
         lifecycle.RunLock.acquire(run_dir, name, lock_dir=_lock_dir(launch))
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers

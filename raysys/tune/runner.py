@@ -21,6 +21,7 @@ from typing import Any, Optional
 from raysys import storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
+from raysys.train.launcher import check_ray_address
 from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
@@ -146,6 +147,15 @@ def _prepare(wl: registry.Workload, cfg: Any) -> Any:
     return (prepare(cfg) or cfg) if prepare is not None else cfg
 
 
+def _result_loggers() -> list:
+    """Tune's CSV and JSON results per trial (the ResultGrid reads them back), without its TensorBoard
+    files: MLflow keeps every curve, and tensorboardX imports torch (1.3 s) in the driver."""
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    return [CSVLoggerCallback(), JsonLoggerCallback()]
+
+
 # ---- the sweep ---------------------------------------------------------------------------------
 
 def run_sweep(opts: SweepOptions) -> SweepOutcome:
@@ -164,6 +174,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     if opts.vectorize > 1 and (sp.base_config().launch.workers > 0 or "launch.workers" in sp.knobs):
         raise ConfigError(f"--vectorize {opts.vectorize} trains each program in its trial's own process: "
                           "fix launch.workers to 0 in the space")
+    check_ray_address(opts.address)
     name, sweep_dir = resolve_sweep_dir(opts, wl.name)
     stored = json.loads((sweep_dir / STATE_FILE).read_text()) if opts.resume else None
     if stored:
@@ -179,7 +190,9 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     base = _prepare(wl, sp.base_config())
     experiment = base.launch.experiment or f"raysys-{wl.name}"
+    opening = tracking.open_in_background(uri)  # the store's set-up overlaps Ray's start
     _init_ray(opts.address)
+    opening.join()
     import ray
 
     need_cpu, need_gpu = footprint(sp, base)
@@ -230,7 +243,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent, wl),
                            run_config=tune.RunConfig(
                                name=name, **tune_storage, verbose=0, stop=StabilityStopper(),
-                               callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric)],
+                               callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric),
+                                          *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=0)))
     grid = tuner.fit()
     records = collect(grid, setup)
