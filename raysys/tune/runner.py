@@ -131,6 +131,8 @@ def _init_ray(address: Optional[str]) -> None:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     # Trials stay in the driver's working directory: relative paths mean the same to all of them.
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
+    # Tune's own loggers are _result_loggers' (a restored sweep's too): no TensorBoard logger
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     if ray.is_initialized():
         return
     # Trial output goes to per-trial logs and our progress lines; the driver stays readable.
@@ -152,7 +154,6 @@ def _result_loggers() -> list:
     files: MLflow keeps every curve, and tensorboardX imports torch (1.3 s) in the driver."""
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
-    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     return [CSVLoggerCallback(), JsonLoggerCallback()]
 
 
@@ -191,8 +192,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     base = _prepare(wl, sp.base_config())
     experiment = base.launch.experiment or f"raysys-{wl.name}"
     opening = tracking.open_in_background(uri)  # the store's set-up overlaps Ray's start
-    _init_ray(opts.address)
-    opening.join()
+    try:
+        _init_ray(opts.address)
+    finally:
+        opening.join()  # never leave a fresh store's schema half made
     import ray
 
     need_cpu, need_gpu = footprint(sp, base)
