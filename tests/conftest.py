@@ -9,6 +9,9 @@ SHARED = REPO.parent / "shared"
 # Keep Ray Train's teardown short in tests (see ../shared/notes/ray-2.60.md).
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# Rows of a GEMM bit-identical whatever the number of rows, as the pointer_generator workload sets on
+# import (see its __init__): here, before any test's first MKL call, which is when MKL reads it.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 @pytest.fixture
