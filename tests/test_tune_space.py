@@ -198,3 +198,26 @@ def test_cli_help_explains_every_flag(capsys):
                  "--name", "--storage-path", "--tolerance", "--vectorize"):
         assert flag in text, flag
     assert text.count("default") >= 5
+
+
+def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
+    """A trial whose run had finished when the driver died is reused on --resume: Tune's clock then
+    sees only the reuse (~0.1 s), so the table's seconds come from the sweep's event log instead, the
+    run's last start to its end."""
+    from types import SimpleNamespace
+
+    from raysys.tune.runner import _record
+    from raysys.tune.trial import run_seconds
+
+    (tmp_path / "trial_events.log").write_text(
+        "2026-11-25T08:00:00 start a1 run=s-a1 resume=False\n"
+        "2026-11-25T08:00:05 start b2_0 run=s-b2_0 resume=False population=b2\n"
+        "2026-11-25T08:00:30 start a1 run=s-a1 resume=True\n"  # a1 was interrupted and resumed
+        "2026-11-25T08:01:12 end a1\n"
+        "2026-11-25T08:02:00 reuse a1 run=s-a1\n")
+    assert run_seconds(tmp_path, "a1") == 42.0
+    assert run_seconds(tmp_path, "b2_0") is None  # no end: not finished
+    assert run_seconds(tmp_path, "zz") is None and run_seconds(tmp_path / "none", "a1") is None
+    setup = SimpleNamespace(run_name=lambda t: f"s-{t}")
+    assert _record("a1", {}, {"run_seconds": 42.0, "time_total_s": 0.1}, None, setup).seconds == 42.0
+    assert _record("c3", {}, {"time_total_s": 17.5}, None, setup).seconds == 17.5

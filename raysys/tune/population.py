@@ -27,7 +27,7 @@ POPULATION = "population"
 """The config key of a vectorized trial: the list of its members' knobs."""
 PREFIX = "members"
 KEPT = (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY, obj.UNSTABLE, obj.REASON,
-        obj.FINAL, "step")
+        obj.FINAL, "step", "run_seconds")
 
 
 def member_ids(trial_id: str, k: int) -> list[str]:
@@ -142,7 +142,7 @@ def run_population_trial(config: dict, setup) -> None:
 
     from raysys import workload as registry
     from raysys.session import run_population
-    from raysys.tune.trial import log_event, trial_config
+    from raysys.tune.trial import RUN_SECONDS, log_event, run_seconds, trial_config
 
     trial_id = tune.get_context().get_trial_id()
     setup.attach_storage()
@@ -155,7 +155,9 @@ def run_population_trial(config: dict, setup) -> None:
     for j, (mid, knobs) in enumerate(zip(ids, all_knobs)):
         if setup.run_exists(mid, "final_metrics.json"):  # finished before the sweep was interrupted
             log_event(setup.sweep_dir, f"reuse {mid} run={setup.run_name(mid)}")
-            reports.reporter(j)({**json.loads(setup.read_run_file(mid, "final_metrics.json")), "done": 1.0})
+            final = {**json.loads(setup.read_run_file(mid, "final_metrics.json")), "done": 1.0}
+            took = run_seconds(setup.sweep_dir, mid)
+            reports.reporter(j)(final if took is None else {**final, RUN_SECONDS: took})
         else:
             todo.append(j)
     if todo:

@@ -135,6 +135,28 @@ def log_event(sweep_dir: str | Path, line: str) -> None:
     storage.append_line(Path(sweep_dir) / "trial_events.log", f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
 
+RUN_SECONDS = "run_seconds"
+"""A reused run's own wall time, reported in place of Tune's clock (which only saw the reuse)."""
+
+
+def run_seconds(sweep_dir: str | Path, trial_id: str) -> Optional[float]:
+    """Seconds from the trial's last ``start`` to its ``end`` in <sweep>/trial_events.log, if both are there."""
+    from datetime import datetime
+
+    start = end = None
+    try:
+        lines = (Path(sweep_dir) / "trial_events.log").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        words = line.split()
+        if len(words) >= 3 and words[2] == trial_id and words[1] in ("start", "end"):
+            start, end = (words[0], None) if words[1] == "start" else (start, words[0])
+    if start is None or end is None:
+        return None
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+
+
 def run_trial(config: dict, setup: TrialSetup) -> None:
     """The Tune function trainable. ``config`` holds exactly the sampled knobs."""
     from ray import tune
@@ -151,7 +173,9 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
         # Its run already ended (the driver died before Tune recorded that): report what the run
         # recorded instead of "resuming" a finished run, whose speed window would be empty.
         log_event(setup.sweep_dir, f"reuse {trial_id} run={cfg.launch.name}")
-        tune.report(tracker.update({**json.loads(setup.read_run_file(trial_id, "final_metrics.json")), "done": 1.0}))
+        final = {**json.loads(setup.read_run_file(trial_id, "final_metrics.json")), "done": 1.0}
+        took = run_seconds(setup.sweep_dir, trial_id)
+        tune.report(tracker.update(final if took is None else {**final, RUN_SECONDS: took}))
         return
     log_event(setup.sweep_dir, f"start {trial_id} run={cfg.launch.name} resume={cfg.launch.resume}")
 
