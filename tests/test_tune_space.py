@@ -9,7 +9,8 @@ import yaml
 from raysys import workload as registry
 from raysys.config import ConfigError
 from raysys.tune import space as spaces
-from raysys.tune.objectives import FINAL, QUALITY, REASON, THROUGHPUT, UNSTABLE, ObjectiveTracker, StabilityRules
+from raysys.tune.objectives import (FINAL, QUALITY, REASON, RUN_SECONDS, THROUGHPUT, UNSTABLE, ObjectiveTracker,
+                                    StabilityRules)
 from raysys.tune.resources import footprint, max_concurrent
 
 SPACES = sorted((Path(__file__).resolve().parents[1] / "tune_spaces").glob("*.yaml"))
@@ -204,10 +205,10 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
     """A trial whose run had finished when the driver died is reused on --resume: Tune's clock then
     sees only the reuse (~0.1 s), so the table's seconds come from the sweep's event log instead, the
     run's last start to its end."""
-    from types import SimpleNamespace
+    import json
 
     from raysys.tune.runner import _record
-    from raysys.tune.trial import run_seconds
+    from raysys.tune.trial import TrialSetup, reused_final, run_seconds
 
     (tmp_path / "trial_events.log").write_text(
         "2026-11-25T08:00:00 start a1 run=s-a1 resume=False\n"
@@ -218,6 +219,13 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
     assert run_seconds(tmp_path, "a1") == 42.0
     assert run_seconds(tmp_path, "b2_0") is None  # no end: not finished
     assert run_seconds(tmp_path, "zz") is None and run_seconds(tmp_path / "none", "a1") is None
-    setup = SimpleNamespace(run_name=lambda t: f"s-{t}")
-    assert _record("a1", {}, {"run_seconds": 42.0, "time_total_s": 0.1}, None, setup).seconds == 42.0
+    setup = TrialSetup(workload="deep_gpcm", base_config={}, sweep_name="s", sweep_dir=str(tmp_path),
+                       runs_storage=str(tmp_path / "runs"), tracking_uri="", experiment="", parent_run_id="",
+                       throughput_metric="perf/x", quality_metric="eval/q", stability={}, quality_penalty=0.0)
+    (tmp_path / "runs" / "s-a1").mkdir(parents=True)
+    (tmp_path / "runs" / "s-a1" / "final_metrics.json").write_text(json.dumps({"eval/q": 0.7}))
+    last = reused_final(setup, "a1")
+    assert last == {"eval/q": 0.7, "done": 1.0, RUN_SECONDS: 42.0}
+    assert "reuse a1 run=s-a1" in (tmp_path / "trial_events.log").read_text()
+    assert _record("a1", {}, {**last, "time_total_s": 0.1}, None, setup).seconds == 42.0
     assert _record("c3", {}, {"time_total_s": 17.5}, None, setup).seconds == 17.5

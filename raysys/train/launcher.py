@@ -185,7 +185,7 @@ def shutdown_ray() -> None:
 
     node = getattr(worker, "_global_node", None)
     if node is not None and node.is_head():
-        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
+        for info in getattr(node, "all_processes", {}).get(ray_constants.PROCESS_TYPE_MONITOR, []):
             info.process.kill()
     ray.shutdown()
 

@@ -27,6 +27,8 @@ MEASURED_QUALITY = "objective/measured_quality"
 UNSTABLE = "stability/unstable"
 REASON = "stability/reason"
 FINAL = "sweep/final"
+RUN_SECONDS = "sweep/run_seconds"
+"""A reused run's own wall time (``trial.reused_final``), in place of Tune's clock, which only saw the reuse."""
 DEFAULT_TOLERANCE = 0.02
 DEFAULT_QUALITY_PENALTY = -1.0
 

@@ -13,7 +13,6 @@ and the MLflow records get one trial per member back from them (:func:`member_re
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 from typing import Any, Optional, Sequence
@@ -27,7 +26,7 @@ POPULATION = "population"
 """The config key of a vectorized trial: the list of its members' knobs."""
 PREFIX = "members"
 KEPT = (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY, obj.UNSTABLE, obj.REASON,
-        obj.FINAL, "step", "run_seconds")
+        obj.FINAL, "step", obj.RUN_SECONDS)
 
 
 def member_ids(trial_id: str, k: int) -> list[str]:
@@ -142,7 +141,7 @@ def run_population_trial(config: dict, setup) -> None:
 
     from raysys import workload as registry
     from raysys.session import run_population
-    from raysys.tune.trial import RUN_SECONDS, log_event, run_seconds, trial_config
+    from raysys.tune.trial import log_event, reused_final, trial_config
 
     trial_id = tune.get_context().get_trial_id()
     setup.attach_storage()
@@ -154,10 +153,7 @@ def run_population_trial(config: dict, setup) -> None:
     todo = []
     for j, (mid, knobs) in enumerate(zip(ids, all_knobs)):
         if setup.run_exists(mid, "final_metrics.json"):  # finished before the sweep was interrupted
-            log_event(setup.sweep_dir, f"reuse {mid} run={setup.run_name(mid)}")
-            final = {**json.loads(setup.read_run_file(mid, "final_metrics.json")), "done": 1.0}
-            took = run_seconds(setup.sweep_dir, mid)
-            reports.reporter(j)(final if took is None else {**final, RUN_SECONDS: took})
+            reports.reporter(j)(reused_final(setup, mid))
         else:
             todo.append(j)
     if todo:

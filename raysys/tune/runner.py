@@ -345,7 +345,7 @@ def collect(grid, setup) -> list[TrialRecord]:
 def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
     rec = TrialRecord(trial_id=trial_id, knobs=knobs, run_name=setup.run_name(trial_id),
                       throughput=_float(m.get(obj.MEASURED_THROUGHPUT)), quality=_float(m.get(obj.MEASURED_QUALITY)),
-                      seconds=_float(m.get("run_seconds", m.get("time_total_s"))))  # a reused run: its own time
+                      seconds=_float(m.get(obj.RUN_SECONDS, m.get("time_total_s"))))
     if error is not None:
         rec.status, rec.reason = ERROR, error_summary(error)
     elif m.get(obj.UNSTABLE):

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from raysys.tune.objectives import ObjectiveTracker, StabilityRules
+from raysys.tune.objectives import RUN_SECONDS, ObjectiveTracker, StabilityRules
 
 CHILD_STOP_GRACE_S = 30.0
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
@@ -135,10 +135,6 @@ def log_event(sweep_dir: str | Path, line: str) -> None:
     storage.append_line(Path(sweep_dir) / "trial_events.log", f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
 
-RUN_SECONDS = "run_seconds"
-"""A reused run's own wall time, reported in place of Tune's clock (which only saw the reuse)."""
-
-
 def run_seconds(sweep_dir: str | Path, trial_id: str) -> Optional[float]:
     """Seconds from the trial's last ``start`` to its ``end`` in <sweep>/trial_events.log, if both are there."""
     from datetime import datetime
@@ -157,6 +153,15 @@ def run_seconds(sweep_dir: str | Path, trial_id: str) -> Optional[float]:
     return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
 
 
+def reused_final(setup: TrialSetup, trial_id: str) -> dict:
+    """The last report of a trial whose run had already ended (the driver died before Tune recorded
+    that): what the run recorded, and its own wall time, not that of this reuse."""
+    log_event(setup.sweep_dir, f"reuse {trial_id} run={setup.run_name(trial_id)}")
+    final = {**json.loads(setup.read_run_file(trial_id, "final_metrics.json")), "done": 1.0}
+    took = run_seconds(setup.sweep_dir, trial_id)
+    return final if took is None else {**final, RUN_SECONDS: took}
+
+
 def run_trial(config: dict, setup: TrialSetup) -> None:
     """The Tune function trainable. ``config`` holds exactly the sampled knobs."""
     from ray import tune
@@ -172,10 +177,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     if cfg.launch.resume and setup.run_exists(trial_id, "final_metrics.json"):
         # Its run already ended (the driver died before Tune recorded that): report what the run
         # recorded instead of "resuming" a finished run, whose speed window would be empty.
-        log_event(setup.sweep_dir, f"reuse {trial_id} run={cfg.launch.name}")
-        final = {**json.loads(setup.read_run_file(trial_id, "final_metrics.json")), "done": 1.0}
-        took = run_seconds(setup.sweep_dir, trial_id)
-        tune.report(tracker.update(final if took is None else {**final, RUN_SECONDS: took}))
+        tune.report(tracker.update(reused_final(setup, trial_id)))
         return
     log_event(setup.sweep_dir, f"start {trial_id} run={cfg.launch.name} resume={cfg.launch.resume}")
 
