@@ -30,6 +30,21 @@ def population_mode(setting: str) -> str:
     return "loop" if jax.devices()[0].platform == "cpu" else "vmap"
 
 
+def time_alone(step: Callable, state: Any, *args, work: float, chunks: int = 2) -> float:
+    """A :class:`Batched` member's speed: ``work`` units per chunk over the seconds of one member through
+    the lone program ``step(state, *args) -> (state, out)``, on a throwaway state (one warm-up chunk,
+    then ``chunks`` timed; compile excluded)."""
+    import jax
+
+    state, out = step(state, *args)
+    jax.block_until_ready(out)
+    t = time.perf_counter()
+    for _ in range(chunks):
+        state, out = step(state, *args)
+    jax.block_until_ready(out)
+    return chunks * work / (time.perf_counter() - t)
+
+
 class Batched:
     """``run(states, todo) -> (states, {member: host output})`` advances every member at once."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,8 +39,10 @@ def run_sweep(folder: Path, space: Path, knobs: list[str], name: str, n: int, pr
         cmd += ["--set", f"{CACHE_KEY}={cache}"]
     if vectorize > 1:
         cmd += ["--vectorize", str(vectorize)]
+    # each sweep runs in a fresh folder: a plug-in named module:attr is still found where the bench was started
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise SystemExit(f"sweep {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -304,19 +304,14 @@ def _in_turn(cfgs: list, learners: list, goals):
 
 def _probe(cfg: ADSourceConfig, goals) -> float:
     """env-steps/s of ``train``'s program for one throwaway member of ``cfg``'s shape (compile excluded)."""
-    import jax
     import numpy as np
 
+    from raysys.train.population import time_alone
     from raysys.workloads.ad_transformer import source
 
     learners, hp, k = source.init_learners(cfg.source, goals), source.hparams_of(cfg.source), cfg.source.updates_per_call
     step = source.make_chunk(cfg.source).lower(learners, goals, hp, np.int32(k)).compile()
-    learners, ret = step(learners, goals, hp, np.int32(k))  # warm-up
-    jax.block_until_ready(ret)
-    t = time.perf_counter()
-    learners, ret = step(learners, goals, hp, np.int32(k))
-    jax.block_until_ready(ret)
-    return k * _steps_per_update(cfg) / (time.perf_counter() - t)
+    return time_alone(step, learners, goals, hp, np.int32(k), work=k * _steps_per_update(cfg), chunks=1)
 
 
 def _bench(quick: bool = False) -> dict:

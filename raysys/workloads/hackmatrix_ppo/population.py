@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from raysys.train.jax_host import enable_compilation_cache, to_host
-from raysys.train.population import Batched, InTurn, population_mode
+from raysys.train.population import Batched, InTurn, population_mode, time_alone
 from raysys.workloads.hackmatrix_ppo import workload as lone
 
 PROBE_CHUNKS = 2
@@ -164,13 +164,5 @@ def _probe_program(cfg, mesh):
 
 def _time_alone(cfg, runner, hp, step) -> float:
     """env-steps/s of one member of this shape trained alone (compile excluded)."""
-    import jax
-
-    runner, stats = step(runner, hp)  # warm-up
-    jax.block_until_ready(stats)
-    t = time.perf_counter()
-    for _ in range(PROBE_CHUNKS):
-        runner, stats = step(runner, hp)
-    jax.block_until_ready(stats)
-    steps = PROBE_CHUNKS * cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
-    return steps / (time.perf_counter() - t)
+    work = cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
+    return time_alone(step, runner, hp, work=work, chunks=PROBE_CHUNKS)

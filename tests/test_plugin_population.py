@@ -1,0 +1,141 @@
+"""A user's own JAX workload with a population program (examples/digits_jax): each member of one
+program ends as its lone run, and ``python -m raysys.tune --vectorize K`` sweeps it as a plug-in found
+by ``module:attr`` from the user's folder, its members K separate MLflow child runs."""
+
+import csv
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "digits_jax"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("digits_jax", EXAMPLE / "digits_jax.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("digits_jax", mod)  # dataclasses look their module up
+    spec.loader.exec_module(sys.modules["digits_jax"])
+    mod = sys.modules["digits_jax"]
+    return mod
+
+
+def _cfg(mod, tmp_path, name, population, lr, wd, seed):
+    cfg = mod.quick()
+    cfg.train.steps, cfg.train.lr, cfg.train.weight_decay, cfg.train.seed = 300, lr, wd, seed
+    cfg.train.population, cfg.train.compilation_cache_dir = population, str(tmp_path / "jax-cache")
+    cfg.launch.storage_path, cfg.launch.name = str(tmp_path / "runs"), name
+    cfg.launch.tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return cfg
+
+
+def _state(tmp_path, name):
+    import torch
+
+    last = sorted((tmp_path / "runs" / name / "checkpoints").glob("step_*"))[-1]
+    return [t.numpy() for t in torch.load(last / "state.pt", weights_only=True)["state"]]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("population", ["loop", "vmap"])
+def test_each_member_of_a_users_population_ends_as_its_lone_run(tmp_path, population):
+    """Three members differing in learning rate, weight decay and seed; the second is found unstable at
+    its first report and stops there while the others go on."""
+    from raysys.session import run_custom, run_population
+
+    mod = _example()
+    settings = [(3e-3, 1e-4, 0), (3e-2, 0.0, 7), (1e-3, 1e-2, 3)]
+    cfgs = [_cfg(mod, tmp_path, f"pop-{i}", population, *s) for i, s in enumerate(settings)]
+    assert len({mod.WORKLOAD.population.program_key(c) for c in cfgs}) == 1
+    seen = []
+
+    def unstable(metrics):
+        seen.append(metrics["step"])
+        return "loss spike"
+
+    together = run_population(mod.WORKLOAD, cfgs, reports=[None, unstable, None])
+    assert seen == [100]
+    assert int(_state(tmp_path, "pop-1")[-1]) == 100  # halted: its checkpoint is its first chunk's
+    for i in (0, 2):
+        alone = run_custom(mod.WORKLOAD, _cfg(mod, tmp_path, f"alone-{i}", population, *settings[i]))
+        mine, lone = _state(tmp_path, f"pop-{i}"), _state(tmp_path, f"alone-{i}")
+        err = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(mine, lone))
+        # loop: the lone program itself, bit for bit; vmap: the same arithmetic batched
+        assert err == 0.0 if population == "loop" else err < 1e-5, (i, err)
+        assert int(mine[-1]) == 300
+        assert together[i].metrics["eval/accuracy"] == pytest.approx(alone.metrics["eval/accuracy"], abs=1e-6)
+        assert together[i].metrics["eval/accuracy"] > 0.9  # it learned
+        assert together[i].metrics["perf/samples_per_s"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_a_vectorized_sweep_of_a_users_jax_workload(tmp_path):
+    """From the user's folder, with no install: 6 configurations, up to 4 per trial, split by the one
+    shape knob (model.hidden). Every configuration is a trial of the report and an MLflow child run with
+    its own params and metric history, like a trial of a sweep that is not vectorized."""
+    from mlflow.tracking import MlflowClient
+
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project)
+    cmd = [sys.executable, "-m", "raysys.tune", "--space", "digits_jax_space.yaml", "--vectorize", "4",
+           "--num-samples", "6", "--name", "vec"]
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=800)
+    print(proc.stdout[-5000:], proc.stderr[-3000:], sep="\n")
+    assert proc.returncode == 0
+    assert "6 trials — 6 ok" in proc.stdout
+
+    with open(project / "raysys_runs" / "sweeps" / "vec" / "report" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and all(float(r["quality"]) > 0.8 for r in rows)
+    programs: dict[str, set] = {}
+    for r in rows:  # member ids are <Tune trial id>_<j>: one Tune trial, one program
+        programs.setdefault(r["trial_id"].rsplit("_", 1)[0], set()).add(r["model.hidden"])
+    assert all(len(widths) == 1 for widths in programs.values())  # a program never mixes shapes
+    assert len(programs) < 6  # some configurations shared a program
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-digits_jax")
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 6
+    by_config = {(r["train.lr"], r["model.hidden"]): r for r in rows}
+    for child in children:
+        p = child.data.params
+        row = by_config[(p["train.lr"], p["model.hidden"])]
+        assert int(p["train.seed"]) == int(row["train.seed"])
+        assert float(p["train.weight_decay"]) == float(row["train.weight_decay"])
+        history = client.get_metric_history(child.info.run_id, "eval/accuracy")
+        assert [m.step for m in history] == [100, 200, 300, 400]
+        assert history[-1].value == pytest.approx(float(row["quality"]))
+        assert child.info.status == "FINISHED"
+
+
+@pytest.mark.timeout(900)
+def test_sweep_bench_runs_a_plugins_sweep_both_ways(tmp_path):
+    """``python -m raysys.tune.sweep_bench`` from the user's folder: its two sweeps run in folders of
+    their own and still find the plug-in; on a CPU each member is its lone run, so every
+    configuration's quality is the same both ways. (The fronts may differ: this space has two widths,
+    two programs, whose speeds are measured, and trials two at a time measure them with noise.)"""
+    import json
+
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project)
+    cmd = [sys.executable, "-m", "raysys.tune.sweep_bench", "--space", "digits_jax_space.yaml", "--configs", "4",
+           "--json", "out.json"]
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=800)
+    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    assert proc.returncode == 0
+    out = json.loads((project / "out.json").read_text())
+    assert out["workload"] == "digits_jax:WORKLOAD" and out["configs"] == 4
+    assert out["same_configurations"] and out["max_quality_difference"] == 0.0
+    assert isinstance(out["same_front"], bool) and isinstance(out["same_recommendation"], bool)
+    assert len(out["trials"]["one_trial_each"]) == len(out["trials"]["vectorized"]) == 4
+    assert out["wall_s"]["one_trial_each"] > 0 and out["wall_s"]["vectorized"] > 0
