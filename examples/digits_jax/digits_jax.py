@@ -50,6 +50,9 @@ class TrainConfig:
     """Seed of the initial params and of the minibatch draws."""
     test_fraction: float = 0.25
     """Share of the 1,797 images held out for eval/accuracy (split with a fixed seed)."""
+    checkpoint_every_minutes: float = 5.0
+    """Checkpoint when this much time has passed since the last one, on a stop (Ctrl-C) and at the end:
+    an interrupted run or sweep resumes from there."""
     compilation_cache_dir: str = "~/.cache/raysys/jax"
     """Persistent JAX compilation cache ('' disables)."""
     population: Literal["auto", "vmap", "loop"] = "auto"
@@ -60,6 +63,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "steps_per_chunk"):
             require(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         require(self.lr > 0 and self.weight_decay >= 0, "train.lr must be > 0 and train.weight_decay >= 0")
+        require(self.checkpoint_every_minutes > 0, "train.checkpoint_every_minutes must be > 0")
         require(0.05 <= self.test_fraction <= 0.5, f"train.test_fraction must be in [0.05, 0.5], got {self.test_fraction}")
 
 
@@ -78,7 +82,8 @@ def quick() -> DigitsJaxConfig:
 
 
 # Shape-free: may differ between the members of one program.
-MEMBER_KNOBS = ("train.lr", "train.weight_decay", "train.seed", "train.steps", "train.compilation_cache_dir")
+MEMBER_KNOBS = ("train.lr", "train.weight_decay", "train.seed", "train.steps", "train.checkpoint_every_minutes",
+                "train.compilation_cache_dir")
 
 
 # ---------------------------------------------------------------- the model, as pure functions
@@ -197,13 +202,16 @@ def train(cfg: DigitsJaxConfig, session) -> dict:
     state = _start(cfg, session)
     hp = HParams(cfg.train.lr, cfg.train.weight_decay)
     step = jax.jit(make_chunk(cfg, load_data(cfg))).lower(state, hp).compile()
-    per_chunk, final = cfg.train.steps_per_chunk * cfg.train.batch_size, {}
+    per_chunk, final, saved = cfg.train.steps_per_chunk * cfg.train.batch_size, {}, time.monotonic()
     while int(state.step) < cfg.train.steps and not session.should_stop():
         t = time.perf_counter()
         state, stats = step(state, hp)
         final = _metrics(to_host(stats), per_chunk / (time.perf_counter() - t))
         session.log(final, int(state.step), progress=f"accuracy {final['eval/accuracy']:.3f}",
                     bar=(int(state.step), cfg.train.steps))
+        if time.monotonic() - saved >= 60 * cfg.train.checkpoint_every_minutes:
+            _save(session, state)
+            saved = time.monotonic()
     _save(session, state)
     return final
 
@@ -221,7 +229,7 @@ def train_population(cfgs: list[DigitsJaxConfig], sessions: list) -> list[dict]:
     per_chunk = lead.train.steps_per_chunk * lead.train.batch_size
     carrier = _in_turn if population_mode(lead.train.population) == "loop" else _batched
     program = carrier(chunk, states, hps, per_chunk)
-    finals, steps = [{} for _ in cfgs], [int(s.step) for s in states]
+    finals, steps, saved = [{} for _ in cfgs], [int(s.step) for s in states], time.monotonic()
     while (live := np.array([steps[i] < cfgs[i].train.steps and not sessions[i].halted for i in range(k)])).any():
         for i, (stats, seconds) in program.step(live).items():
             steps[i] += lead.train.steps_per_chunk
@@ -229,6 +237,10 @@ def train_population(cfgs: list[DigitsJaxConfig], sessions: list) -> list[dict]:
             sessions[i].log(finals[i], steps[i])
         if sessions[0].should_stop():
             break
+        if time.monotonic() - saved >= 60 * lead.train.checkpoint_every_minutes:
+            for i in np.flatnonzero(live):
+                _save(sessions[i], program.state(i))
+            saved = time.monotonic()
     for i in range(k):
         _save(sessions[i], program.state(i))
     return finals
