@@ -64,6 +64,10 @@ def setup_logging() -> None:
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
         # "Running in local mode..." for every in-process (--workers 0) run
         logging.getLogger("ray.train.v2.api.config").setLevel(logging.WARNING)
+        # a failed trial's whole traceback: raysys.tune says it failed in one line, the traceback is in
+        # the trial's error.txt it names
+        logging.getLogger("ray.tune.execution.tune_controller").addFilter(
+            lambda record: not str(record.msg).startswith("Trial task failed"))
 
 
 class Console:

@@ -139,3 +139,56 @@ def test_sweep_bench_runs_a_plugins_sweep_both_ways(tmp_path):
     assert isinstance(out["same_front"], bool) and isinstance(out["same_recommendation"], bool)
     assert len(out["trials"]["one_trial_each"]) == len(out["trials"]["vectorized"]) == 4
     assert out["wall_s"]["one_trial_each"] > 0 and out["wall_s"]["vectorized"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_vectorized_trial_starts_again_from_its_members_checkpoints(tmp_path):
+    """The trial's process is killed (as the OOM killer would) once every member has a checkpoint: Tune
+    starts the trial again (--max-failures), each member continues from its own checkpoint, not from
+    step 0, and the sweep ends with every configuration ok."""
+    import os
+    import signal
+    import time
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project)
+    (project / "one_program.yaml").write_text(yaml.safe_dump({
+        "workload": "digits_jax:WORKLOAD", "preset": "quick",
+        "fixed": {"train.steps": 80_000, "train.checkpoint_every_minutes": 0.01, "train.compilation_cache_dir": ""},
+        "space": {"train.lr": {"loguniform": [1.0e-3, 1.0e-2]}, "train.seed": {"randint": [0, 1000]}},
+        "objectives": {"throughput": "perf/samples_per_s", "quality": "eval/accuracy"}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", "--space", "one_program.yaml", "--vectorize", "3",
+                             "--num-samples", "3", "--name", "kill"], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = project / "raysys_runs" / "sweeps" / "kill" / "runs"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        members = [p for p in runs.glob("kill-*") if p.is_dir()]
+        if len(members) == 3 and all(list(p.glob("checkpoints/step_*/meta.json")) for p in members):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before its trial could be killed"
+    pid = int((members[0] / ".raysys.lock").read_text().split()[1])  # "process <pid> on <host>"
+    os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    print(out[-5000:])
+    assert proc.returncode == 0
+    assert "starting again from the last checkpoint (restart 1 of 2)" in out
+    assert "3 trials — 3 ok" in out
+    assert "Trial task failed" not in out  # the traceback is in the trial's error.txt, not on the console
+
+    events = (project / "raysys_runs" / "sweeps" / "kill" / "trial_events.log").read_text().splitlines()
+    starts = sorted(line.split()[4] for line in events if line.split()[1] == "start")
+    assert starts == ["resume=False"] * 3 + ["resume=True"] * 3
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raysys-digits_jax")
+    children = [r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 3  # the same three runs, continued
+    for c in children:
+        steps = [m.step for m in client.get_metric_history(c.info.run_id, "eval/accuracy")]
+        assert max(steps) == 80_000 and steps.count(100) == 1, "started over instead of resuming"
+        assert c.info.status == "FINISHED"

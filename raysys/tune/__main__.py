@@ -59,10 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vectorize", type=int, default=1, metavar="K",
                    help="train up to K configurations per trial as one program (one process, one compile), each "
                         "with its own params, optimizer state, seed and MLflow run; for workloads with a population "
-                        "program (hackmatrix_ppo, ad_source). Configurations that differ in a shape knob (num_envs, widths, "
+                        "program (hackmatrix_ppo, ad_source, or yours: docs/your-workload.md). Configurations that differ in a shape knob (num_envs, widths, "
                         "precision...) go to separate programs. The members are batched (vmap) on a GPU/TPU and run "
                         "in turn through one compiled program on a CPU (train.population). "
                         "Default: 1 (one configuration per trial)")
+    p.add_argument("--max-failures", type=int, default=2, metavar="N",
+                   help="times a failed trial (its process died, e.g. killed or out of memory, or it raised) is "
+                        "started again, from its run's last checkpoint; a vectorized trial's finished members are "
+                        "kept (default: %(default)s; Tune's FailureConfig(max_failures))")
     p.add_argument("--preset", help="replace the space's base preset (e.g. quick for a smoke run)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="extra fixed override for every trial (repeatable); naming a knob pins it to this value")
@@ -77,6 +81,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.num_samples < 1 or (args.max_concurrent is not None and args.max_concurrent < 1):
             raise ConfigError("--num-samples and --max-concurrent must be >= 1")
+        if args.max_failures < 0:
+            raise ConfigError(f"--max-failures must be >= 0, got {args.max_failures}")
         if args.vectorize < 1:
             raise ConfigError(f"--vectorize must be >= 1, got {args.vectorize}")
         if args.budget is not None and args.budget <= 0:
@@ -88,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             space=args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
             budget_minutes=args.budget, address=args.address, tracking_uri=args.tracking_uri, resume=args.resume,
             name=args.name, storage_path=args.storage_path, tolerance=args.tolerance, seed=args.seed,
-            preset=args.preset, sets=parse_set_args(args.sets), vectorize=args.vectorize,
+            preset=args.preset, sets=parse_set_args(args.sets), vectorize=args.vectorize, max_failures=args.max_failures,
             command=tracking.command_line(argv, module="raysys.tune")))
     except ConfigError as e:
         print(f"raysys.tune: config error: {e}", file=sys.stderr)

@@ -50,8 +50,8 @@ def _fmt(v: Any) -> str:
 class Progress(Callback):
     """One line when a trial starts or ends, and a short one per running trial every ~20 s."""
 
-    def __init__(self, total: int, throughput_metric: str, quality_metric: str):
-        self.total, self.tm, self.qm = total, throughput_metric, quality_metric
+    def __init__(self, total: int, throughput_metric: str, quality_metric: str, max_failures: int = 0):
+        self.total, self.tm, self.qm, self.max_failures = total, throughput_metric, quality_metric, max_failures
         self.last_line: dict[str, float] = {}
 
     def _print(self, msg: str) -> None:
@@ -113,6 +113,11 @@ class Progress(Callback):
         else:
             verdict = "stopped before the end"
         return verdict
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        what = f"trials {trial.trial_id}_*" if POPULATION in trial.config else f"trial {trial.trial_id}"
+        self._print(f"{what} failed (details: {trial.path}/error.txt); starting again from the last checkpoint "
+                    f"(restart {trial.num_failures} of {self.max_failures})")
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self._print(f"trial {trial.trial_id} FAILED (the sweep goes on) [{_done(trials, trial)}/{self.total} done]; "

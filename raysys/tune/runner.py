@@ -50,6 +50,8 @@ class SweepOptions:
     """The command line that started the sweep (recorded on its MLflow parent run)."""
     vectorize: int = 1
     """Configurations per trial, trained as one program (raysys.tune.population); 1: one per trial."""
+    max_failures: int = 2
+    """Restarts of a failed trial (Tune's FailureConfig); each continues from its run's last checkpoint."""
 
 
 @dataclass
@@ -246,9 +248,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent, wl),
                            run_config=tune.RunConfig(
                                name=name, **tune_storage, verbose=0, stop=StabilityStopper(),
-                               callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric),
+                               callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric,
+                                                   opts.max_failures),
                                           *_result_loggers()],
-                               failure_config=tune.FailureConfig(max_failures=0)))
+                               failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
     grid = tuner.fit()
     records = collect(grid, setup)
     if wl.population is not None:  # one speed per program, in both kinds of sweep (population.pool_throughput)
@@ -361,7 +364,10 @@ def error_summary(err: BaseException) -> str:
     """One line for a failed trial: the last 'XError: message' line of Ray's wrapped traceback."""
     lines = [l.strip() for l in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if l.strip()]
     errors = [l for l in lines if ERROR_LINE.match(l)]
-    return (errors[-1] if errors else lines[-1] if lines else type(err).__name__)[:300]
+    line = errors[-1] if errors else lines[-1] if lines else type(err).__name__
+    if "worker process has died" in line:  # Ray's paragraph on a dead actor: its first sentence says it
+        line = "the trial's process died (killed, or out of memory)"
+    return line[:300]
 
 
 def _float(v: Any) -> Optional[float]:
