@@ -150,7 +150,7 @@ def make_chunk(cfg: DigitsJaxConfig, data):
     def loss_fn(params, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
 
-    def sgd_step(carry, _):
+    def adam_step(carry, _):
         state, hp = carry
         key, k_batch = jax.random.split(state.key)
         idx = jax.random.randint(k_batch, (cfg.train.batch_size,), 0, len(ytr))
@@ -160,7 +160,7 @@ def make_chunk(cfg: DigitsJaxConfig, data):
         return (State(params, opt_state, key, state.step + 1), hp), loss
 
     def chunk(state: State, hp: HParams):
-        (state, _), losses = jax.lax.scan(sgd_step, (state, hp), None, cfg.train.steps_per_chunk)
+        (state, _), losses = jax.lax.scan(adam_step, (state, hp), None, cfg.train.steps_per_chunk)
         accuracy = (logits(state.params, xte).argmax(-1) == yte).mean()
         return state, {"loss": losses.mean(), "accuracy": accuracy}
 
