@@ -178,7 +178,8 @@ def test_a_killed_vectorized_trial_starts_again_from_its_members_checkpoints(tmp
     out, _ = proc.communicate(timeout=600)
     print(out[-5000:])
     assert proc.returncode == 0
-    assert "starting again from the last checkpoint (restart 1 of 2)" in out
+    assert ("failed: the trial's process died (killed, or out of memory); starting again from the last "
+            "checkpoint (restart 1 of 2; details: ") in out
     assert "3 trials — 3 ok" in out
     assert "Trial task failed" not in out  # the traceback is in the trial's error.txt, not on the console
 

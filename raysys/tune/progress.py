@@ -116,12 +116,23 @@ class Progress(Callback):
 
     def on_trial_recover(self, iteration, trials, trial, **info):
         what = f"trials {trial.trial_id}_*" if POPULATION in trial.config else f"trial {trial.trial_id}"
-        self._print(f"{what} failed (details: {trial.path}/error.txt); starting again from the last checkpoint "
-                    f"(restart {trial.num_failures} of {self.max_failures})")
+        self._print(f"{what} failed: {_last_failure(trial)}; starting again from the last checkpoint "
+                    f"(restart {trial.num_failures} of {self.max_failures}; details: {trial.path}/error.txt)")
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self._print(f"trial {trial.trial_id} FAILED (the sweep goes on) [{_done(trials, trial)}/{self.total} done]; "
-                    f"details: {trial.path}/error.txt")
+        self._print(f"trial {trial.trial_id} FAILED: {_last_failure(trial)} (the sweep goes on) "
+                    f"[{_done(trials, trial)}/{self.total} done]; details: {trial.path}/error.txt")
+
+
+def _last_failure(trial) -> str:
+    """The cause of the trial's latest failure in one line, from the error.txt Tune has just appended to."""
+    from raysys.tune.trial import error_summary
+
+    try:
+        text = open(trial.error_file).read()
+    except (OSError, TypeError):
+        return "see error.txt"
+    return error_summary(text.rsplit("Failure # ", 1)[-1].split("\n", 1)[-1])
 
 
 def _done(trials, trial) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
 from raysys.tune.resources import footprint, max_concurrent, trial_resources
-from raysys.tune.trial import ERROR_LINE
+from raysys.tune.trial import error_summary
 
 STATE_FILE = "raysys_sweep.json"
 
@@ -358,16 +357,6 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
     else:
         rec.status, rec.reason = INCOMPLETE, "stopped before the end (budget or interruption)"
     return rec
-
-
-def error_summary(err: BaseException) -> str:
-    """One line for a failed trial: the last 'XError: message' line of Ray's wrapped traceback."""
-    lines = [l.strip() for l in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if l.strip()]
-    errors = [l for l in lines if ERROR_LINE.match(l)]
-    line = errors[-1] if errors else lines[-1] if lines else type(err).__name__
-    if "worker process has died" in line:  # Ray's paragraph on a dead actor: its first sentence says it
-        line = "the trial's process died (killed, or out of memory)"
-    return line[:300]
 
 
 def _float(v: Any) -> Optional[float]:

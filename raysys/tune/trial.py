@@ -34,6 +34,16 @@ CHILD_STOP_GRACE_S = 30.0
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
 
 
+def error_summary(err: BaseException | str) -> str:
+    """One line for a failed trial: the last 'XError: message' line of Ray's wrapped traceback."""
+    lines = [l.strip() for l in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if l.strip()]
+    errors = [l for l in lines if ERROR_LINE.match(l)]
+    line = errors[-1] if errors else lines[-1] if lines else type(err).__name__
+    if "worker process has died" in line:  # Ray's paragraph on a dead actor: what it means, in short
+        line = "the trial's process died (killed, or out of memory)"
+    return line[:300]
+
+
 @dataclass(frozen=True)
 class TrialSetup:
     """What every trial needs besides its knobs (passed once through ``tune.with_parameters``)."""
