@@ -29,8 +29,6 @@ from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.train.population import Batched, InTurn, population_mode, time_alone
 from raysys.workloads.hackmatrix_ppo import workload as lone
 
-PROBE_CHUNKS = 2
-
 
 def train_population(cfgs: list, sessions: list) -> list[dict]:
     """``Population.train_fn``: train ``cfgs`` (one shape) together, each through its own session."""
@@ -125,7 +123,9 @@ def _batched(cfgs: list, runners: list, mesh) -> Batched:
         active = ppo.replicate(np.ones(len(cfgs), bool), mesh)
         step = ppo.make_population_chunk(lead, mesh).lower(stacked, hps, active).compile()
         compile_s = time.perf_counter() - t0
-        alone = _time_alone(lead, *probe.result())
+        runner, hp, alone_step = probe.result()  # one member of this shape alone: its env-steps/s
+        alone = time_alone(alone_step, runner, hp,
+                           work=lead.train.updates_per_chunk * lead.train.num_envs * lead.train.num_steps)
 
     def run(runners, live):
         runners, stats = step(runners, hps, ppo.replicate(live, mesh))
@@ -161,8 +161,3 @@ def _probe_program(cfg, mesh):
     hp = ppo.replicate(ppo.hparams_of(cfg), mesh)
     return runner, hp, ppo.make_train_chunk(cfg, mesh).lower(runner, hp).compile()
 
-
-def _time_alone(cfg, runner, hp, step) -> float:
-    """env-steps/s of one member of this shape trained alone (compile excluded)."""
-    work = cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
-    return time_alone(step, runner, hp, work=work, chunks=PROBE_CHUNKS)
