@@ -1,11 +1,14 @@
 """Atomic, safe-to-load checkpoints in a run folder.
 
-Layout: ``<storage>/<run>/checkpoints/step_000001234/{state.pt, meta.json}``. A checkpoint is
-written to a hidden temporary folder and renamed into place, so a crash mid-write never leaves a
-half checkpoint that looks complete; older checkpoints are pruned only after a newer one is in
-place. Loading uses ``torch.load(weights_only=True)`` (no arbitrary unpickling), and a checkpoint
-written by another workload or an incompatible config is refused with a message naming the
-difference. A corrupt checkpoint is reported, never deleted or overwritten.
+Layout: ``<storage>/<run>/checkpoints/step_000001234/{state.pt | state.npz, meta.json}``. A
+checkpoint is written to a hidden temporary folder and renamed into place, so a crash mid-write
+never leaves a half checkpoint that looks complete; older checkpoints are pruned only after a newer
+one is in place. A state holding torch tensors is ``state.pt`` (``torch.save``; loaded with
+``torch.load(weights_only=True)``); a state of numpy arrays and plain Python values (a JAX
+workload's) is ``state.npz``, written and read without torch (its 1-2 s import) and without pickle.
+Either way no arbitrary object is unpickled. A checkpoint written by another workload or an
+incompatible config is refused with a message naming the difference. A corrupt checkpoint is
+reported, never deleted or overwritten.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -40,6 +44,78 @@ def _fsync_dir(path: Path) -> None:
 
 STEP_DIR = re.compile(r"step_(\d{9})")
 """The only folder names raysys reads or prunes: anything else (``step_6.bad``, a user's copy) is ignored."""
+
+
+STATE_FILES = ("state.npz", "state.pt")
+"""The two forms of a checkpoint's state (see the module docstring)."""
+
+
+class _NotPlain(TypeError):
+    pass
+
+
+def _encode(obj: Any, arrays: list) -> list:
+    """A state of numpy arrays and plain values -> a JSON tree of tagged nodes (arrays by index)."""
+    import numpy as np
+
+    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype != object:
+        a = np.asarray(obj)
+        if a.dtype.kind == "V" and a.dtype.fields is None:  # bfloat16, float8 (ml_dtypes): npz keeps only bytes
+            arrays.append(a.view(f"u{a.dtype.itemsize}"))
+            return ["a", len(arrays) - 1, a.dtype.name]
+        arrays.append(a)
+        return ["a", len(arrays) - 1]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return ["v", obj]
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        return ["d", {k: _encode(v, arrays) for k, v in obj.items()}]
+    if isinstance(obj, (list, tuple)):
+        return ["l" if isinstance(obj, list) else "t", [_encode(v, arrays) for v in obj]]
+    raise _NotPlain(type(obj).__name__)
+
+
+def _decode(node: list, arrays) -> Any:
+    tag, value = node[:2]
+    if tag == "a":
+        if len(node) == 3:
+            import ml_dtypes
+
+            return arrays[f"a{value}"].view(getattr(ml_dtypes, node[2]))
+        return arrays[f"a{value}"]
+    if tag == "v":
+        return value
+    if tag == "d":
+        return {k: _decode(v, arrays) for k, v in value.items()}
+    items = [_decode(v, arrays) for v in value]
+    return items if tag == "l" else tuple(items)
+
+
+def _write_npz(state: dict, f) -> bool:
+    """Write ``state`` as an npz (no pickle) if it is numpy arrays and plain values; False if not."""
+    import numpy as np
+
+    arrays: list = []
+    try:
+        tree = json.dumps(_encode(state, arrays))
+    except (_NotPlain, ValueError):
+        return False
+    np.savez(f, __tree__=np.array(tree), **{f"a{i}": a for i, a in enumerate(arrays)})
+    return True
+
+
+def read_state(path: Path) -> dict:
+    """The state of the checkpoint folder ``path`` (either form; nothing is unpickled). Raises what the
+    reader raises on a damaged file."""
+    path = Path(path)
+    if (path / "state.npz").is_file():
+        import numpy as np
+
+        with np.load(path / "state.npz", allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        return _decode(json.loads(str(arrays.pop("__tree__"))), arrays)
+    import torch
+
+    return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
 
 
 class CheckpointWriteError(OSError):
@@ -99,16 +175,23 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:09d}"
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        import torch  # here, not at import: drivers that never save (a sweep's) skip torch's 1.3 s import
-
         try:
             tmp.mkdir()
-            with open(tmp / "state.pt", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+            with open(tmp / "state.npz", "wb") as f:
+                plain = _write_npz(state, f)
+                if plain:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if not plain:  # torch tensors (or other types torch can store): imported only here
+                (tmp / "state.npz").unlink()
+                import torch
+
+                with open(tmp / "state.pt", "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
             meta = {"workload": self.workload, "identity": self.identity, "step": step, "time": time.time(),
-                    "torch": torch.__version__, **(extra_meta or {})}
+                    **({} if plain else {"torch": sys.modules["torch"].__version__}), **(extra_meta or {})}
             # meta.json is written last: its presence marks the checkpoint complete.
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
             _fsync_dir(tmp)
@@ -133,7 +216,7 @@ class CheckpointStore:
         if self.remote is not None:
             remote, name = self.remote
             try:  # the state first, meta.json last: a half upload is never taken for a checkpoint
-                for f in ("state.pt", "meta.json"):
+                for f in [n for n in STATE_FILES if (final / n).is_file()] + ["meta.json"]:
                     remote.put(final / f, name, "checkpoints", final.name, f)
             except OSError as e:
                 raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "
@@ -152,7 +235,9 @@ class CheckpointStore:
             raise CheckpointError(f"no checkpoint in {self.root}")
         if self.remote is not None and not (path / "meta.json").is_file():
             remote, name = self.remote
-            for f in ("state.pt", "meta.json"):  # meta.json last here too
+            state_file = next((n for n in STATE_FILES if remote.kind(name, "checkpoints", path.name, n) == "file"),
+                              STATE_FILES[-1])
+            for f in (state_file, "meta.json"):  # meta.json last here too
                 remote.get(path / f, name, "checkpoints", path.name, f)
         try:
             meta = json.loads((path / "meta.json").read_text())
@@ -166,10 +251,8 @@ class CheckpointStore:
         if diff:
             raise CheckpointError(f"checkpoint {path} was written with a different config: {'; '.join(diff)}. "
                                   "Resume with the same settings, or start a new run (another --name).")
-        import torch
-
         try:
-            state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+            state = read_state(path)
         except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message
             raise CheckpointError(
                 f"checkpoint {path} is corrupt or unsafe to load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "

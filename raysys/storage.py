@@ -4,7 +4,7 @@
 A run on remote storage has a **working copy** on each process that touches it: a private temporary
 folder (never shared between processes, so a worker restarted on another node really reads the
 storage, not a neighbour's leftovers). Everything the run folder holds is written there first and
-then pushed: checkpoints (``state.pt`` first, ``meta.json`` last, so a half upload is never taken
+then pushed: checkpoints (``state.pt`` or ``state.npz`` first, ``meta.json`` last, so a half upload is never taken
 for a checkpoint), the config snapshots, ``events.log``, the breakdown and final metrics. Resuming
 pulls the run's files and the newest complete checkpoint back.
 

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from raysys.checkpoint import read_state
 from raysys.cli import main
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -140,7 +141,7 @@ def test_a_population_on_the_gpu_is_one_batched_program_equal_to_lone_runs(tmp_p
 
     def params(name):
         last = sorted((tmp_path / "runs" / name / "checkpoints").glob("step_*"))[-1]
-        return [t.numpy() for t in torch.load(last / "state.pt", weights_only=True)["params"]]
+        return read_state(last)["params"]
 
     pair = [(2.5e-4, 0), (1e-3, 5)]
     # full fp32 matmuls (no TF32): batched and lone kernels then round alike enough to stay one learner

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
+from raysys.checkpoint import read_state
 from raysys.cli import main
 from raysys.workloads.hackmatrix_ppo import ppo
 
@@ -66,8 +66,8 @@ def test_quick_run_bf16_and_resume_with_other_num_envs(workdir, capsys):
     assert first["perf/env_steps"] == 10240 and np.isfinite(first["losses/loss"])
     assert first["perf/env_steps_per_s"] > 0 and 0 < first["charts/entropy"] < np.log(28)
     ckpt = sorted((workdir / "raysys_runs" / "h" / "checkpoints").glob("step_*"))[-1]
-    state = torch.load(ckpt / "state.pt", weights_only=True)
-    assert all(t.dtype == torch.float32 for t in state["params"])  # bf16 compute, fp32 params
+    state = read_state(ckpt)
+    assert all(t.dtype == np.float32 for t in state["params"])  # bf16 compute, fp32 params
     capsys.readouterr()
     # resume with twice the envs: params and Adam state continue, envs start fresh
     assert main([*args, "--set", "train.total_timesteps=20480", "--set", "train.num_envs=64", "--resume"]) == 0

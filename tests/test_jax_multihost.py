@@ -19,7 +19,8 @@ import sys
 
 import numpy as np
 import pytest
-import torch
+
+from raysys.checkpoint import read_state
 
 SLICE = "raysys-test-slice"
 # 2 updates of 32 envs x 32 steps in one minibatch: the gradient is the mean over all envs, so
@@ -39,7 +40,7 @@ def _tpu_host(worker_id: int) -> dict:
 
 def _params(run_dir) -> list[np.ndarray]:
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    return [t.numpy() for t in torch.load(ckpt / "state.pt", weights_only=True)["params"]]
+    return read_state(ckpt)["params"]
 
 
 def _check_hosts(run_dir, local_envs: int) -> None:

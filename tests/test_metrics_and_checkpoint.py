@@ -1,5 +1,6 @@
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,3 +126,47 @@ def test_checkpoint_refuses_pickled_objects(tmp_path):
     torch.save({"obj": Evil()}, path / "state.pt")  # weights_only loading must refuse arbitrary classes
     with pytest.raises(CheckpointError, match="unsafe|corrupt"):
         s.load()
+
+
+def test_a_numpy_state_is_saved_and_loaded_without_torch(tmp_path):
+    """A JAX workload's state (numpy arrays and plain values) is state.npz, written and read in a process
+    that never imports torch; dtypes (uint32, bool, bfloat16), nesting and Python values come back."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import ml_dtypes, numpy as np
+from raysys.checkpoint import CheckpointStore
+s = CheckpointStore({str(tmp_path)!r}, "w", {{"model": {{"h": 4}}}})
+state = {{"params": [np.arange(3, dtype=ml_dtypes.bfloat16), np.array([1, 2**32 - 1], np.uint32)],
+          "flags": np.array([True, False]), "step": 7, "ratio": 0.5, "name": "run", "none": None,
+          "pair": (np.float32(1.5), [2, 3]), "nested": {{"empty": []}}}}
+for step in (1, 2, 3):
+    s.save(state, step)
+loaded, meta = s.load()
+assert [p.name for p in s.complete()] == ["step_000000002", "step_000000003"]
+assert sorted(p.name for p in s.latest().iterdir()) == ["meta.json", "state.npz"] and "torch" not in meta
+assert loaded["params"][0].dtype == ml_dtypes.bfloat16 and loaded["params"][0].tolist() == [0, 1, 2]
+assert loaded["params"][1].dtype == np.uint32 and loaded["params"][1].tolist() == [1, 2**32 - 1]
+assert loaded["flags"].dtype == np.bool_ and loaded["flags"].tolist() == [True, False]
+assert (loaded["step"], loaded["ratio"], loaded["name"], loaded["none"]) == (7, 0.5, "run", None)
+assert isinstance(loaded["pair"], tuple) and float(loaded["pair"][0]) == 1.5 and loaded["pair"][1] == [2, 3]
+assert loaded["nested"] == {{"empty": []}}
+print("torch imported:", "torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "torch imported: False" in out.stdout
+
+
+def test_a_state_with_tensors_stays_torch_and_a_corrupt_npz_is_refused(tmp_path):
+    s = _store(tmp_path)
+    mixed = s.save({"w": torch.ones(2), "n": np.zeros(2)}, 1)  # any tensor: the torch form
+    assert sorted(p.name for p in mixed.iterdir()) == ["meta.json", "state.pt"]
+    path = s.save({"n": np.zeros(2)}, 2)
+    (path / "state.npz").write_bytes(b"PK\x03\x04 not really a zip")
+    before = (path / "state.npz").read_bytes()
+    with pytest.raises(CheckpointError, match="corrupt"):
+        s.load()
+    assert (path / "state.npz").read_bytes() == before and (s.root / "step_000000001").is_dir()

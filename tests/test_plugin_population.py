@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from raysys.checkpoint import read_state
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "digits_jax"
 
@@ -35,10 +37,8 @@ def _cfg(mod, tmp_path, name, population, lr, wd, seed):
 
 
 def _state(tmp_path, name):
-    import torch
-
     last = sorted((tmp_path / "runs" / name / "checkpoints").glob("step_*"))[-1]
-    return [t.numpy() for t in torch.load(last / "state.pt", weights_only=True)["state"]]
+    return read_state(last)["state"]
 
 
 @pytest.mark.timeout(600)

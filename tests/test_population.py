@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from raysys.checkpoint import read_state
 from raysys.workloads.hackmatrix_ppo import ppo
 from raysys.workloads.hackmatrix_ppo.workload import WORKLOAD, quick
 
@@ -79,10 +80,8 @@ def _run_cfg(tmp_path, name, cfg, population):
 
 
 def _params(tmp_path, name):
-    import torch
-
     last = sorted((tmp_path / "runs" / name / "checkpoints").glob("step_*"))[-1]
-    return [t.numpy() for t in torch.load(last / "state.pt", weights_only=True)["params"]]
+    return read_state(last)["params"]
 
 
 @pytest.mark.timeout(600)

@@ -87,6 +87,22 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     assert twice.returncode == 2 and "already exists" in twice.stderr
 
 
+def test_a_jax_run_on_s3_resumes_from_its_numpy_checkpoint(tmp_path, s3):
+    """A JAX workload's checkpoint is state.npz (written without torch): it is uploaded, a new process pulls
+    it back, and the run continues from it."""
+    uri, client = s3
+    args = ["hackmatrix_ppo", "--preset", "quick", "--storage-path", uri, "--name", "jax-on-s3",
+            "--set", "train.compilation_cache_dir="]
+    first = _train(tmp_path, *args, "--set", "train.total_timesteps=10240")
+    assert first.returncode == 0
+    keys = _keys(client, "runs/jax-on-s3/checkpoints/")
+    assert keys == ["runs/jax-on-s3/checkpoints/step_000010240/meta.json",
+                    "runs/jax-on-s3/checkpoints/step_000010240/state.npz"], keys
+    again = _train(tmp_path, *args, "--resume", "--set", "train.total_timesteps=20480")
+    assert again.returncode == 0 and "resumed at 10240 env steps" in again.stdout
+    assert "runs/jax-on-s3/checkpoints/step_000020480/state.npz" in _keys(client, "runs/jax-on-s3/")
+
+
 @pytest.mark.slow  # a 3-node cluster: ~2-3 min on 2 cores (over the ~3 min budget under load)
 def test_losing_the_node_of_rank_0_resumes_from_s3(tmp_path, s3):
     """Three 1-CPU worker nodes (their own raylets and temp dirs), two Ray Train workers: the node

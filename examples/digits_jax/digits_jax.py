@@ -21,7 +21,7 @@ import numpy as np
 
 from raysys.config import require
 from raysys.train.config import JaxLaunchConfig
-from raysys.train.jax_host import enable_compilation_cache, to_host, to_tensor
+from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.workload import Population, Workload
 
 
@@ -180,13 +180,13 @@ def _start(cfg: DigitsJaxConfig, session) -> State:
         return fresh
     leaves, tree = jax.tree.flatten(fresh)
     session.message(f"resumed at step {int(ckpt['state'][-1])}")
-    return jax.tree.unflatten(tree, [np.asarray(t.numpy(), x.dtype) for t, x in zip(ckpt["state"], leaves)])
+    return jax.tree.unflatten(tree, [np.asarray(t, x.dtype) for t, x in zip(ckpt["state"], leaves)])
 
 
 def _save(session, state: State) -> None:
     import jax
 
-    leaves = [to_tensor(np.asarray(x)) for x in jax.tree.leaves(to_host(state))]
+    leaves = [np.array(x) for x in jax.tree.leaves(to_host(state))]  # numpy: saved without torch
     session.checkpoint({"state": leaves}, int(state.step))
 
 

@@ -1,5 +1,5 @@
-"""Host-side helpers of the JAX workloads (no Ray, no MLflow): the persistent compilation cache, and
-device arrays to the numpy / torch a checkpoint stores."""
+"""Host-side helpers of the JAX workloads (no Ray, no MLflow, no torch): the persistent compilation
+cache, and device arrays to the numpy a checkpoint stores (``state.npz``, raysys/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,6 @@ def enable_compilation_cache(path: str) -> None:
     # cache every program, however fast it compiled (the defaults skip sub-second compiles)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def to_tensor(x):
-    """numpy -> torch for a checkpoint (torch has no uint32 arithmetic, but stores it; bool as is)."""
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(x.astype(np.int64) if x.dtype == np.uint32 else np.array(x))  # a writable copy
 
 
 def to_host(tree):

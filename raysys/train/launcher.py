@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import shutil
 import time
 from dataclasses import dataclass
@@ -200,14 +201,19 @@ def train_logging():
 def set_threads(launch: Any) -> None:
     """torch intra-op threads of this process: ``launch.threads``, or for an in-process run one per
     physical core (half the logical CPUs this process may use; on a busy 2-core machine 1 thread ran
-    5x faster than 2). Ray workers keep Ray's default (their ``cpus_per_worker``) unless it is set."""
-    import torch
-
+    5x faster than 2). Ray workers keep Ray's default (their ``cpus_per_worker``) unless it is set.
+    A process that has not imported torch (a JAX workload's) does not import it for this (1-2 s):
+    torch, if it comes later, starts with ``OMP_NUM_THREADS`` threads, set here."""
     n = getattr(launch, "threads", None)
     if n is None and launch.workers == 0:
         n = max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else None
-    if n:
+    if not n:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None:
         torch.set_num_threads(int(n))
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(int(n))
 
 
 PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError)

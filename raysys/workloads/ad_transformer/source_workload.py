@@ -23,7 +23,7 @@ from typing import Literal
 
 from raysys.config import at_least, require
 from raysys.train.config import JaxLaunchConfig
-from raysys.train.jax_host import enable_compilation_cache, to_host, to_tensor
+from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.workload import Population, Workload
 from raysys.workloads.ad_transformer.histories import SourceConfig, pin_jax_to_one_core
 
@@ -123,8 +123,8 @@ def _start(cfg: ADSourceConfig, session, goals):
 
         raise ConfigError("the checkpoint's learners have other shapes than this config's (streams, goals or "
                           "hidden changed); start a new run")
-    learners = jax.tree.unflatten(tree, [jax.numpy.asarray(t.numpy().astype(x.dtype)) for t, x in zip(saved, leaves)])
-    curve = ckpt["curve"].numpy()
+    learners = jax.tree.unflatten(tree, [jax.numpy.asarray(np.asarray(t).astype(x.dtype)) for t, x in zip(saved, leaves)])
+    curve = np.asarray(ckpt["curve"])
     session.message(f"resumed at update {len(curve)}")
     return learners, curve
 
@@ -133,8 +133,8 @@ def _save(session, learners, curve, steps_per_update: int) -> None:
     import jax
     import numpy as np
 
-    state = {"learners": [to_tensor(np.asarray(x)) for x in jax.tree.leaves(to_host(learners))],
-             "curve": to_tensor(np.asarray(curve, np.float32))}
+    state = {"learners": [np.array(x) for x in jax.tree.leaves(to_host(learners))],
+             "curve": np.array(curve, np.float32)}
     session.checkpoint(state, len(curve) * steps_per_update)
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from raysys.config import ConfigError, at_least, require
 from raysys.train.config import JaxLaunchConfig
-from raysys.train.jax_host import enable_compilation_cache, to_host, to_tensor
+from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.workload import Population, Workload
 
 
@@ -158,6 +158,7 @@ PRESETS = {"default": default, "seed_fast": seed_fast, "learn": learn, "quick": 
 def _start(cfg: HackMatrixPPOConfig, session, mesh):
     """-> (runner, env_steps, updates): fresh, or from the session's last checkpoint."""
     import jax
+    import numpy as np
 
     from raysys.workloads.hackmatrix_ppo import ppo
 
@@ -172,7 +173,7 @@ def _start(cfg: HackMatrixPPOConfig, session, mesh):
         return params, ppo.make_optimizer(cfg).init(params)
 
     shapes = jax.eval_shape(fresh)  # the tree structures only; nothing is computed
-    params, opt_state = (jax.tree.unflatten(jax.tree.structure(tree), [t.numpy() for t in leaves])
+    params, opt_state = (jax.tree.unflatten(jax.tree.structure(tree), [np.asarray(t) for t in leaves])
                          for tree, leaves in zip(shapes, (ckpt["params"], ckpt["opt_state"])))
     env_steps, updates = int(ckpt["env_steps"]), int(ckpt["updates"])
     runner = ppo.init_runner(cfg, jax.random.fold_in(key, updates), mesh, params, opt_state, env_steps)
@@ -180,7 +181,7 @@ def _start(cfg: HackMatrixPPOConfig, session, mesh):
     leaves, tree = jax.tree.flatten(runner)
     if saved is not None and [tuple(t.shape) for t in saved] == [tuple(x.shape) for x in leaves]:
         # the whole state came back (envs, observations, PRNG streams): the run continues bit-exact
-        runner = jax.tree.unflatten(tree, [jax.device_put(t.numpy().astype(x.dtype), x.sharding)
+        runner = jax.tree.unflatten(tree, [jax.device_put(np.asarray(t).astype(x.dtype), x.sharding)
                                            for t, x in zip(saved, leaves)])
     session.message(f"resumed at {env_steps} env steps ({updates} updates)")
     return runner, env_steps, updates
@@ -189,16 +190,15 @@ def _start(cfg: HackMatrixPPOConfig, session, mesh):
 def _save(session, runner, env_steps: int, updates: int) -> None:
     import jax
     import numpy as np
-    import torch
 
     if not session.is_main:  # only rank 0 writes; the host copy involves no collective
         return
     host = to_host((runner.params, runner.opt_state))
-    state = {"params": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[0])],
-             "opt_state": [torch.from_numpy(np.array(x)) for x in jax.tree.leaves(host[1])],
+    state = {"params": [np.array(x) for x in jax.tree.leaves(host[0])],
+             "opt_state": [np.array(x) for x in jax.tree.leaves(host[1])],
              "env_steps": env_steps, "updates": updates}
     if jax.process_count() == 1:  # all of it, so that a resume with the same num_envs is bit-exact
-        state["runner"] = [to_tensor(np.asarray(x)) for x in jax.tree.leaves(runner)]
+        state["runner"] = [np.array(x) for x in jax.tree.leaves(runner)]
     session.checkpoint(state, env_steps)
 
 
