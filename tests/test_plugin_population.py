@@ -194,3 +194,62 @@ def test_a_killed_vectorized_trial_starts_again_from_its_members_checkpoints(tmp
         steps = [m.step for m in client.get_metric_history(c.info.run_id, "eval/accuracy")]
         assert max(steps) == 40_000 and steps.count(100) == 1, "started over instead of resuming"
         assert c.info.status == "FINISHED"
+
+
+NARROW_ONLY = '''
+import dataclasses
+import os
+
+from raysys.config import ConfigError
+from raysys.workload import Population
+
+import digits_jax
+
+
+def train_population(cfgs, sessions):
+    if cfgs[0].model.hidden != 32:  # this program's width is refused: all its members fail
+        with open(os.environ["ATTEMPTS_FILE"], "a") as f:
+            f.write("attempt\\n")
+        raise ConfigError(f"model.hidden={cfgs[0].model.hidden} does not fit this device")
+    return digits_jax.train_population(cfgs, sessions)
+
+
+WORKLOAD = dataclasses.replace(digits_jax.WORKLOAD, name="narrow_only",
+                               population=Population(train_population, digits_jax.MEMBER_KNOBS))
+'''
+
+
+@pytest.mark.timeout(900)
+def test_a_config_error_in_a_vectorized_program_fails_its_members_once(tmp_path):
+    """Two programs (two widths) of two members each: the one whose train_population raises a ConfigError
+    fails at once, both its members `error` with the message (no --max-failures restart), while the
+    other program's members train."""
+    import os
+
+    import yaml
+
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project)
+    (project / "narrow_only.py").write_text(NARROW_ONLY)
+    (project / "space.yaml").write_text(yaml.safe_dump({
+        "workload": "narrow_only:WORKLOAD", "preset": "quick", "fixed": {"train.compilation_cache_dir": ""},
+        "space": {"model.hidden": {"grid": [32, 64]}, "train.seed": {"grid": [1, 2]}},
+        "objectives": {"throughput": "perf/samples_per_s", "quality": "eval/accuracy"}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    attempts = project / "attempts.txt"
+    proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", "space.yaml", "--vectorize", "4",
+                           "--num-samples", "4", "--name", "v", "--max-failures", "2"], cwd=project,
+                          env={**env, "ATTEMPTS_FILE": str(attempts)}, capture_output=True, text=True, timeout=800)
+    print(proc.stdout[-4000:], proc.stderr[-3000:], sep="\n")
+    assert proc.returncode == 0
+    assert attempts.read_text().count("attempt") == 1
+    failed = [l for l in proc.stdout.splitlines() if " FAILED: " in l]
+    assert len(failed) == 2 and all("ConfigError: model.hidden=64 does not fit this device (not restarted" in l
+                                    for l in failed)
+    assert "4 trials — 2 ok, 2 error" in proc.stdout and "starting again" not in proc.stdout
+    assert "not acceptable" not in proc.stderr  # Optuna is told the failures, not their NaN objectives
+    with open(project / "raysys_runs" / "sweeps" / "v" / "report" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["model.hidden"], r["status"]) for r in rows) == [("32", "ok"), ("32", "ok"),
+                                                                      ("64", "error"), ("64", "error")]
+    assert all("does not fit this device" in r["reason"] for r in rows if r["status"] == "error")

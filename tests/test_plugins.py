@@ -151,6 +151,44 @@ def test_a_config_error_inside_a_ray_train_run_fails_once_with_its_message(proje
     assert attempts.read_text().count("attempt") == 1  # not retried by max_failures
 
 
+SOMETIMES_BROKEN = BROKEN.replace("    def build_model(self, cfg):  # runs inside each Ray Train worker\n",
+                                   "    def build_model(self, cfg):  # runs inside each trial's training\n"
+                                   "        if cfg.model.hidden != 128:\n            return super().build_model(cfg)\n")
+
+
+def test_a_config_error_inside_a_sweep_trial_fails_that_trial_once(project):
+    """A knob value that only the trial's training can refuse (a ConfigError at build_model): that trial
+    fails at once with its message, without spending --max-failures restarts on it; the searcher, the
+    table and MLflow see one failed trial, and the other trial trains."""
+    (project / "broken.py").write_text(SOMETIMES_BROKEN)
+    (project / "space.yaml").write_text("workload: broken:WORKLOAD\npreset: quick\nfixed:\n  train.epochs: 1\n"
+                                        "space:\n  model.hidden: {grid: [64, 128]}\n")
+    attempts = project / "attempts.txt"
+    proc = _run(["python", "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "2", "--name", "s",
+                 "--max-failures", "2"], project, _env(ATTEMPTS_FILE=str(attempts)))
+    assert proc.returncode == 0
+    assert attempts.read_text().count("attempt") == 1  # one try: a restart cannot fix a config error
+    (line,) = [l for l in proc.stdout.splitlines() if "FAILED" in l]
+    assert "FAILED: ConfigError: model.hidden=128 needs a GPU on this worker (not restarted" in line
+    assert "starting again" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert "not acceptable" not in proc.stderr  # Optuna is told the failure, not its NaN objectives
+    assert "2 trials — 1 ok, 1 error" in proc.stdout
+    import csv
+
+    with open(project / "raysys_runs" / "sweeps" / "s" / "report" / "trials.csv") as f:
+        rows = {r["model.hidden"]: r for r in csv.DictReader(f)}
+    assert rows["128"]["status"] == "error" and "needs a GPU" in rows["128"]["reason"]
+    assert rows["64"]["status"] == "ok" and rows["64"]["on_front"] == "True"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=50)
+    trials = {r.data.params.get("model.hidden"): r for r in runs if r.data.tags.get("raysys.kind") == "sweep_trial"}
+    assert trials["128"].data.tags["raysys.trial_status"] == "error"
+    assert "needs a GPU" in trials["128"].data.tags["raysys.trial_reason"]
+    assert trials["64"].data.tags["raysys.trial_status"] == "ok"
+
+
 def test_unknown_workloads_and_specs_fail_before_anything(tmp_path):
     for spec, words in [("nope", "unknown workload 'nope'"), ("no_such_module:WORKLOAD", "no module named"),
                         ("json:WORKLOAD", "has no attribute"), ("json:dumps", "not a raysys.workload.Workload")]:

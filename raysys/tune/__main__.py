@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-failures", type=int, default=2, metavar="N",
                    help="times a failed trial (its process died, e.g. killed or out of memory, or it raised) is "
                         "started again, from its run's last checkpoint; a vectorized trial's finished members are "
-                        "kept (default: %(default)s; Tune's FailureConfig(max_failures))")
+                        "kept; an error no restart can fix (a config error from the trial's knobs, an unusable "
+                        "checkpoint, a full disk) ends the trial at once (default: %(default)s; Tune's "
+                        "FailureConfig(max_failures))")
     p.add_argument("--preset", help="replace the space's base preset (e.g. quick for a smoke run)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="extra fixed override for every trial (repeatable); naming a knob pins it to this value")

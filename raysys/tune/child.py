@@ -73,6 +73,15 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("[raysys.tune] trial training interrupted", flush=True)
         return 130
+    except Exception as e:
+        from raysys.tune.objectives import FAILED
+        from raysys.tune.trial import permanent_reason
+
+        reason = permanent_reason(e)
+        if reason is not None:  # tell the trial that a restart cannot fix this; the traceback goes to the log
+            out.write(json.dumps({FAILED: reason}) + "\n")
+            out.flush()
+        raise
     return 0
 
 

@@ -10,6 +10,9 @@ Every report a trial makes passes through an :class:`ObjectiveTracker`, which ad
 * ``stability/unstable`` (0/1, sticky) and ``stability/reason`` (why), which the sweep's stopper
   reads to end the trial early.
 * ``sweep/final`` = 1 on the report that closes a run normally.
+* ``sweep/failed``: on a trial's last report, why it failed with an error no restart can fix (a
+  config error from its knobs, an unusable checkpoint, a full disk); Tune's restarts
+  (``--max-failures``) are then not spent on it.
 
 The rules are in ``docs/objectives.md``; this module only evaluates them (no Ray, no MLflow).
 """
@@ -27,6 +30,7 @@ MEASURED_QUALITY = "objective/measured_quality"
 UNSTABLE = "stability/unstable"
 REASON = "stability/reason"
 FINAL = "sweep/final"
+FAILED = "sweep/failed"
 RUN_SECONDS = "sweep/run_seconds"
 """A reused run's own wall time (``trial.reused_final``), in place of Tune's clock, which only saw the reuse."""
 DEFAULT_TOLERANCE = 0.02
@@ -147,4 +151,11 @@ class ObjectiveTracker:
         out[UNSTABLE] = float(self.unstable)
         if final:
             out[FINAL] = 1.0
+        return out
+
+    def failed(self, reason: str) -> dict[str, Any]:
+        """The last report of a trial that failed permanently: what it measured so far, the reason, and
+        NaN objectives, so that the searcher leaves it out of its study as it does a failed trial."""
+        out = {**self.update({}), FAILED: reason, THROUGHPUT: math.nan, QUALITY: math.nan}
+        out.pop(FINAL, None)
         return out

@@ -26,7 +26,7 @@ POPULATION = "population"
 """The config key of a vectorized trial: the list of its members' knobs."""
 PREFIX = "members"
 KEPT = (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY, obj.UNSTABLE, obj.REASON,
-        obj.FINAL, "step", obj.RUN_SECONDS)
+        obj.FINAL, obj.FAILED, "step", obj.RUN_SECONDS)
 
 
 def member_ids(trial_id: str, k: int) -> list[str]:
@@ -116,6 +116,12 @@ class Reports:
             return self.trackers[j].reason  # a reason halts this member's session
         return report
 
+    def fail(self, j: int, reason: str) -> None:
+        """Member j's last report: it failed with an error no restart can fix."""
+        if j in self.pending:
+            self.flush()
+        self.pending[j] = self.trackers[j].failed(reason)
+
     def flush(self) -> None:
         if not self.pending:
             return
@@ -141,7 +147,7 @@ def run_population_trial(config: dict, setup) -> None:
 
     from raysys import workload as registry
     from raysys.session import run_population
-    from raysys.tune.trial import log_event, reused_final, trial_config
+    from raysys.tune.trial import fail_permanently, log_event, reused_final, trial_config
 
     trial_id = tune.get_context().get_trial_id()
     setup.attach_storage()
@@ -157,13 +163,18 @@ def run_population_trial(config: dict, setup) -> None:
         else:
             todo.append(j)
     if todo:
-        cfgs = [trial_config(setup, all_knobs[j], ids[j]) for j in todo]
-        for j, cfg in zip(todo, cfgs):
-            log_event(setup.sweep_dir, f"start {ids[j]} run={cfg.launch.name} resume={cfg.launch.resume} "
-                                       f"population={trial_id}")
-        results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
-                                 tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
-                                 reports=[reports.reporter(j) for j in todo])
+        try:
+            cfgs = [trial_config(setup, all_knobs[j], ids[j]) for j in todo]
+            for j, cfg in zip(todo, cfgs):
+                log_event(setup.sweep_dir, f"start {ids[j]} run={cfg.launch.name} resume={cfg.launch.resume} "
+                                           f"population={trial_id}")
+            results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
+                                     tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
+                                     reports=[reports.reporter(j) for j in todo])
+        except Exception as e:  # the program failed, so every member did; a permanent error is not retried
+            if not fail_permanently(setup, trial_id, e, lambda reason: [reports.fail(j, reason) for j in todo]):
+                raise
+            results = []
         for j, res in zip(todo, results):
             if res.stopped_by is None:
                 reports.reporter(j)({**res.metrics, "done": 1.0})

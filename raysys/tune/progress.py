@@ -72,6 +72,8 @@ class Progress(Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         now = time.monotonic()
+        if result.get(obj.FAILED):  # on_trial_complete says it
+            return
         if result.get(obj.UNSTABLE):
             self._print(f"trial {trial.trial_id} UNSTABLE: {result.get(obj.REASON)} -> stopping it")
             return
@@ -99,10 +101,12 @@ class Progress(Callback):
         r = trial.last_result or {}
         if POPULATION in trial.config:
             for mid, _, m in member_results(r, trial.config, trial.trial_id):
-                self._print(f"trial {mid} done in {r.get('time_total_s', 0):.0f}s (one program): {self._verdict(m)}")
+                self._print(_failed(mid, m) if m.get(obj.FAILED) else
+                            f"trial {mid} done in {r.get('time_total_s', 0):.0f}s (one program): {self._verdict(m)}")
             return
-        self._print(f"trial {trial.trial_id} done in {r.get('time_total_s', 0):.0f}s: {self._verdict(r)} "
-                    f"[{_done(trials, trial)}/{self.total} done]")
+        self._print((_failed(trial.trial_id, r) if r.get(obj.FAILED) else
+                     f"trial {trial.trial_id} done in {r.get('time_total_s', 0):.0f}s: {self._verdict(r)}")
+                    + f" [{_done(trials, trial)}/{self.total} done]")
 
     def _verdict(self, r: dict) -> str:
         if r.get(obj.UNSTABLE):
@@ -122,6 +126,10 @@ class Progress(Callback):
     def on_trial_error(self, iteration, trials, trial, **info):
         self._print(f"trial {trial.trial_id} FAILED: {_last_failure(trial)} (the sweep goes on) "
                     f"[{_done(trials, trial)}/{self.total} done]; details: {trial.path}/error.txt")
+
+
+def _failed(trial_id: str, r: dict) -> str:
+    return f"trial {trial_id} FAILED: {r[obj.FAILED]} (not restarted: a restart cannot fix this; the sweep goes on)"
 
 
 def _last_failure(trial) -> str:

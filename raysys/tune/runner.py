@@ -304,10 +304,10 @@ def _extra_flags(opts: SweepOptions) -> str:
 def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl: registry.Workload):
     import optuna
     from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
 
     from raysys import console
     from raysys.tune.progress import trial_dirname
+    from raysys.tune.searcher import OptunaSearch
 
     if not console.verbose():  # "A new study created in memory": the sweep's own lines say what runs
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -350,6 +350,8 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
                       seconds=_float(m.get(obj.RUN_SECONDS, m.get("time_total_s"))))
     if error is not None:
         rec.status, rec.reason = ERROR, error_summary(error)
+    elif m.get(obj.FAILED):  # ended at once: an error no restart can fix
+        rec.status, rec.reason = ERROR, str(m[obj.FAILED])
     elif m.get(obj.UNSTABLE):
         rec.status, rec.reason = UNSTABLE, str(m.get(obj.REASON, "unstable"))
     elif m.get(obj.FINAL):

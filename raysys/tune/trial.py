@@ -11,6 +11,10 @@
 Every report passes through an :class:`ObjectiveTracker` first. Each trial's training run is
 named ``<sweep>-<trial id>`` under ``<sweep dir>/runs/``: a resumed sweep restarts an unfinished
 trial with the same name, so its run continues from its own last checkpoint.
+
+An error no restart can fix (``launcher.PERMANENT``: a config error from the trial's knobs, an
+unusable checkpoint, a full disk) ends the trial at once with a last report naming it
+(``sweep/failed``), instead of a raise that Tune would retry ``--max-failures`` times.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any, Optional
 
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from raysys.tune.objectives import RUN_SECONDS, ObjectiveTracker, StabilityRules
+from raysys.tune.objectives import FAILED, RUN_SECONDS, ObjectiveTracker, StabilityRules
 
 CHILD_STOP_GRACE_S = 30.0
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
@@ -172,17 +176,51 @@ def reused_final(setup: TrialSetup, trial_id: str) -> dict:
     return final if took is None else {**final, RUN_SECONDS: took}
 
 
+class ChildFailed(RuntimeError):
+    """The child process of a trial ended with an error no restart can fix (its message)."""
+
+
+def permanent_reason(e: BaseException) -> Optional[str]:
+    """One line naming the error in ``e`` that a restart cannot fix, or None if a restart might."""
+    from raysys.train.launcher import permanent_cause
+
+    if isinstance(e, ChildFailed):
+        return str(e)
+    cause = permanent_cause(e)
+    return None if cause is None else error_summary(f"{type(cause).__name__}: {cause}")
+
+
+def fail_permanently(setup: TrialSetup, trial_id: str, e: BaseException, report) -> bool:
+    """If ``e`` is permanent: log it and send the trial's last report (``report(reason)``); else False."""
+    reason = permanent_reason(e)
+    if reason is None:
+        return False
+    log_event(setup.sweep_dir, f"fail {trial_id} {reason}")
+    report(reason)
+    return True
+
+
 def run_trial(config: dict, setup: TrialSetup) -> None:
     """The Tune function trainable. ``config`` holds exactly the sampled knobs."""
     from ray import tune
 
-    from raysys import workload as registry
-
     trial_id = tune.get_context().get_trial_id()
     setup.attach_storage()
+    tracker = setup.tracker()
+    try:
+        _run_trial(config, setup, trial_id, tracker)
+    except Exception as e:
+        if not fail_permanently(setup, trial_id, e, lambda reason: tune.report(tracker.failed(reason))):
+            raise
+
+
+def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: ObjectiveTracker) -> None:
+    from ray import tune
+
+    from raysys import workload as registry
+
     cfg = trial_config(setup, dict(config), trial_id)
     wl = registry.get(setup.workload)
-    tracker = setup.tracker()
     tags = setup.run_tags(trial_id, dict(config))
     if cfg.launch.resume and setup.run_exists(trial_id, "final_metrics.json"):
         # Its run already ended (the driver died before Tune recorded that): report what the run
@@ -245,15 +283,22 @@ def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags
                                 pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     os.close(write_fd)
+    permanent = None
     try:
         with os.fdopen(read_fd) as reports:
             for line in reports:
-                tune.report(tracker.update(json.loads(line)))
+                m = json.loads(line)
+                if FAILED in m:  # the child's last word: an error no restart can fix
+                    permanent = m[FAILED]
+                    continue
+                tune.report(tracker.update(m))
                 if tracker.unstable:  # the stopper ends the trial too; stop the run cleanly first
                     break
     finally:
         rc = _stop(proc) if tracker.unstable else proc.wait()
     if rc != 0 and not tracker.unstable:
+        if permanent is not None:
+            raise ChildFailed(permanent)
         raise RuntimeError(f"training failed (exit {rc}): {_last_error(log_path)} (log: {log_path})")
 
 
