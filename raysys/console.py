@@ -13,6 +13,7 @@ minute, so the length of the output does not grow with the length of the run.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -37,12 +38,34 @@ def exit_with(code: int):
     delays of its own exit hook (``launcher.shutdown_ray``)."""
     import gc
 
+    global _frozen
     if "ray" in sys.modules:  # this command started or joined Ray: leave it without Ray's exit delays
         from raysys.train.launcher import shutdown_ray
 
         shutdown_ray()
     gc.freeze()
+    _frozen = True
     sys.exit(code)
+
+
+_frozen = False
+
+
+def _quiet_teardown() -> None:
+    """Registered when raysys is imported, so it runs after every atexit handler registered later (Ray's,
+    MLflow's). After ``exit_with`` froze the objects, extension modules that audit their objects at
+    teardown (triton's nanobind bindings, loaded by torch.compile) would list each one as 'leaked': a
+    page of noise after a finished command. Only that teardown is silenced; everything before is flushed."""
+    if _frozen:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+
+
+atexit.register(_quiet_teardown)
 
 
 def setup_logging() -> None:

@@ -70,6 +70,7 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     uri, client = s3
     first = _train(tmp_path, *QUICK, "--storage-path", uri, "--name", "on-s3", "--set", "train.epochs=2")
     assert first.returncode == 0 and f"s3://{BUCKET}/runs/on-s3" in first.stdout
+    assert "leaked" not in first.stderr  # no teardown audit of the objects left at exit (console.exit_with)
     keys = _keys(client, "runs/on-s3/")
     for f in ("config.yaml", "final_metrics.json", "breakdown.md", "checkpoints/step_000000012/meta.json",
               "checkpoints/step_000000012/state.pt"):
