@@ -15,7 +15,7 @@ from raysys import storage
 from raysys.checkpoint import CheckpointStore
 from raysys.lifecycle import StopPoller, stop_requested
 from raysys.console import Sink
-from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run, set_threads
+from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run, recorded_final, set_threads
 
 
 class Session:
@@ -37,6 +37,9 @@ class Session:
         self._stop = StopPoller(stop)
         self.halted: Optional[str] = None
         """Why this run was halted while others go on (a population member found unstable), or None."""
+        self.logged = False
+        self.kept_final = False
+        """True when ``finish`` kept the final metrics the run recorded before (resumed after its end)."""
 
     def halt(self, reason: str) -> None:
         """Stop training this run only (a population masks it); ``should_stop`` stays for the whole program."""
@@ -60,6 +63,7 @@ class Session:
         ``progress`` is its text, ``bar`` = (done, total) in ``unit`` (default: ``step`` of unknown total)."""
         self.last_metrics.update(metrics)
         self.last_step = step
+        self.logged = True
         if not self.is_main:
             return
         self.run.logger.log_metrics(metrics, step)
@@ -74,7 +78,14 @@ class Session:
     def finish(self, final: Mapping[str, Any]) -> dict:
         """The run's final metrics: the last logged ones updated by what ``train_fn`` returned.
         Returned values that were never logged (e.g. ``eval/quality``) go to MLflow at the last
-        step, so the run's summary is in the UI and not only in ``final_metrics.json``."""
+        step, so the run's summary is in the UI and not only in ``final_metrics.json``.
+        A run resumed after its end that logged nothing keeps the final metrics it recorded then."""
+        kept = None if self.logged else recorded_final(self.run_dir)
+        if kept is not None:
+            self.kept_final = True
+            self.message("nothing left to train (it had reached its end; raise its length to continue): "
+                         "its recorded final metrics are kept")
+            return kept
         new = {k: float(v) for k, v in final.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and self.last_metrics.get(k) != v}
         if new and self.is_main:
@@ -122,12 +133,13 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     session = Session(run, report=report)
     with run.tracked():
         final = session.finish(wl.train_fn(run.cfg, session) or {})
-    return _result(run, final)
+    return _result(run, final, session)
 
 
-def _result(run: OpenRun, final: dict) -> RunResult:
-    """A closed run's result; its final metrics are written unless it was stopped (then it resumes)."""
-    if stop_requested() is None:
+def _result(run: OpenRun, final: dict, session: Session) -> RunResult:
+    """A closed run's result; its final metrics are written unless it was stopped (then it resumes) or
+    it kept those it recorded before."""
+    if stop_requested() is None and not session.kept_final:
         storage.write_text(run.run_dir / "final_metrics.json", json.dumps(final, indent=1, default=float))
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
                      resume_command=run.resume_command())
@@ -154,4 +166,4 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
             stack.enter_context(run.tracked())
         outs = wl.population.train_fn([run.cfg for run in runs], sessions)
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
-    return [_result(run, final) for run, final in zip(runs, finals)]
+    return [_result(run, final, s) for run, final, s in zip(runs, finals, sessions)]

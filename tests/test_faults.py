@@ -437,3 +437,25 @@ def test_mpn_dqn_resume_is_bit_exact(tmp_path, sets, stop_at):
         whole = {m.step: m.value for m in c.get_metric_history(ids["whole"], metric)}
         cut = {m.step: m.value for m in c.get_metric_history(ids["cut"], metric)}
         assert len(whole) >= 4 and whole == cut, metric
+
+
+@pytest.mark.parametrize("args, experiment, speed", [
+    (QUICK, "raysys-deep_gpcm", "perf/tokens_per_s"),  # the shared torch loop
+    (["hackmatrix_ppo", "--preset", "quick", "--set", "train.total_timesteps=5120",
+      "--set", "train.compilation_cache_dir="], "raysys-hackmatrix_ppo", "perf/env_steps_per_s"),  # a train_fn
+])
+def test_resuming_a_finished_run_keeps_what_it_recorded(tmp_path, args, experiment, speed):
+    """--resume of a run that already reached its end trains nothing, says so, and leaves its final
+    metrics (file and MLflow) as they were: the zero speed of an empty session replaces nothing."""
+    assert _train(tmp_path, *args, "--name", "done").returncode == 0
+    final = tmp_path / "raysys_runs" / "done" / "final_metrics.json"
+    before = final.read_bytes()
+    assert json.loads(before)[speed] > 0
+    again = _train(tmp_path, *args, "--name", "done", "--resume")
+    assert again.returncode == 0
+    assert "nothing left to train" in again.stdout and "its recorded final metrics are kept" in again.stdout
+    assert final.read_bytes() == before
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = _mlflow_runs(uri, experiment)
+    assert run.info.status == "FINISHED"
+    assert all(m.value > 0 for m in _client(uri).get_metric_history(run.info.run_id, speed))

@@ -54,7 +54,7 @@ def _train_worker(payload: dict) -> None:
         _init_jax_distributed(rank, world)
     cfg, session = worker_session(payload, rank, world)
     final = session.finish(session.run.wl.train_fn(cfg, session) or {})
-    if rank == 0 and not session.should_stop():
+    if rank == 0 and not session.should_stop() and not session.kept_final:
         final = {**final, "world_size": world}
         storage.write_text(storage.worker_run_dir(payload) / "final_metrics.json",
                            json.dumps(final, indent=1, default=float))

@@ -216,6 +216,17 @@ def set_threads(launch: Any) -> None:
         os.environ["OMP_NUM_THREADS"] = str(int(n))
 
 
+def recorded_final(run_dir: Path) -> Optional[dict]:
+    """The final metrics a run recorded when it last finished (``final_metrics.json``), or None. A resumed
+    run that has nothing left to train keeps them: rewriting them would replace its measured speed with
+    the zero of a session that trained nothing."""
+    path = Path(run_dir) / "final_metrics.json"
+    try:
+        return json.loads(path.read_text()) if storage.pull(path) else None
+    except (OSError, ValueError):
+        return None
+
+
 PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError)
 """Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint, a full disk)."""
 

@@ -93,7 +93,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     for noisy in ("ray.train.v2._internal.execution.train_fn_utils", "ray.train.v2._internal.execution.context"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from raysys.lifecycle import StopPoller
-    from raysys.train.launcher import _event, set_threads
+    from raysys.train.launcher import _event, recorded_final, set_threads
 
     wl = registry.get(payload["workload"])
     task = wl.task
@@ -291,6 +291,13 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         return
     if saved_at != step and step > step_at_start and not diverged:
         save_checkpoint()  # ended by max_steps mid-epoch: a later --resume with more steps goes on from here
+    kept = recorded_final(run_dir) if step == step_at_start and step > 0 else None
+    if kept is not None:  # resumed after its end: nothing trained, and what it recorded stays as it was
+        if rank == 0:
+            sink.message(f"[{wl.name}] already trained to step {step}: nothing left to train (raise the run's "
+                         "length to continue); its recorded final metrics are kept")
+        ray.train.report({**kept, "done": 1.0})
+        return
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
              "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
     if rank == 0:
