@@ -253,3 +253,47 @@ def test_a_config_error_in_a_vectorized_program_fails_its_members_once(tmp_path)
     assert sorted((r["model.hidden"], r["status"]) for r in rows) == [("32", "ok"), ("32", "ok"),
                                                                       ("64", "error"), ("64", "error")]
     assert all("does not fit this device" in r["reason"] for r in rows if r["status"] == "error")
+
+
+PID_RECORDING = '''
+import dataclasses
+import os
+
+import digits_jax
+
+
+def train(cfg, session):
+    with open(os.environ["PIDS_FILE"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return digits_jax.train(cfg, session)
+
+
+WORKLOAD = dataclasses.replace(digits_jax.WORKLOAD, name="pid_recording", train_fn=train, population=None)
+'''
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("flags, processes", [([], 1), (["--fresh-processes"], 3)])
+def test_trials_share_a_process_unless_asked_not_to(tmp_path, flags, processes):
+    """Three trials one at a time: by default one process trains them all (Tune's reuse_actors);
+    --fresh-processes starts each in its own."""
+    import os
+
+    import yaml
+
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project)
+    (project / "pid_recording.py").write_text(PID_RECORDING)
+    (project / "space.yaml").write_text(yaml.safe_dump({
+        "workload": "pid_recording:WORKLOAD", "preset": "quick",
+        "fixed": {"train.compilation_cache_dir": str(tmp_path / "jax-cache")},
+        "space": {"train.seed": {"grid": [1, 2, 3]}},
+        "objectives": {"throughput": "perf/samples_per_s", "quality": "eval/accuracy"}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    pids = project / "pids.txt"
+    proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "3",
+                           "--max-concurrent", "1", "--name", "p", *flags], cwd=project,
+                          env={**env, "PIDS_FILE": str(pids)}, capture_output=True, text=True, timeout=800)
+    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    assert proc.returncode == 0 and "3 trials — 3 ok" in proc.stdout
+    assert len(pids.read_text().split()) == 3 and len(set(pids.read_text().split())) == processes

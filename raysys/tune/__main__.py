@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "kept; an error no restart can fix (a config error from the trial's knobs, an unusable "
                         "checkpoint, a full disk) ends the trial at once (default: %(default)s; Tune's "
                         "FailureConfig(max_failures))")
+    p.add_argument("--fresh-processes", action="store_true",
+                   help="start every trial in a new process (default: a finished trial's process takes the next "
+                        "trial of the same resources, keeping its imports and warm caches; Tune's reuse_actors)")
     p.add_argument("--preset", help="replace the space's base preset (e.g. quick for a smoke run)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="extra fixed override for every trial (repeatable); naming a knob pins it to this value")
@@ -97,6 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             budget_minutes=args.budget, address=args.address, tracking_uri=args.tracking_uri, resume=args.resume,
             name=args.name, storage_path=args.storage_path, tolerance=args.tolerance, seed=args.seed,
             preset=args.preset, sets=parse_set_args(args.sets), vectorize=args.vectorize, max_failures=args.max_failures,
+            reuse_processes=not args.fresh_processes,
             command=tracking.command_line(argv, module="raysys.tune")))
     except ConfigError as e:
         print(f"raysys.tune: config error: {e}", file=sys.stderr)

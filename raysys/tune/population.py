@@ -147,9 +147,11 @@ def run_population_trial(config: dict, setup) -> None:
 
     from raysys import workload as registry
     from raysys.session import run_population
-    from raysys.tune.trial import fail_permanently, log_event, reused_final, trial_config
+    from raysys.tune.trial import (fail_permanently, fresh_start, log_event, release_trial_memory, reused_final,
+                                   trial_config)
 
     trial_id = tune.get_context().get_trial_id()
+    fresh_start()
     setup.attach_storage()
     wl = registry.get(setup.workload)
     all_knobs = [dict(k) for k in config[POPULATION]]
@@ -175,6 +177,8 @@ def run_population_trial(config: dict, setup) -> None:
             if not fail_permanently(setup, trial_id, e, lambda reason: [reports.fail(j, reason) for j in todo]):
                 raise
             results = []
+        finally:
+            release_trial_memory()
         for j, res in zip(todo, results):
             if res.stopped_by is None:
                 reports.reporter(j)({**res.metrics, "done": 1.0})

@@ -19,6 +19,7 @@ unusable checkpoint, a full disk) ends the trial at once with a last report nami
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -205,6 +206,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     from ray import tune
 
     trial_id = tune.get_context().get_trial_id()
+    fresh_start()
     setup.attach_storage()
     tracker = setup.tracker()
     try:
@@ -212,6 +214,30 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     except Exception as e:
         if not fail_permanently(setup, trial_id, e, lambda reason: tune.report(tracker.failed(reason))):
             raise
+    finally:
+        release_trial_memory()
+
+
+def fresh_start() -> None:
+    """A trial's process may have trained the trial before (Tune's ``reuse_actors``): nothing of that one's
+    stop state (a stop asked, its StopFlag actor) carries over."""
+    from raysys import lifecycle
+
+    lifecycle.reset()
+
+
+def release_trial_memory() -> None:
+    """The trial's process may take the next trial (Tune's ``reuse_actors``): drop what this one compiled
+    and allocated, so a long sweep's processes do not grow trial after trial. Without the heap trim a
+    hackmatrix_ppo trial process grew ~25 MB a trial; with it, ~7 MB."""
+    import ctypes
+    import gc
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # glibc: give freed heap pages back to the OS
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: ObjectiveTracker) -> None:
