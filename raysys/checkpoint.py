@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -90,17 +89,17 @@ def _decode(node: list, arrays) -> Any:
     return items if tag == "l" else tuple(items)
 
 
-def _write_npz(state: dict, f) -> bool:
-    """Write ``state`` as an npz (no pickle) if it is numpy arrays and plain values; False if not."""
+def _as_npz(state: dict) -> Optional[dict]:
+    """``state`` as the named arrays of an npz (its structure as JSON under ``__tree__``), or None when it
+    holds more than numpy arrays and plain values (then torch stores it)."""
     import numpy as np
 
     arrays: list = []
     try:
         tree = json.dumps(_encode(state, arrays))
     except (_NotPlain, ValueError):
-        return False
-    np.savez(f, __tree__=np.array(tree), **{f"a{i}": a for i, a in enumerate(arrays)})
-    return True
+        return None
+    return {"__tree__": np.array(tree), **{f"a{i}": a for i, a in enumerate(arrays)}}
 
 
 def read_state(path: Path) -> dict:
@@ -175,23 +174,25 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:09d}"
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        npz = _as_npz(state)
+        state_file = "state.npz" if npz is not None else "state.pt"
+        versions = {}
         try:
             tmp.mkdir()
-            with open(tmp / "state.npz", "wb") as f:
-                plain = _write_npz(state, f)
-                if plain:
-                    f.flush()
-                    os.fsync(f.fileno())
-            if not plain:  # torch tensors (or other types torch can store): imported only here
-                (tmp / "state.npz").unlink()
-                import torch
+            with open(tmp / state_file, "wb") as f:
+                if npz is not None:
+                    import numpy as np
 
-                with open(tmp / "state.pt", "wb") as f:
+                    np.savez(f, **npz)
+                else:  # torch tensors (or other types torch can store): torch is imported only here
+                    import torch
+
                     torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    versions["torch"] = torch.__version__
+                f.flush()
+                os.fsync(f.fileno())
             meta = {"workload": self.workload, "identity": self.identity, "step": step, "time": time.time(),
-                    **({} if plain else {"torch": sys.modules["torch"].__version__}), **(extra_meta or {})}
+                    **versions, **(extra_meta or {})}
             # meta.json is written last: its presence marks the checkpoint complete.
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
             _fsync_dir(tmp)
@@ -216,7 +217,7 @@ class CheckpointStore:
         if self.remote is not None:
             remote, name = self.remote
             try:  # the state first, meta.json last: a half upload is never taken for a checkpoint
-                for f in [n for n in STATE_FILES if (final / n).is_file()] + ["meta.json"]:
+                for f in (state_file, "meta.json"):
                     remote.put(final / f, name, "checkpoints", final.name, f)
             except OSError as e:
                 raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "

@@ -12,8 +12,8 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -205,8 +205,10 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     """The Tune function trainable. ``config`` holds exactly the sampled knobs."""
     from ray import tune
 
+    from raysys import lifecycle
+
     trial_id = tune.get_context().get_trial_id()
-    fresh_start()
+    lifecycle.reset()  # the process may have trained a trial before (reuse_actors): none of its stop state stays
     setup.attach_storage()
     tracker = setup.tracker()
     try:
@@ -216,14 +218,6 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
             raise
     finally:
         release_trial_memory()
-
-
-def fresh_start() -> None:
-    """A trial's process may have trained the trial before (Tune's ``reuse_actors``): nothing of that one's
-    stop state (a stop asked, its StopFlag actor) carries over."""
-    from raysys import lifecycle
-
-    lifecycle.reset()
 
 
 def release_trial_memory() -> None:
