@@ -103,16 +103,24 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir, workers):
+    """The unstable trial first, one trial at a time: its run stops cleanly (a checkpoint) and its
+    process takes the stable trial next (reuse_actors). With workers=0 (a child process) Tune's 2 s
+    wait for that failed the next trial; with workers=1 (Ray Train in the trial) the unread reports
+    blocked Train's controller and the sweep hung."""
     space = workdir / "diverge.yaml"
     space.write_text(yaml.safe_dump({
         "workload": "deep_gpcm", "preset": "quick",
-        "fixed": {"train.epochs": 2, "train.log_every_steps": 1, "launch.workers": 0, "model.path": "optimized"},
-        "space": {"optim.lr": {"grid": [1.0e-3, 1.0e6]}},  # 1e6: an absurd learning rate, tried for sure
+        "fixed": {"train.epochs": 2, "train.log_every_steps": 1, "launch.workers": workers, "model.path": "optimized"},
+        "space": {"optim.lr": {"grid": [1.0e6, 1.0e-3]}},  # 1e6: an absurd learning rate, tried first
         "stability": {"bounds": {"train/loss": {"max": 20.0}}}}))
-    proc = _sweep(workdir, "--space", str(space), "--num-samples", "2", "--max-concurrent", "2", "--name", "div")
+    proc = _sweep(workdir, "--space", str(space), "--num-samples", "2", "--max-concurrent", "1", "--name", "div")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "UNSTABLE" in proc.stdout and "1 ok, 1 unstable" in proc.stdout
+    assert "UNSTABLE" in proc.stdout and "1 ok, 1 unstable" in proc.stdout, proc.stdout[-3000:]
+    assert "re-use actor" not in proc.stdout + proc.stderr
+    events = _events(workdir / "raysys_runs" / "sweeps" / "div")
+    assert [e[0] for e in events] == ["start", "end", "start", "end"] if workers else ["start", "start", "end"]
     assert "Recommended: trial" in proc.stdout  # the stable one
 
     _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
@@ -122,6 +130,9 @@ def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir):
     assert "train/loss" in bad.data.tags["raysys.trial_reason"] or "non-finite" in bad.data.tags["raysys.trial_reason"]
     assert bad.data.metrics["objective/quality"] == -1.0 and bad.data.metrics["objective/throughput"] == 0.0
     assert bad.info.status in ("KILLED", "FINISHED")
+    if workers:  # stopped through its StopFlag at a step boundary, as Ctrl-C would: with a checkpoint
+        bad_run = workdir / "raysys_runs" / "sweeps" / "div" / "runs" / f"div-{bad.data.tags['raysys.trial_id']}"
+        assert list((bad_run / "checkpoints").glob("step_*"))
     assert good.data.tags["raysys.trial_status"] == "ok" and parent.info.status == "FINISHED"
     csv = (workdir / "raysys_runs" / "sweeps" / "div" / "report" / "trials.csv").read_text()
     assert ",unstable," in csv

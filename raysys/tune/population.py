@@ -145,13 +145,13 @@ def run_population_trial(config: dict, setup) -> None:
     """The Tune function trainable of a vectorized trial: ``config[POPULATION]`` lists its members' knobs."""
     from ray import tune
 
-    from raysys import lifecycle
     from raysys import workload as registry
     from raysys.session import run_population
-    from raysys.tune.trial import fail_permanently, log_event, release_trial_memory, reused_final, trial_config
+    from raysys.tune.trial import (begin_trial, fail_permanently, log_event, release_trial_memory, reused_final,
+                                   trial_config)
 
     trial_id = tune.get_context().get_trial_id()
-    lifecycle.reset()  # the process may have trained a trial before (reuse_actors): none of its stop state stays
+    begin_trial()
     setup.attach_storage()
     wl = registry.get(setup.workload)
     all_knobs = [dict(k) for k in config[POPULATION]]

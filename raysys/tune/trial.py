@@ -36,6 +36,8 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from raysys.tune.objectives import FAILED, RUN_SECONDS, ObjectiveTracker, StabilityRules
 
 CHILD_STOP_GRACE_S = 30.0
+WIND_DOWN_S = 600
+"""How long Tune lets a trial's function finish before its process takes the next trial (below)."""
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
 
 
@@ -201,14 +203,26 @@ def fail_permanently(setup: TrialSetup, trial_id: str, e: BaseException, report)
     return True
 
 
+def begin_trial() -> None:
+    """A trial's first step. Its process may have trained a trial before and may take the next one
+    (Tune's ``reuse_actors``)."""
+    from raysys import lifecycle
+
+    lifecycle.reset()  # none of the previous trial's stop state stays
+    # Tune hands this process the next trial once this trial's function has returned, and waits
+    # TUNE_FUNCTION_THREAD_TIMEOUT_S for that (2 s by default). A trial stopped as unstable first
+    # stops its run cleanly (a checkpoint; the child's grace is CHILD_STOP_GRACE_S): a shorter wait
+    # failed the next trial with "Trainable runner reuse requires reset_config()" (and hung a sweep).
+    # Read when the process is reset, so set here, where it holds on any cluster too.
+    os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(WIND_DOWN_S))
+
+
 def run_trial(config: dict, setup: TrialSetup) -> None:
     """The Tune function trainable. ``config`` holds exactly the sampled knobs."""
     from ray import tune
 
-    from raysys import lifecycle
-
     trial_id = tune.get_context().get_trial_id()
-    lifecycle.reset()  # the process may have trained a trial before (reuse_actors): none of its stop state stays
+    begin_trial()
     setup.attach_storage()
     tracker = setup.tracker()
     try:
@@ -254,7 +268,10 @@ def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: Objectiv
     elif wl.task is not None:
         from raysys.train.launcher import run_training
 
-        run_training(setup.workload, cfg, callbacks=[SweepReportCallback(tracker)], parent_run_id=setup.parent_run_id, tags=tags)
+        from raysys import lifecycle
+
+        report = SweepReportCallback(tracker, lifecycle.stop_flag_actor())  # the flag run_training's workers poll
+        run_training(setup.workload, cfg, callbacks=[report], parent_run_id=setup.parent_run_id, tags=tags)
     else:
         from raysys.session import run_custom
 
@@ -267,16 +284,23 @@ def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: Objectiv
 class SweepReportCallback(TuneReportCallback):
     """TuneReportCallback that adds the objectives and the stability verdict to each report.
 
-    It runs in Train's controller, which keeps the tracker's state across the run's reports."""
+    It runs in Train's controller, which keeps the tracker's state across the run's reports. Once a
+    report is unstable, the run is asked to stop at its next step boundary with a checkpoint (its
+    ``StopFlag``, as Ctrl-C would), and nothing more is forwarded: Tune stops the trial on that report
+    and reads no more, and a report nobody reads blocks Train's controller, so the run never ended."""
 
-    def __init__(self, tracker: ObjectiveTracker):
+    def __init__(self, tracker: ObjectiveTracker, stop: Any = None):
         super().__init__()
-        self.tracker = tracker
+        self.tracker, self.stop = tracker, stop
 
     def after_report(self, run_context, metrics, checkpoint):
+        if self.tracker.unstable:
+            return
         if metrics:
             metrics = [self.tracker.update(metrics[0]), *metrics[1:]]
         super().after_report(run_context, metrics, checkpoint)
+        if self.tracker.unstable and self.stop is not None:
+            self.stop.set.remote(signal.SIGINT)
 
 
 def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags: dict) -> None:
