@@ -95,24 +95,36 @@ class PhaseTimer:
 
 
 class StabilityMonitor:
-    """Non-finite loss/grad counts, loss spikes against a running median, grad-norm statistics."""
+    """Non-finite loss/grad counts, loss spikes, grad-norm statistics.
+
+    A spike is a loss above ``spike_factor`` x the median of the last ``window`` losses.
+    ``stability/loss_spikes`` is the most spikes within ``window`` consecutive losses so far, not a
+    count since the start: rare outliers of a run that learns well (a small batch with a few mistakes
+    near convergence has several times the median loss) made that count grow with the run's length,
+    so every long run ended up "unstable"; a run that oscillates or blows up has its spikes close
+    together. The count since the start is ``stability/loss_spikes_total``."""
 
     def __init__(self, spike_factor: float = 4.0, window: int = 50):
         self.spike_factor = spike_factor
         self.recent: deque[float] = deque(maxlen=window)
+        self.flags: deque[bool] = deque(maxlen=window)  # which of the last `window` losses were spikes
         self.nonfinite_loss = 0
         self.nonfinite_grad = 0
         self.spikes = 0
+        self.burst = 0
         self.grad_norms: list[float] = []
 
     def observe(self, loss: float, grad_norm: Optional[float]) -> None:
         if not math.isfinite(loss):
             self.nonfinite_loss += 1
         else:
+            spike = False
             if len(self.recent) >= 10:
                 med = sorted(self.recent)[len(self.recent) // 2]
-                if loss > self.spike_factor * max(med, 1e-8):
-                    self.spikes += 1
+                spike = loss > self.spike_factor * max(med, 1e-8)
+            self.spikes += spike
+            self.flags.append(spike)
+            self.burst = max(self.burst, sum(self.flags))
             self.recent.append(loss)
         if grad_norm is not None:
             if math.isfinite(grad_norm):
@@ -125,7 +137,8 @@ class StabilityMonitor:
         out = {
             "stability/nonfinite_loss": float(self.nonfinite_loss),
             "stability/nonfinite_grad": float(self.nonfinite_grad),
-            "stability/loss_spikes": float(self.spikes),
+            "stability/loss_spikes": float(self.burst),
+            "stability/loss_spikes_total": float(self.spikes),
         }
         if g:
             out["stability/grad_norm_mean"] = sum(g) / len(g)
@@ -137,13 +150,16 @@ class StabilityMonitor:
         return self.nonfinite_loss > 0
 
     def state_dict(self) -> dict:
-        return {"recent": list(self.recent), "nonfinite_loss": self.nonfinite_loss, "nonfinite_grad": self.nonfinite_grad,
-                "spikes": self.spikes, "grad_norms": self.grad_norms[-200:]}
+        return {"recent": list(self.recent), "flags": list(self.flags), "nonfinite_loss": self.nonfinite_loss,
+                "nonfinite_grad": self.nonfinite_grad, "spikes": self.spikes, "burst": self.burst,
+                "grad_norms": self.grad_norms[-200:]}
 
     def load_state_dict(self, d: dict) -> None:
         self.recent.extend(d["recent"])
+        self.flags.extend(d.get("flags", ()))  # checkpoints from before the windowed count have none
         self.nonfinite_loss, self.nonfinite_grad = d["nonfinite_loss"], d["nonfinite_grad"]
         self.spikes, self.grad_norms = d["spikes"], list(d["grad_norms"])
+        self.burst = d.get("burst", sum(self.flags))
 
 
 class Throughput:

@@ -48,6 +48,25 @@ def test_stability_monitor():
     assert out["stability/nonfinite_grad"] == 1 and out["stability/grad_norm_max"] == 1.0 and m.diverged
 
 
+def test_loss_spikes_are_counted_within_a_window_not_since_the_start():
+    # Rare real spikes over a long run: the total grows, the burst (most within 50 losses) does not.
+    rare = StabilityMonitor()
+    for i in range(1000):
+        rare.observe(10.0 if i % 100 == 99 else 1.0, 1.0)
+    assert rare.metrics()["stability/loss_spikes_total"] == 10 and rare.metrics()["stability/loss_spikes"] == 1
+    # An oscillating run: spikes close together.
+    burst = StabilityMonitor()
+    for i in range(60):
+        burst.observe(10.0 if i >= 30 and i % 4 == 0 else 1.0, 1.0)
+    assert burst.metrics()["stability/loss_spikes"] >= 4
+    # A resumed run counts on from where it stopped.
+    again = StabilityMonitor()
+    again.load_state_dict(burst.state_dict())
+    for m in (again, burst):
+        m.observe(10.0, 1.0)
+    assert again.metrics() == burst.metrics()
+
+
 def test_throughput_window():
     t = Throughput(window=2)
     t.update(1.0, 10, 100)

@@ -44,7 +44,8 @@ class StabilityRules:
     max_nonfinite_losses: int = 0
     """More non-finite losses than this (``stability/nonfinite_loss``) -> unstable."""
     max_loss_spikes: int = 3
-    """More loss spikes than this (``stability/loss_spikes``: loss > spike_factor x running median)."""
+    """More loss spikes than this within 50 consecutive steps (``stability/loss_spikes``: the most spikes
+    in any 50 steps so far, a spike being a loss > spike_factor x the running median)."""
     bounds: dict[str, dict[str, float]] = field(default_factory=dict)
     """metric -> {min: a, max: b}: a reported value outside [a, b] -> unstable (e.g. train/loss max,
     charts/entropy min for a collapsed RL policy)."""
