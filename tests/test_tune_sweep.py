@@ -120,7 +120,8 @@ def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir, wor
     assert "UNSTABLE" in proc.stdout and "1 ok, 1 unstable" in proc.stdout, proc.stdout[-3000:]
     assert "re-use actor" not in proc.stdout + proc.stderr
     events = _events(workdir / "raysys_runs" / "sweeps" / "div")
-    assert [e[0] for e in events] == ["start", "end", "start", "end"] if workers else ["start", "start", "end"]
+    # workers=0: the unstable trial's child is stopped as its function is ended, so it logs no "end"
+    assert [e[0] for e in events] == (["start", "end", "start", "end"] if workers else ["start", "start", "end"])
     assert "Recommended: trial" in proc.stdout  # the stable one
 
     _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")

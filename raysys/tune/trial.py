@@ -266,9 +266,8 @@ def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: Objectiv
     if wl.task is not None and cfg.launch.workers == 0:
         _train_in_child(setup, cfg, tracker, tags)
     elif wl.task is not None:
-        from raysys.train.launcher import run_training
-
         from raysys import lifecycle
+        from raysys.train.launcher import run_training
 
         report = SweepReportCallback(tracker, lifecycle.stop_flag_actor())  # the flag run_training's workers poll
         run_training(setup.workload, cfg, callbacks=[report], parent_run_id=setup.parent_run_id, tags=tags)
