@@ -72,6 +72,9 @@ def _cfg(tmp_path, name, **source_over):
 
 
 @pytest.mark.timeout(600)
+# slow-only (~30-50 s each): by default test_each_member_ends_as_it_would_alone checks the batched program,
+# and tests/test_population.py and tests/test_plugin_population.py run populations through their sessions
+@pytest.mark.slow
 @pytest.mark.parametrize("population", ["vmap", "loop"])
 def test_a_population_run_gives_each_member_its_lone_runs_result(tmp_path, population):
     """Through the sessions (run folders, checkpoints, MLflow runs): two members trained as one

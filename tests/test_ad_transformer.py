@@ -186,6 +186,7 @@ def test_two_ddp_workers_match_one_on_the_same_global_batches(tmp_path, data_dir
 
 
 # ~1 min: one naive and one optimized trial of the shipped space, 2 steps each
+@pytest.mark.slow  # ~40 s; test_tune_sweep sweeps a Ray Train workload by default
 def test_a_two_trial_sweep_of_the_shipped_space(tmp_path, data_dir):
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "ad_transformer.yaml"),

@@ -340,6 +340,7 @@ def test_sigint_with_ray_workers_stops_them_at_a_step_boundary(tmp_path):
     assert r.info.status == "KILLED"
 
 
+@pytest.mark.slow  # ~45 s; by default test_train_deep_gpcm kills a worker and the SIGINT test above stops two
 def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
     """Preemption: SIGTERM reaches one Train worker, not the driver. The worker sets the run's stop
     flag instead of dying; every rank stops at the next boundary with a checkpoint; the driver reports
@@ -368,7 +369,8 @@ def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
 @pytest.mark.parametrize("workload, experiment, stop_at, sets", [
     ("stopper:WORKLOAD", "digits_stop", 13, ["--preset", "quick"]),  # a small model with dropout, stopped mid-epoch
     ("deep_gpcm", "deep_gpcm", 0, ["--set", "train.epochs=2"]),
-    ("pg_stopper:WORKLOAD", "pg_stop", 17, PG_SMALL),  # bucketed text batches, dropout, stopped mid-epoch
+    # bucketed text batches, dropout, stopped mid-epoch (~1 min; the shared loop's resume is checked above)
+    pytest.param("pg_stopper:WORKLOAD", "pg_stop", 17, PG_SMALL, marks=pytest.mark.slow),
 ])
 def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, experiment, stop_at, sets):
     (tmp_path / "stopper.py").write_text(STOPPER)
@@ -413,8 +415,9 @@ def test_hackmatrix_ppo_resume_is_bit_exact(tmp_path):
         assert len(whole) == 10 and whole == cut, metric
 
 
+# ~35 s each; by default test_mpn_dqn_train's resume test checks the episodes and replay come back
 @pytest.mark.parametrize("sets, stop_at", [
-    ([], 23),  # envs stepped in the learner's process
+    pytest.param([], 23, marks=pytest.mark.slow),  # envs stepped in the learner's process
     pytest.param(["--set", "num_actors=2", "--set", "envs_per_actor=4", "--set", "num_episodes=32",
                   "--set", "checkpoint_freq=8"], 15, marks=pytest.mark.slow),  # on 2 Ray rollout actors
 ])
@@ -441,8 +444,9 @@ def test_mpn_dqn_resume_is_bit_exact(tmp_path, sets, stop_at):
 
 @pytest.mark.parametrize("args, experiment, speed", [
     (QUICK, "raysys-deep_gpcm", "perf/tokens_per_s"),  # the shared torch loop
-    (["hackmatrix_ppo", "--preset", "quick", "--set", "train.total_timesteps=5120",
-      "--set", "train.compilation_cache_dir="], "raysys-hackmatrix_ppo", "perf/env_steps_per_s"),  # a train_fn
+    pytest.param(["hackmatrix_ppo", "--preset", "quick", "--set", "train.total_timesteps=5120",
+                  "--set", "train.compilation_cache_dir="], "raysys-hackmatrix_ppo", "perf/env_steps_per_s",
+                 marks=pytest.mark.slow),  # a train_fn (~1 min: two JAX compiles)
 ])
 def test_resuming_a_finished_run_keeps_what_it_recorded(tmp_path, args, experiment, speed):
     """--resume of a run that already reached its end trains nothing, says so, and leaves its final

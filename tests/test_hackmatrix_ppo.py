@@ -57,6 +57,7 @@ def test_minibatch_scaling_follows_the_seed():
     assert ppo.minibatch_plan(cfg) == (64, 2)
 
 
+@pytest.mark.slow  # ~50 s: two JAX compiles; test_ad_source resumes a JAX run bit-exact by default
 @pytest.mark.timeout(300)
 def test_quick_run_bf16_and_resume_with_other_num_envs(workdir, capsys):
     args = ["train", "hackmatrix_ppo", "--preset", "quick", "--name", "h", "--set", "train.precision=bf16",
@@ -76,6 +77,7 @@ def test_quick_run_bf16_and_resume_with_other_num_envs(workdir, capsys):
     assert second["perf/env_steps"] == 10240 + 64 * 32 * 5
 
 
+@pytest.mark.slow  # ~40 s: two cold JAX processes, the second one's cache hit
 @pytest.mark.timeout(300)
 def test_compilation_cache_skips_compilation_on_a_second_start(tmp_path):
     cache = tmp_path / "jax_cache"

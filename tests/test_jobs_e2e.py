@@ -48,7 +48,7 @@ def head(tmp_path_factory):
     yield url, env, tmp
     os.killpg(proc.pid, signal.SIGTERM)  # `ray stop` would stop every Ray on the machine
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=10)  # its own temp dir: nothing to keep after a hard stop
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
 
@@ -89,7 +89,7 @@ def test_submit_deep_gpcm_training_job(head):
     assert (tmp / "runs" / "job-run" / "final_metrics.json").is_file()
 
 
-@pytest.mark.slow  # a sweep as a job; the training and plug-in jobs cover submission by default
+@pytest.mark.slow  # a sweep as a job; the training job covers submission by default
 def test_submit_tiny_sweep_job(head):
     from mlflow.tracking import MlflowClient
 
@@ -107,6 +107,7 @@ def test_submit_tiny_sweep_job(head):
     assert len(parents) == 1 and len(children) == 2
 
 
+@pytest.mark.slow  # ~50 s: the user's folder as the job's working dir (docs/your-workload.md)
 def test_submit_a_plugin_workload_from_its_own_folder(head, tmp_path):
     """A user's module:attr workload, shipped as the job's working_dir, found by the job's driver and by
     both Ray Train workers."""

@@ -116,6 +116,22 @@ def test_a_vectorized_sweep_of_a_users_jax_workload(tmp_path):
         assert history[-1].value == pytest.approx(float(row["quality"]))
         assert child.info.status == "FINISHED"
 
+    # the same space swept one configuration per trial, into the same store: a member's run has the
+    # form of a lone trial's (params, metrics, raysys tags), so the MLflow UI cannot tell them apart
+    lone = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", "digits_jax_space.yaml", "--num-samples", "1",
+                           "--name", "lone"], cwd=project, env=env, capture_output=True, text=True, timeout=800)
+    print(lone.stdout[-3000:], lone.stderr[-3000:], sep="\n")
+    assert lone.returncode == 0 and "1 trials — 1 ok" in lone.stdout
+    runs = client.search_runs([exp.experiment_id])
+    (lparent,) = [r for r in runs if r.data.tags.get("raysys.sweep") == "lone" and r.data.tags["raysys.kind"] == "sweep"]
+    (trial,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == lparent.info.run_id]
+    for child in children:
+        assert set(child.data.params) == set(trial.data.params)
+        assert set(child.data.metrics) == set(trial.data.metrics)
+        assert {k for k in child.data.tags if k.startswith("raysys.")} == {k for k in trial.data.tags if k.startswith("raysys.")}
+        assert child.info.run_name.split(" ")[0] == child.data.tags["raysys.trial_id"]
+        assert child.data.tags["raysys.command"].startswith("python -m raysys train digits_jax:WORKLOAD --preset quick ")
+
 
 @pytest.mark.slow  # ~45 s: two whole sweeps
 @pytest.mark.timeout(900)
@@ -273,7 +289,7 @@ WORKLOAD = dataclasses.replace(digits_jax.WORKLOAD, name="pid_recording", train_
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("flags, processes", [([], 1), (["--fresh-processes"], 3)])
+@pytest.mark.parametrize("flags, processes", [([], 1), pytest.param(["--fresh-processes"], 3, marks=pytest.mark.slow)])
 def test_trials_share_a_process_unless_asked_not_to(tmp_path, flags, processes):
     """Three trials one at a time: by default one process trains them all (Tune's reuse_actors);
     --fresh-processes starts each in its own."""

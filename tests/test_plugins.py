@@ -156,6 +156,7 @@ SOMETIMES_BROKEN = BROKEN.replace("    def build_model(self, cfg):  # runs insid
                                    "        if cfg.model.hidden != 128:\n            return super().build_model(cfg)\n")
 
 
+@pytest.mark.slow  # ~70 s; test_plugin_population checks a config error in a vectorized trial by default
 def test_a_config_error_inside_a_sweep_trial_fails_that_trial_once(project):
     """A knob value that only the trial's training can refuse (a ConfigError at build_model): that trial
     fails at once with its message, without spending --max-failures restarts on it; the searcher, the

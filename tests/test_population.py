@@ -85,8 +85,8 @@ def _params(tmp_path, name):
 
 
 @pytest.mark.timeout(600)
-# vmap through the sessions is slow-only: test_each_member_ends_as_it_would_alone checks its program and
-# the sweep test (tests/test_tune_sweep.py) runs it end to end
+# vmap through the sessions is slow-only: test_each_member_ends_as_it_would_alone checks its program,
+# tests/test_plugin_population.py runs a user's vmap population through its sessions
 @pytest.mark.parametrize("population", ["loop", pytest.param("vmap", marks=pytest.mark.slow)])
 def test_a_population_run_ends_each_member_as_its_lone_run(tmp_path, population):
     """Through the sessions (run folders, checkpoints, MLflow runs), both ways of carrying a

@@ -88,6 +88,7 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     assert twice.returncode == 2 and "already exists" in twice.stderr
 
 
+@pytest.mark.slow  # ~1 min: two JAX compiles; test_a_run_lives_on_s3_and_resumes_from_it covers S3 resume by default
 def test_a_jax_run_on_s3_resumes_from_its_numpy_checkpoint(tmp_path, s3):
     """A JAX workload's checkpoint is state.npz (written without torch): it is uploaded, a new process pulls
     it back, and the run continues from it."""

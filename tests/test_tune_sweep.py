@@ -103,7 +103,8 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+# workers=0 (~45 s) is slow-only; by default workers=1 checks the same verdict, stop and next trial
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir, workers):
     """The unstable trial first, one trial at a time: its run stops cleanly (a checkpoint) and its
     process takes the stable trial next (reuse_actors). With workers=0 (a child process) Tune's 2 s
@@ -187,6 +188,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     assert len([p for p in sweep_dir.iterdir() if (p / "result.json").exists()]) == 3
 
 
+@pytest.mark.slow  # ~2.5 min: 3 JAX programs; by default test_plugin_population sweeps a JAX train_fn
 def test_sweep_of_a_train_fn_workload(workdir):
     """hackmatrix_ppo runs its own JAX loop (Workload.train_fn), not the shared PyTorch loop: its
     trials go through the Session path, report per chunk and land as MLflow child runs too. Then the
