@@ -23,6 +23,7 @@ def _member(lr, ent, clip, gamma, lam, vf, grad, seed):
                                max_grad_norm=grad, seed=seed)
 
 
+@pytest.mark.slow  # ~45 s; tests/test_population.py checks the same for hackmatrix_ppo's program by default
 @pytest.mark.timeout(600)
 def test_each_member_ends_as_it_would_alone():
     """Members differ in every shape-free hyper-parameter and the seed; over two chunks (the third
@@ -72,8 +73,8 @@ def _cfg(tmp_path, name, **source_over):
 
 
 @pytest.mark.timeout(600)
-# slow-only (~30-50 s each): by default test_each_member_ends_as_it_would_alone checks the batched program,
-# and tests/test_population.py and tests/test_plugin_population.py run populations through their sessions
+# slow-only (~30-50 s each): tests/test_population.py and tests/test_plugin_population.py run populations
+# through their sessions by default
 @pytest.mark.slow
 @pytest.mark.parametrize("population", ["vmap", "loop"])
 def test_a_population_run_gives_each_member_its_lone_runs_result(tmp_path, population):

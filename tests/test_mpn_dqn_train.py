@@ -108,6 +108,7 @@ def test_rollout_actors_survive_a_killed_actor(workdir, monkeypatch):
     assert m["perf/env_steps"] >= 24 * 50
 
 
+@pytest.mark.slow  # ~45 s: two Ray Train workers; test_train_deep_gpcm checks DDP against one worker by default
 @pytest.mark.timeout(300)
 def test_data_parallel_learners_stay_in_step(workdir):
     """launch.workers=2: two Ray Train workers, each with its own envs and replay, average their
