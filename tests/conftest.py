@@ -43,6 +43,15 @@ def interrupt_sweep(args: list, cwd, ready, env=None, timeout: float = 400, poll
     return proc.returncode, out
 
 
+def assert_like_a_lone_trial(member, lone) -> None:
+    """A vectorized sweep's member run has the form of a lone trial's MLflow run: the same params,
+    metrics and raysys tags (a lone trial's tags at least), its trial id first in its name."""
+    assert set(member.data.params) == set(lone.data.params)
+    assert set(member.data.metrics) == set(lone.data.metrics)
+    assert {k for k in lone.data.tags if k.startswith("raysys.")} <= set(member.data.tags)
+    assert member.info.run_name.split(" ")[0] == member.data.tags["raysys.trial_id"]
+
+
 def free_port() -> int:
     import socket
 

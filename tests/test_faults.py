@@ -417,11 +417,11 @@ def test_hackmatrix_ppo_resume_is_bit_exact(tmp_path):
         assert len(whole) == 10 and whole == cut, metric
 
 
-# ~35 s each; by default test_mpn_dqn_train's resume test checks the episodes and replay come back
+@pytest.mark.slow  # ~35 s each; by default test_mpn_dqn_train's resume test checks the episodes and replay come back
 @pytest.mark.parametrize("sets, stop_at", [
-    pytest.param([], 23, marks=pytest.mark.slow),  # envs stepped in the learner's process
-    pytest.param(["--set", "num_actors=2", "--set", "envs_per_actor=4", "--set", "num_episodes=32",
-                  "--set", "checkpoint_freq=8"], 15, marks=pytest.mark.slow),  # on 2 Ray rollout actors
+    ([], 23),  # envs stepped in the learner's process
+    (["--set", "num_actors=2", "--set", "envs_per_actor=4", "--set", "num_episodes=32",
+      "--set", "checkpoint_freq=8"], 15),  # on 2 Ray rollout actors
 ])
 def test_mpn_dqn_resume_is_bit_exact(tmp_path, sets, stop_at):
     """The recurrent DQN checkpoints its rollout side too (NeuroGym envs mid-trial as plain data,

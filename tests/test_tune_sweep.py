@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import interrupt_sweep
+from conftest import assert_like_a_lone_trial, interrupt_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 SPACE = REPO / "tune_spaces" / "deep_gpcm.yaml"
@@ -235,9 +235,7 @@ def test_sweep_of_a_train_fn_workload(workdir):
         assert float(r.data.params["optim.lr"]) == 2.0e-3 and "charts/learning_rate" in r.data.tags["raysys.trial_reason"]
         assert len(client.get_metric_history(r.info.run_id, "charts/episode_return")) == 1  # masked after one chunk
     for r in ok:
-        assert set(r.data.params) == set(children[0].data.params)  # every config value, as a lone trial's
-        assert set(r.data.metrics) == set(children[0].data.metrics)
-        assert {k for k in children[0].data.tags if k.startswith("raysys.")} <= set(r.data.tags)
+        assert_like_a_lone_trial(r, children[0])  # every config value and metric, as a lone trial's
         chunks = 10240 // (5 * 32 * 32)  # quick: 5 updates of 32 envs x 32 steps per chunk
         assert len(client.get_metric_history(r.info.run_id, "charts/episode_return")) == chunks
         assert r.data.metrics["perf/env_steps_per_s"] > 0 and r.data.metrics["eval/quality"] < 0
