@@ -48,7 +48,7 @@ def format_table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m raysys.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", help="a built-in or installed workload, or your own as module:attr (see "
+    p.add_argument("workload", help="a built-in or installed workload, or your own as module:attr or path/to/file.py:attr (see "
                                     "`python -m raysys list`)")
     p.add_argument("--quick", action="store_true", help="fewer repeats and a short quality run (a minute or two)")
     p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "

@@ -31,7 +31,8 @@ EPILOG = """examples:
 
 
 WORKLOAD_HELP = ("a built-in or installed workload (see `python -m raysys list`), or your own as module:attr, "
-                 "e.g. my_pkg.lm:WORKLOAD, importable from the working directory (docs/your-workload.md)")
+                 "e.g. my_pkg.lm:WORKLOAD, importable from the working directory, or as its file, e.g. "
+                 "path/to/lm.py:WORKLOAD (docs/your-workload.md)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,8 @@ Where a workload comes from (:func:`get`), in this order:
 1. a built-in name (``deep_gpcm``, ...);
 2. an installed plug-in: an entry point in the ``raysys.workloads`` group whose name is the
    workload name and whose value is the ``Workload`` object (``my_pkg.lm:WORKLOAD``);
-3. a ``module:attr`` spec (``my_pkg.lm:WORKLOAD``) importable from the working directory.
+3. a ``module:attr`` spec (``my_pkg.lm:WORKLOAD``) importable from the working directory, or a
+   ``path/to/file.py:attr`` spec naming the module's file from anywhere (its ``ref`` is the absolute path).
 
 Every process of a run (the driver, each Ray Train worker, each Tune trial, a ``ray job``) finds the
 workload again with :func:`ref`, the string that names it; a plug-in loaded from a local file is
@@ -234,6 +235,37 @@ def _import(module: str, spec: str):
     return mod
 
 
+def _module_of_file(path: str, spec: str) -> tuple[str, Path]:
+    """``path/to/my_wl.py`` (of a ``path:attr`` spec) -> (``my_wl``, its absolute path), importable from
+    now on: its folder goes first on ``sys.path``. In a Ray worker on a node without the file, the copy Ray's
+    ``runtime_env`` carried (see :func:`runtime_env`) is imported. A file whose module name another
+    module already holds is refused."""
+    import importlib.util
+
+    from raysys.config import ConfigError
+
+    file = Path(path).expanduser().resolve()
+    module = file.stem
+    if file.suffix != ".py" or not module.isidentifier():
+        raise ConfigError(f"workload '{spec}': a plug-in file is a Python module: my_workload.py:WORKLOAD")
+    if not file.is_file():
+        if not (_in_ray_worker() and importlib.util.find_spec(module) is not None):
+            raise ConfigError(f"workload '{spec}': no Python file {file}")
+        return module, file
+    held = sys.modules.get(module)
+    if held is not None and Path(getattr(held, "__file__", "") or "").resolve() != file:
+        raise ConfigError(f"workload '{spec}': the module name '{module}' is already taken by "
+                          f"{getattr(held, '__file__', None) or 'a built-in module'}; rename {file.name}")
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    return module, file
+
+
+def _in_ray_worker() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
 def _note_local(mod) -> None:
     """Remember the top-level file/folder of a plug-in that is not an installed package, to carry it."""
     path = getattr(mod, "__file__", None)
@@ -247,7 +279,8 @@ def _note_local(mod) -> None:
 
 
 def get(name: str) -> Workload:
-    """The workload called ``name``: a built-in, an installed plug-in, or a ``module:attr`` spec."""
+    """The workload called ``name``: a built-in, an installed plug-in, or a ``module:attr`` or
+    ``path/to/file.py:attr`` spec."""
     from raysys.config import ConfigError
 
     if name in _LOADED:
@@ -264,9 +297,15 @@ def get(name: str) -> Workload:
                               f"{type(e).__name__}: {e}") from None
         return register(_as_workload(obj, f"entry point {name} = {eps[name].value}"), name)
     if ":" in name:
-        module, _, attr = name.partition(":")
+        module, _, attr = name.rpartition(":")
         if not module or not attr:
             raise ConfigError(f"workload '{name}': a plug-in spec is module:attr, e.g. my_pkg.lm:WORKLOAD")
+        ref_ = name
+        if module.endswith(".py") or "/" in module or os.sep in module:
+            module, file = _module_of_file(module, name)
+            ref_ = f"{file}:{attr}"  # the same in every process and from any working directory
+            if ref_ in _LOADED:
+                return register(_LOADED[ref_], name)
         mod = _import(module, name)
         obj = mod
         for part in attr.split("."):
@@ -275,10 +314,10 @@ def get(name: str) -> Workload:
             obj = getattr(obj, part)
         wl = _as_workload(obj, f"'{name}'")
         _note_local(mod)
-        register(wl, name)
-        return wl
+        register(wl, ref_)
+        return register(wl, name)
     raise ConfigError(f"unknown workload '{name}'; available: {', '.join(available()) or '(none)'}; "
-                      "or name your own as module:attr (docs/your-workload.md)")
+                      "or name your own as module:attr or path/to/file.py:attr (docs/your-workload.md)")
 
 
 def runtime_env() -> Optional[dict]:

@@ -191,13 +191,53 @@ def test_a_config_error_inside_a_sweep_trial_fails_that_trial_once(project):
 
 
 def test_unknown_workloads_and_specs_fail_before_anything(tmp_path):
+    (tmp_path / "notes.txt").write_text("not python")
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "json.py").write_text("WORKLOAD = None\n")
     for spec, words in [("nope", "unknown workload 'nope'"), ("no_such_module:WORKLOAD", "no module named"),
-                        ("json:WORKLOAD", "has no attribute"), ("json:dumps", "not a raysys.workload.Workload")]:
+                        ("json:WORKLOAD", "has no attribute"), ("json:dumps", "not a raysys.workload.Workload"),
+                        ("./no_such_file.py:WORKLOAD", "no Python file"), ("./notes.txt:WORKLOAD", "Python module"),
+                        ("sub/json.py:WORKLOAD", "no Python file"), ("shadow/json.py:WORKLOAD", "already taken")]:
         proc = _run(["python", "-m", "raysys", "train", spec, "--workers", "0"], tmp_path)
         assert proc.returncode == 2, spec
         assert words in proc.stderr, (spec, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_workload_named_by_its_file_from_another_folder(project, tmp_path):
+    """``path/to/file.py:attr`` works from any working directory; ``module:attr`` only from the module's."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _run(["python", "-m", "raysys", "show", "../my_project/digits_mlp.py:WORKLOAD", "--preset", "quick"],
+                elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert "batch_size" in proc.stdout
+    assert _run(["python", "-m", "raysys", "show", "digits_mlp:WORKLOAD"], elsewhere).returncode == 2
+
+
+@pytest.mark.slow  # ~2 min: Ray Train workers and Tune trials import the file in their own processes
+def test_a_file_named_workload_trains_and_sweeps_in_other_processes(project, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    spec = "../my_project/digits_mlp.py:WORKLOAD"
+    proc = _run(["python", "-m", "raysys", "train", spec, "--preset", "quick", "--workers", "2", "--name", "by-file"],
+                elsewhere)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((elsewhere / "raysys_runs" / "by-file" / "final_metrics.json").read_text())["world_size"] == 2
+    space = (project / "digits_space.yaml").read_text().replace("workload: digits_mlp:WORKLOAD", f"workload: {spec}")
+    (elsewhere / "space.yaml").write_text(space.replace("  model.path: {grid: [naive, optimized]}\n", ""))
+    proc = _run(["python", "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "2", "--name", "s"], elsewhere)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{elsewhere / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    trials = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep_trial"]
+    assert len(trials) == 2 and all(r.info.status == "FINISHED" for r in trials)
+    # the resume command a user copies names the file absolutely: it works from any folder
+    (lone,) = [r for r in runs if r.data.tags.get("raysys.run_name") == "by-file"]
+    assert f"train {project / 'digits_mlp.py'}:WORKLOAD --name by-file --resume" in lone.data.tags["mlflow.note.content"]
 
 
 def test_permanent_errors_are_found_inside_rays_wrappers():
