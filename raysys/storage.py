@@ -29,6 +29,24 @@ def is_remote(path: str) -> bool:
     return bool(URI.match(path)) and not path.startswith("file://")
 
 
+def check_local_folder(folder: Path, what: str = "storage path") -> None:
+    """A ConfigError naming ``folder`` unless it is (or can be made as) a writable folder. Its nearest
+    existing ancestor is tried with a throwaway subfolder, removed at once: permission bits do not say
+    what root, a read-only mount or a pseudo filesystem such as /proc allow."""
+    from raysys.config import ConfigError
+
+    folder = Path(folder)
+    base = folder
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(f"{what} {folder}: {base} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".raysys-probe-", dir=base))
+    except OSError as e:
+        raise ConfigError(f"{what} {folder}: cannot write in {base} ({e.strerror or type(e).__name__})") from None
+
+
 class Remote:
     """The storage root of remote runs: a pyarrow filesystem and the base path in it."""
 

@@ -165,3 +165,21 @@ def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
     assert "resumed step=" in _text(client, f"sweeps/sw/runs/sw-{again}/events.log")
     assert "sweeps/sw/report/pareto.md" in _keys(client, "sweeps/sw/report/")
     assert not (tmp_path / "raysys_runs").exists()  # everything went to the bucket
+
+
+def test_a_storage_path_that_cannot_be_written_is_one_line_before_anything(tmp_path):
+    """A file in the way, or a folder no one can write (/proc, even for root): exit 2, nothing made."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "space.yaml").write_text("workload: deep_gpcm\npreset: quick\nspace:\n  train.batch_size: {choice: [16, 32]}\n")
+    for cmd, path, words in [
+            (["raysys", *QUICK], "afile/runs", "afile is a file, not a folder"),
+            (["raysys", *QUICK], "/proc/raysys-runs", "cannot write in /proc"),
+            (["raysys.tune", "--space", "space.yaml"], "/proc/raysys-sweeps", "cannot write in /proc"),
+            (["raysys.tune", "--space", "space.yaml"], "file:///proc/raysys-sweeps", "cannot write in /proc")]:
+        if cmd[0] == "raysys":
+            cmd = ["raysys", "train", *cmd[1:]]
+        proc = subprocess.run([sys.executable, "-m", *cmd, "--storage-path", path], cwd=tmp_path, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, (cmd, path, proc.stderr[-2000:])
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "space.yaml"]

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from raysys import storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
-from raysys.train.launcher import check_ray_address
+from raysys.train.launcher import check_ray_address, storage_root
 from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
@@ -72,7 +72,8 @@ class SweepOutcome:
 def resolve_sweep_dir(opts: SweepOptions, workload: str) -> tuple[str, Path]:
     if storage.is_remote(opts.storage_path):
         return _resolve_remote(opts, workload)
-    root = Path(opts.storage_path).resolve()
+    root = storage_root(opts.storage_path)  # a file:// URI is a local folder
+    storage.check_local_folder(root, "--storage-path")
     name = opts.name
     if opts.resume and not name:  # newest sweep of this workload
         found = sorted((p for p in root.glob(f"{workload}-sweep-*") if (p / STATE_FILE).is_file()),
