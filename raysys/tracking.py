@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol
+from urllib.parse import unquote, urlparse
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,21 @@ def is_server(uri: str) -> bool:
 
 
 def check_reachable(uri: str, timeout: float = 5.0) -> None:
-    """Fail in seconds, not after minutes of retries, when an HTTP tracking server does not answer."""
+    """Fail in seconds, not after minutes of retries, when an HTTP tracking server does not answer; and
+    before anything is created when a local store cannot be made."""
+    if uri.startswith("file://") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+        folder = unquote(urlparse(uri).path)
+        raise TrackingUnavailable(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; pass "
+                                  f"sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set "
+                                  "MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway (nothing was created)")
+    if uri.startswith("sqlite:///"):
+        from raysys import storage
+        from raysys.config import ConfigError
+
+        try:
+            storage.check_local_folder(Path(uri[len("sqlite:///"):]).parent, f"--tracking-uri {uri}:")
+        except ConfigError as e:
+            raise TrackingUnavailable(f"{e} (nothing was created)") from None
     if not is_server(uri):
         return
     import requests

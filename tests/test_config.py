@@ -85,3 +85,42 @@ def test_show_keys_documents_every_field(capsys):
     out = capsys.readouterr().out
     assert "train.batch_size = 64" in out and "Micro-batch size per worker." in out
     assert "launch.workers = 1" in out and "model.path = 'optimized'" in out
+
+
+def test_a_run_that_asks_the_local_ray_for_more_than_the_machine_has_fails_at_once(tmp_path):
+    """Ray Train would wait for ever for a GPU or CPUs the Ray started in this process cannot have."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    cpus = len(os.sched_getaffinity(0))
+    for args, words in [(["--workers", "1", "--gpus-per-worker", "1"], "needs 1 GPU(s); this machine has 0"),
+                        (["--workers", str(cpus + 1)], f"needs {cpus + 1} CPUs; this machine has {cpus}")]:
+        proc = subprocess.run([sys.executable, "-m", "raysys", "train", "deep_gpcm", "--preset", "quick", *args],
+                              cwd=tmp_path, env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tracking_store_that_cannot_be_made_is_one_line_before_anything(tmp_path):
+    """MLflow refuses its retired folder store, and a database cannot go where no folder can: exit 2
+    from train and tune, with nothing made (no data, no run folder, no store)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE")}
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "space.yaml").write_text("workload: deep_gpcm\npreset: quick\nspace:\n  train.batch_size: {choice: [16, 32]}\n")
+    for cmd in (["raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "0"], ["raysys.tune", "--space", "space.yaml"]):
+        for uri, words in [("./store", "MLflow no longer writes its folder (file) store; pass sqlite:///"),
+                           ("sqlite:///afile/mlflow.db", "afile is a file, not a folder"),
+                           ("sqlite:////proc/raysys/mlflow.db", "cannot write in /proc")]:
+            proc = subprocess.run([sys.executable, "-m", *cmd, "--tracking-uri", uri], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, (cmd, uri, proc.stderr[-2000:])
+            assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "space.yaml"]

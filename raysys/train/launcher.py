@@ -145,6 +145,36 @@ def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
                           "(nothing was created)") from None
 
 
+def local_gpus() -> int:
+    """GPUs a Ray started in this process would see: $CUDA_VISIBLE_DEVICES when set, else the NVIDIA
+    device files (what NVML counts), without importing torch, JAX or Ray."""
+    import glob
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def check_local_resources(launch: Any) -> None:
+    """Ray Train waits, silently and for ever, for resources a cluster does not have. A Ray started in
+    this process has this machine's, so a run that asks for more fails here, in one line, before
+    anything is created. A cluster (--address, $RAY_ADDRESS) may grow, and is not checked."""
+    addr = (getattr(launch, "address", None) or os.environ.get("RAY_ADDRESS", "")).strip()
+    if launch.workers <= 0 or addr not in ("", "local") or "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    need_gpu, need_cpu, have_gpu = launch.workers * launch.gpus_per_worker, launch.workers * launch.cpus_per_worker, None
+    if need_gpu > 0 and need_gpu > (have_gpu := local_gpus()):
+        raise ConfigError(f"--workers {launch.workers} x --gpus-per-worker {launch.gpus_per_worker:g} needs {need_gpu:g} "
+                          f"GPU(s); this machine has {have_gpu}, and the Ray started here has no more. Use fewer, "
+                          "--gpus-per-worker 0 for the CPU, or --address of a cluster with GPUs (nothing was created)")
+    if need_cpu > cpus:
+        raise ConfigError(f"--workers {launch.workers} x launch.cpus_per_worker {launch.cpus_per_worker:g} needs "
+                          f"{need_cpu:g} CPUs; this machine has {cpus}, and the Ray started here has no more. Use "
+                          "fewer, or --address of a bigger cluster (nothing was created)")
+
+
 def init_ray(address: Optional[str]) -> None:
     """Connect to ``address`` / $RAY_ADDRESS, or start Ray in this process with quiet defaults."""
     import ray
@@ -381,6 +411,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         raise ConfigError(str(e)) from None
     if getattr(launch, "workers", 0) > 0 or wl.extra.get("needs_ray", False):
         check_ray_address(getattr(launch, "address", None))
+        check_local_resources(launch)
     if launch.resume:
         lifecycle.RunLock.acquire(run_dir, name, lock_dir=_lock_dir(launch))
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
