@@ -68,6 +68,20 @@ def test_bad_space_is_one_clear_config_error(space, words):
         assert w in msg, (w, msg)
 
 
+@pytest.mark.parametrize("objectives, words", [
+    ({"tolerance": -0.1}, ["objectives.tolerance", ">= 0"]),
+    ({"tolerance": "small"}, ["objectives.tolerance", "number"]),
+    ({"quality_penalty": float("nan")}, ["objectives.quality_penalty", "number"]),
+    ({"throughput": 3}, ["objectives.throughput", "names a metric"]),
+    ({"quality": ""}, ["objectives.quality", "names a metric"]),
+])
+def test_bad_objectives_are_one_clear_config_error(objectives, words):
+    with pytest.raises(ConfigError) as e:
+        spaces.from_dict(_space(objectives=objectives), "s.yaml")
+    msg = str(e.value)
+    assert msg.startswith("s.yaml") and "\n" not in msg and all(w in msg for w in words), msg
+
+
 def test_other_space_errors():
     with pytest.raises(ConfigError, match="unknown workload 'nope'"):
         spaces.from_dict(_space(workload="nope"))
@@ -136,7 +150,13 @@ def test_stability_rules_and_tracker():
     assert "collapsed" in t.update({"charts/return": 1.4})[REASON]
 
     t = ObjectiveTracker("x", "eval/qwk", rules)
-    assert "no finite quality" in t.update({"eval/qwk": float("nan"), "done": 1})[REASON]
+    assert "no finite quality" in t.update({"x": 1.0, "eval/qwk": float("nan"), "done": 1})[REASON]
+    # an objective the run never reports (a typo in the space) is named, with what the run does report
+    t = ObjectiveTracker("perf/nosuch", "eval/qwk", rules)
+    t.update({"perf/samples_per_s": 10.0, "train/loss": 1.0})
+    out = t.update({"eval/qwk": 0.5, "done": 1})
+    assert out[REASON] == ("perf/nosuch never reported (an objective of the space); this run reports "
+                           "perf/samples_per_s") and out[UNSTABLE] == 1.0
 
 
 def test_concurrency_is_bounded_by_the_cluster():

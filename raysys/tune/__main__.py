@@ -92,6 +92,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError(f"--vectorize must be >= 1, got {args.vectorize}")
         if args.budget is not None and args.budget <= 0:
             raise ConfigError("--budget must be > 0 minutes")
+        if args.tolerance is not None and not args.tolerance >= 0:
+            raise ConfigError(f"--tolerance must be >= 0 (a quality difference), got {args.tolerance}")
         from raysys import tracking
         from raysys.tune.runner import SweepOptions, run_sweep
 

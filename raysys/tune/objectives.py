@@ -114,6 +114,7 @@ class ObjectiveTracker:
         self.quality: Optional[float] = None
         self.best: dict[str, float] = {}
         self.reason: Optional[str] = None
+        self.seen: set[str] = set()  # every metric the run reported: named when an objective never came
 
     @property
     def unstable(self) -> bool:
@@ -129,8 +130,14 @@ class ObjectiveTracker:
             self.quality = float(metrics[self.quality_metric])
         if self.reason is None:
             self.reason = self.rules.check(metrics, self.best)
-        if self.reason is None and final and (self.quality is None or not math.isfinite(self.quality)):
-            self.reason = f"no finite quality at the end ({self.quality_metric} = {self.quality})"
+        self.seen.update(k for k, v in metrics.items() if _num(v) and k != "done")
+        if self.reason is None and final:
+            missing = [m for m, v in ((self.throughput_metric, self.throughput), (self.quality_metric, self.quality))
+                       if v is None]
+            if missing:
+                self.reason = f"{' and '.join(missing)} never reported (an objective of the space); {self._reported(missing)}"
+            elif not math.isfinite(self.quality):
+                self.reason = f"no finite quality at the end ({self.quality_metric} = {self.quality})"
         for metric in self.rules.collapse:
             v = metrics.get(metric)
             if _num(v) and math.isfinite(v):
@@ -153,6 +160,14 @@ class ObjectiveTracker:
         if final:
             out[FINAL] = 1.0
         return out
+
+    def _reported(self, missing: list[str]) -> str:
+        """The run's metrics nearest the missing ones (same prefix), a few: what the space may have meant."""
+        prefixes = {m.split("/")[0] + "/" for m in missing if "/" in m}
+        near = sorted(m for m in self.seen if any(m.startswith(p) for p in prefixes)) or sorted(self.seen)
+        if not near:
+            return "this run reports no metric"
+        return "this run reports " + ", ".join(near[:6]) + (f" and {len(near) - 6} more" if len(near) > 6 else "")
 
     def failed(self, reason: str) -> dict[str, Any]:
         """The last report of a trial that failed permanently: what it measured so far, the reason, and

@@ -193,6 +193,13 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
 
     objectives = dict(data.get("objectives") or {})
     _check_keys(source, "objectives", objectives, {"throughput", "quality", "tolerance", "quality_penalty"})
+    for key in ("throughput", "quality"):
+        if key in objectives and (not isinstance(objectives[key], str) or not objectives[key].strip()):
+            raise ConfigError(f"{source}: objectives.{key} names a metric, e.g. perf/samples_per_s; got {objectives[key]!r}")
+    for key in ("tolerance", "quality_penalty"):
+        if key in objectives and (not _is_number(objectives[key]) or key == "tolerance" and objectives[key] < 0):
+            raise ConfigError(f"{source}: objectives.{key} must be a number{' >= 0' if key == 'tolerance' else ''}, "
+                              f"got {objectives[key]!r}")
     stability = dict(data.get("stability") or {})
     _check_keys(source, "stability", stability, {"max_nonfinite_losses", "max_loss_spikes", "bounds", "collapse"})
     from raysys.tune.objectives import StabilityRules  # late: objectives imports nothing from here
@@ -233,3 +240,7 @@ def load(path: str | Path, preset: Optional[str] = None, overrides: Optional[Map
     """Read and validate a space file; one clear ConfigError on any problem."""
     data = read_yaml(path, what="tune space")
     return from_dict(data, str(path), preset, overrides)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
