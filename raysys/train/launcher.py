@@ -164,7 +164,7 @@ def check_local_resources(launch: Any) -> None:
     if launch.workers <= 0 or addr not in ("", "local") or "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    need_gpu, need_cpu, have_gpu = launch.workers * launch.gpus_per_worker, launch.workers * launch.cpus_per_worker, None
+    need_gpu, need_cpu = launch.workers * launch.gpus_per_worker, launch.workers * launch.cpus_per_worker
     if need_gpu > 0 and need_gpu > (have_gpu := local_gpus()):
         raise ConfigError(f"--workers {launch.workers} x --gpus-per-worker {launch.gpus_per_worker:g} needs {need_gpu:g} "
                           f"GPU(s); this machine has {have_gpu}, and the Ray started here has no more. Use fewer, "
