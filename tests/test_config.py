@@ -115,12 +115,13 @@ def test_a_tracking_store_that_cannot_be_made_is_one_line_before_anything(tmp_pa
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE")}
     (tmp_path / "afile").write_text("")
     (tmp_path / "space.yaml").write_text("workload: deep_gpcm\npreset: quick\nspace:\n  train.batch_size: {choice: [16, 32]}\n")
-    for cmd in (["raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "0"], ["raysys.tune", "--space", "space.yaml"]):
-        for uri, words in [("./store", "MLflow no longer writes its folder (file) store; pass sqlite:///"),
-                           ("sqlite:///afile/mlflow.db", "afile is a file, not a folder"),
-                           ("sqlite:////proc/raysys/mlflow.db", "cannot write in /proc")]:
-            proc = subprocess.run([sys.executable, "-m", *cmd, "--tracking-uri", uri], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=120)
-            assert proc.returncode == 2, (cmd, uri, proc.stderr[-2000:])
-            assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    train, tune = ["raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "0"], ["raysys.tune", "--space", "space.yaml"]
+    for cmd, uri, words in [(train, "./store", "MLflow no longer writes its folder (file) store; pass sqlite:///"),
+                            (tune, "./store", "MLflow no longer writes its folder (file) store; pass sqlite:///"),
+                            (train, "sqlite:///afile/mlflow.db", "afile is a file, not a folder"),
+                            (tune, "sqlite:////proc/raysys/mlflow.db", "cannot write in /proc")]:
+        proc = subprocess.run([sys.executable, "-m", *cmd, "--tracking-uri", uri], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (cmd, uri, proc.stderr[-2000:])
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "space.yaml"]
