@@ -105,31 +105,25 @@ def open_in_background(uri: str):
     return thread
 
 
-class TrackingUnavailable(RuntimeError):
-    """The tracking server cannot be reached."""
-
-
 def is_server(uri: str) -> bool:
     """A tracking server (HTTP), as opposed to a store this process opens itself."""
     return uri.startswith(("http://", "https://"))
 
 
-def check_reachable(uri: str, timeout: float = 5.0) -> None:
-    """Fail in seconds, not after minutes of retries, when an HTTP tracking server does not answer; and
-    before anything is created when a local store cannot be made."""
+def check_store(uri: str, timeout: float = 5.0) -> None:
+    """A ConfigError, before anything is created, when the store cannot be used: an HTTP tracking server
+    that does not answer (in seconds, not after minutes of retries), a local database whose folder
+    cannot be written, or MLflow's retired folder store."""
+    from raysys import storage
+    from raysys.config import ConfigError
+
     if uri.startswith("file://") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
         folder = unquote(urlparse(uri).path)
-        raise TrackingUnavailable(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; pass "
-                                  f"sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set "
-                                  "MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway (nothing was created)")
+        raise ConfigError(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; pass "
+                          f"sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set "
+                          "MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway (nothing was created)")
     if uri.startswith("sqlite:///"):
-        from raysys import storage
-        from raysys.config import ConfigError
-
-        try:
-            storage.check_local_folder(Path(uri[len("sqlite:///"):]).parent, f"--tracking-uri {uri}:")
-        except ConfigError as e:
-            raise TrackingUnavailable(f"{e} (nothing was created)") from None
+        storage.check_local_folder(Path(uri[len("sqlite:///"):]).parent, f"--tracking-uri {uri}:")
     if not is_server(uri):
         return
     import requests
@@ -138,8 +132,8 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
         requests.get(uri.rstrip("/") + "/health", timeout=timeout)
     except requests.RequestException as e:
         reason = type(e).__name__
-        raise TrackingUnavailable(f"the MLflow tracking server at {uri} does not answer ({reason}); start it or pass "
-                                  "another --tracking-uri (nothing was created)") from None
+        raise ConfigError(f"the MLflow tracking server at {uri} does not answer ({reason}); start it or pass "
+                          "another --tracking-uri (nothing was created)") from None
 
 
 def quick_failures() -> None:

@@ -405,10 +405,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
-    try:
-        tracking.check_reachable(uri)
-    except tracking.TrackingUnavailable as e:
-        raise ConfigError(str(e)) from None
+    tracking.check_store(uri)
     if getattr(launch, "workers", 0) > 0 or wl.extra.get("needs_ray", False):
         check_ray_address(getattr(launch, "address", None))
         check_local_resources(launch)

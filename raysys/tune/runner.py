@@ -191,10 +191,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         if opts.tracking_uri and tracking.resolve_tracking_uri(opts.tracking_uri) != stored["tracking_uri"]:
             raise ConfigError(f"--resume: this sweep tracks to {stored['tracking_uri']}, not {opts.tracking_uri}")
     uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
-    try:
-        tracking.check_reachable(uri)
-    except tracking.TrackingUnavailable as e:
-        raise ConfigError(str(e)) from None
+    tracking.check_store(uri)
     tolerance = opts.tolerance if opts.tolerance is not None else float(sp.objectives.get("tolerance", obj.DEFAULT_TOLERANCE))
     throughput_metric = sp.objectives.get("throughput", wl.throughput_metric)
     quality_metric = sp.objectives.get("quality", wl.quality_metric)
