@@ -1,4 +1,4 @@
-"""Deep-GPCM data: the synthetic_OC generator, parquet round trip and validation, splits, batching."""
+"""Deep-GPCM data: the synthetic_OC generator, the user's layouts and their validation, splits, batching."""
 
 import json
 
@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from raysys.workloads.deep_gpcm.data import (SequenceDataset, collate_padded, generate_synthetic_oc, gpcm_probs,
-                                             kfold_indices, load_sequences, write_synthetic_oc)
+from raysys.workloads.deep_gpcm.data import (ReadOptions, SequenceData, SequenceDataset, collate_padded, generate_synthetic_oc,
+                                             gpcm_probs, kfold_indices, load_sequences, write_synthetic_oc)
 
 SMALL = dict(n_students=60, n_questions=25, n_cats=4, min_len=10, max_len=30, seed=3)
 
@@ -102,15 +102,99 @@ def test_missing_column_error_names_it(tmp_path):
 
 
 @pytest.mark.parametrize("questions,responses,fragment", [
-    ([[1, 0, 2]], [[0, 1, 1]], ">= 1"),  # 0 is the padding id
+    ([[1, 0, 2]], [[0, 1, 1]], ">= 1 with data.id_base=1"),  # 0 is the padding id
     ([[1, 2, 3]], [[0, 1]], "row 0 has 3 questions but 2 responses"),
     ([[1, 2]], [[0, -1]], ">= 0"),
+    ([[1, 2], []], [[0, 1], []], "row 1 has no responses"),
 ])
 def test_invalid_values_are_rejected(tmp_path, questions, responses, fragment):
     f = tmp_path / "seqs.parquet"
     pd.DataFrame({"questions": questions, "responses": responses}).to_parquet(f)
     with pytest.raises(ValueError, match=fragment):
+        load_sequences(f, ReadOptions(id_base=1))
+
+
+def _same(a, b) -> None:
+    assert (a.n_questions, a.n_cats, len(a)) == (b.n_questions, b.n_cats, len(b))
+    for x, y in zip(a.questions + a.responses, b.questions + b.responses):
+        assert x.dtype == np.int64 and x.tolist() == y.tolist()
+
+
+def test_every_layout_of_the_same_data_reads_the_same(tmp_path):
+    """One dataset written the ways users hold knowledge-tracing data reads back identically: a row per
+    student (parquet, JSONL, CSV of "1,2,3" texts), a row per response (CSV shuffled with an order column,
+    TSV with its own column names and question names), the original's 0-based three-line text, and the
+    original's folder of _train/_test splits with its metadata.json."""
+    ref = load_sequences(write_synthetic_oc(tmp_path / "oc", **SMALL))
+    df = pd.DataFrame({"questions": [q.tolist() for q in ref.questions], "responses": [r.tolist() for r in ref.responses]})
+    meta = {"n_questions": ref.n_questions, "n_cats": ref.n_cats}
+    layouts = tmp_path / "layouts"
+    layouts.mkdir()
+    (layouts / "meta.json").write_text(json.dumps(meta))
+    df.to_parquet(layouts / "wide.parquet")
+    df.to_json(layouts / "wide.jsonl", orient="records", lines=True)
+    df.assign(questions=[",".join(map(str, q)) for q in df.questions],
+              responses=[" ".join(map(str, r)) for r in df.responses]).to_csv(layouts / "wide.csv", index=False)
+    long = pd.DataFrame([{"user_id": f"s{i:03d}", "item_id": q, "score": float(r), "t": t}
+                         for i, (qs, rs) in enumerate(zip(ref.questions, ref.responses))
+                         for t, (q, r) in enumerate(zip(qs, rs))])
+    long.sample(frac=1.0, random_state=0).to_csv(layouts / "long.csv", index=False)
+    for name in ("wide.parquet", "wide.jsonl", "wide.csv"):
+        _same(load_sequences(layouts / name), ref)
+    _same(load_sequences(layouts / "long.csv", ReadOptions(order_column="t")), ref)
+
+    named = long.rename(columns={"user_id": "learner", "item_id": "skill", "score": "grade"})
+    named["skill"] = [f"q{q:04d}" for q in named.skill]  # names, numbered 1..Q in sorted order
+    named.to_csv(layouts / "named.tsv", sep="\t", index=False)
+    got = load_sequences(layouts / "named.tsv", ReadOptions("learner", "skill", "grade"))
+    _same(got, ref)
+    assert any("names" in n for n in got.notes)
+
+    original = tmp_path / "synthetic_OC"  # the original project's layout: 0-based ids, 3 lines per student
+    original.mkdir()
+    (original / "metadata.json").write_text(json.dumps(meta | {"dataset_name": "synthetic_OC"}))
+
+    def lines(rows) -> str:
+        return "".join(f"{len(q)}\n{','.join(str(x - 1) for x in q)}\n{','.join(map(str, r))}\n" for q, r in rows)
+
+    rows = list(zip(ref.questions, ref.responses))
+    (original / "synthetic_oc_test.txt").write_text(lines(rows[40:]))
+    (original / "synthetic_oc_train.txt").write_text(lines(rows[:40]))
+    (original / "notes.txt").write_text("not data")
+    got = load_sequences(original)
+    _same(got, ref)
+    assert any("start at 0" in n for n in got.notes)
+    _same(load_sequences(original / "synthetic_oc_train.txt"),
+          SequenceData(ref.questions[:40], ref.responses[:40], ref.n_questions, ref.n_cats))
+    (layouts / "dkvmn.csv").write_text(lines(rows).replace("\n", ",\n"))  # DKVMN's .csv: trailing commas
+    _same(load_sequences(layouts / "dkvmn.csv"), ref)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("3\n1,2,3\n0,1,1\n2\n1,2\n", "5 non-empty lines"),
+    ("3\n1,2,3\n0,1\n", "line 1 says 3 responses, lines 2-3 hold 3 question ids and 2 responses"),
+    ("3\n1,x,3\n0,1,1\n", "lines 1-3: not a length and two lists of integers"),
+])
+def test_bad_three_line_files_name_the_lines(tmp_path, text, fragment):
+    f = tmp_path / "d.txt"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=fragment):
         load_sequences(f)
+
+
+def test_bad_response_tables_name_the_column(tmp_path):
+    f = tmp_path / "d.csv"
+    pd.DataFrame({"student_id": [1, 1], "question_id": [3, 4], "response": [0.5, 1.0]}).to_csv(f, index=False)
+    with pytest.raises(ValueError, match="'response' must be whole numbers, found 0.5"):
+        load_sequences(f)
+    pd.DataFrame({"learner": [1, 1], "question_id": [3, 4], "response": [0, 1]}).to_csv(f, index=False)
+    with pytest.raises(ValueError, match="student column .*data.student_column.*has: learner, question_id"):
+        load_sequences(f)
+    with pytest.raises(ValueError, match="no column 'when' \\(data.order_column\\)"):
+        load_sequences(f, ReadOptions(student_column="learner", order_column="when"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="needs sequences.parquet, or <name>_train"):
+        load_sequences(tmp_path / "empty")
 
 
 def test_out_of_range_response_against_meta(tmp_path):

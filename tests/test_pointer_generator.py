@@ -182,6 +182,28 @@ def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+def test_a_corpus_reads_the_same_from_every_table_format(tmp_path):
+    """parquet, JSON lines, one JSON array, CSV and TSV of the same notes give the same rows, texts with
+    commas, quotes, tabs and line breaks included; an unknown suffix's error lists the known ones."""
+    import pandas as pd
+
+    from raysys.workloads.pointer_generator.data import read_texts
+
+    rows = [{"note": ex["note"], "summary": ex["summary"]} for ex in generate(8, 1)]
+    rows[0]["note"] = 'BP 120/80, "stable";\tseen twice\nthen discharged'
+    df = pd.DataFrame(rows)
+    df.to_parquet(tmp_path / "c.parquet")
+    df.to_json(tmp_path / "c.jsonl", orient="records", lines=True)
+    df.to_json(tmp_path / "c.json", orient="records")
+    df.to_csv(tmp_path / "c.csv", index=False)
+    df.to_csv(tmp_path / "c.tsv", sep="\t", index=False)
+    for name in ("c.parquet", "c.jsonl", "c.json", "c.csv", "c.tsv"):
+        assert read_texts(str(tmp_path / name), "note", "summary") == rows, name
+    (tmp_path / "c.xlsx").write_bytes(b"not a table")
+    with pytest.raises(ValueError, match="not readable as parquet .*known suffixes: .csv, .json, .jsonl"):
+        read_texts(str(tmp_path / "c.xlsx"), "note", "summary")
+
+
 def test_a_users_jsonl_trains_evaluates_and_reports_truncation(tmp_path):
     rows = [{"text": ex["note"], "abstract": ex["summary"]} for ex in generate(120, 5)]
     _write_jsonl(tmp_path / "notes.jsonl", rows)

@@ -68,6 +68,32 @@ def test_in_process_run_is_tracked(workdir):
     assert "| forward |" in table and "| data_wait |" in table
 
 
+def test_the_original_projects_data_folder_trains(workdir, capsys):
+    """The seed project's own layout: <name>_train.txt / <name>_test.txt, three lines per student with
+    0-based question ids, and its metadata.json. raysys pools both files, shifts the ids (saying so)
+    and trains as on the same students in its own format."""
+    from raysys.workloads.deep_gpcm.data import generate_synthetic_oc
+
+    df, _ = generate_synthetic_oc(n_students=120, n_questions=50, min_len=20, max_len=60, seed=5)
+    folder = workdir / "synthetic_OC"
+    folder.mkdir()
+    (folder / "metadata.json").write_text(json.dumps({"dataset_name": "synthetic_OC", "n_questions": 50, "n_cats": 4}))
+    text = ["".join(f"{len(q)}\n{','.join(str(x - 1) for x in q)}\n{','.join(map(str, r))}\n"
+                    for q, r in zip(part.questions, part.responses)) for part in (df[:96], df[96:])]
+    (folder / "synthetic_oc_train.txt").write_text(text[0])
+    (folder / "synthetic_oc_test.txt").write_text(text[1])
+    assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "orig", "--set", "data.path=synthetic_OC"]) == 0
+    assert "question ids start at 0" in capsys.readouterr().out
+    client, run = _mlflow_run(workdir, "orig")
+    assert run.info.status == "FINISHED" and run.data.params["data.path"] == str(folder)
+    (ds,) = run.inputs.dataset_inputs
+    assert ds.dataset.name == "synthetic_OC"
+    # the same students as raysys's own parquet (ids 1..Q) train to the same numbers: nothing was misread
+    df[["questions", "responses"]].to_parquet(workdir / "same.parquet")
+    assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "same", "--set", "data.path=same.parquet"]) == 0
+    assert _final(workdir, "orig")["eval/qwk"] == _final(workdir, "same")["eval/qwk"]
+
+
 def test_two_ddp_workers_match_one(workdir, ray_cluster):
     # Same global batch (2 x 8 vs 1 x 16) and data order: ShardSampler interleaves one permutation.
     common = [*QUICK, "--set", "train.epochs=3"]

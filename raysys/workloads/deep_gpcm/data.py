@@ -1,8 +1,11 @@
-"""Deep-GPCM data: the synthetic_OC generator, parquet I/O with validation, k-fold splits, batching.
+"""Deep-GPCM data: the synthetic_OC generator, reading a user's sequences with validation, k-fold
+splits, batching.
 
-A dataset is one parquet table, a row per student, with list columns ``questions`` (ids 1..Q; 0 is
-reserved for padding) and ``responses`` (ordered categories 0..K-1). ``meta.json`` next to it, when
-present, gives Q and K; otherwise they are inferred from the data.
+In memory a dataset is a row per student: question ids 1..Q (0 is reserved for padding) and responses
+(ordered categories 0..K-1). synthetic_OC is written as one parquet table with list columns
+``questions`` and ``responses``; ``load_sequences`` also reads a row per response, CSV/JSONL, and the
+original's three-line text files. ``meta.json`` next to the data, when present, gives Q and K;
+otherwise they are inferred from the data.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +127,27 @@ def write_synthetic_oc(out_dir: PathLike, **kwargs) -> Path:
 
 # ---- loading and validation ---------------------------------------------------------------------
 
+LONG_COLUMNS = {
+    "student": ("student_id", "user_id", "student", "user", "learner_id"),
+    "question": ("question_id", "item_id", "problem_id", "question", "item", "skill_id"),
+    "response": ("response", "score", "category", "correct"),
+}
+"""Names a one-row-per-response table's columns may have, tried in order (``ReadOptions`` overrides)."""
+
+
+@dataclass
+class ReadOptions:
+    """How to read a user's file beyond its format (``data.*`` keys of the workload's config)."""
+
+    student_column: Optional[str] = None
+    question_column: Optional[str] = None
+    response_column: Optional[str] = None
+    order_column: Optional[str] = None
+    """One row per response: the column that orders a student's rows (None: the file's order)."""
+    id_base: Optional[int] = None
+    """Smallest question id: 1, or 0 (shifted to 1..Q, since 0 pads); None: 0 when some id is 0."""
+
+
 @dataclass
 class SequenceData:
     """Per-student int64 arrays (ids 1..n_questions, responses 0..n_cats-1)."""
@@ -131,74 +156,215 @@ class SequenceData:
     responses: list[np.ndarray]
     n_questions: int
     n_cats: int
+    notes: tuple[str, ...] = ()
+    """What the reader decided for the user (ids shifted or renumbered); the workload says it once."""
 
     def __len__(self) -> int:
         return len(self.questions)
 
 
-def _flatten(table, column: str, file: Path) -> tuple[np.ndarray, np.ndarray]:
-    """A list column as (all values int64, row offsets)."""
+Flat = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(question ids, responses, row offsets): every student's sequence back to back."""
+
+
+def _ints(values, what: str, file: Path) -> np.ndarray:
+    """Whole numbers as int64 (integral floats and booleans too, as pandas and CSV readers leave them)."""
+    a = np.asarray(values)
+    if a.dtype == bool:
+        return a.astype(np.int64)
+    if a.dtype.kind == "f":
+        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
+            bad = a[~np.isfinite(a) | (a != np.round(a))][0]
+            raise ValueError(f"{file}: {what} must be whole numbers, found {bad}")
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{file}: {what} must be whole numbers, found {a.dtype} values")
+    return a.astype(np.int64)
+
+
+def _list_column(table, column: str, file: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A column of integer lists (or of "1,2,3" texts, as a CSV holds them) as (values, row offsets)."""
     import pyarrow as pa
 
     col = table.column(column).combine_chunks()
-    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
-        raise ValueError(f"{file}: column {column!r} must hold lists of integers, found type {col.type}")
     if col.null_count:
         raise ValueError(f"{file}: column {column!r} has {col.null_count} empty (null) row(s)")
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        rows = []
+        for i, text in enumerate(col.to_pylist()):
+            try:
+                rows.append([int(x) for x in re.split(r"[\s,;]+", text.strip(" []")) if x])
+            except ValueError:
+                raise ValueError(f"{file}: row {i}: column {column!r} is not a list of integers: {text[:60]!r}") from None
+        col = pa.array(rows, pa.list_(pa.int64()))
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        raise ValueError(f"{file}: column {column!r} must hold lists of integers, found type {col.type}")
     values = col.flatten()
-    if not pa.types.is_integer(values.type):
-        raise ValueError(f"{file}: column {column!r} must hold integers, found {values.type}")
     if values.null_count:
         raise ValueError(f"{file}: column {column!r} has null entries inside its lists")
     offsets = col.offsets.to_numpy().astype(np.int64)
-    # a writable copy: arrow buffers are read-only and torch.from_numpy warns on those
-    return np.array(values.to_numpy(), dtype=np.int64), offsets - offsets[0]  # flatten() starts at row 0
+    return _ints(values.to_numpy(zero_copy_only=False), f"column {column!r}", file), offsets - offsets[0]
 
 
-def load_sequences(path: PathLike) -> SequenceData:
-    """Read and validate a sequences parquet (a file, or a folder holding sequences.parquet)."""
-    import pyarrow.parquet as pq
+def _pick(table, role: str, given: Optional[str], file: Path) -> str:
+    if given is not None:
+        if given not in table.column_names:
+            raise ValueError(f"{file}: no column {given!r} (data.{role}_column); has: {', '.join(table.column_names)}")
+        return given
+    for name in LONG_COLUMNS[role]:
+        if name in table.column_names:
+            return name
+    raise ValueError(f"{file}: needs list columns 'questions' and 'responses' (a row per student), or a row per "
+                     f"response with a {role} column ({' / '.join(LONG_COLUMNS[role])}, or set data.{role}_column); "
+                     f"has: {', '.join(table.column_names)}")
 
+
+def _from_table(table, file: Path, opt: ReadOptions, notes: list[str]) -> Flat:
+    if all(c in table.column_names for c in REQUIRED_COLUMNS) and opt.question_column is None:
+        q, q_off = _list_column(table, "questions", file)
+        r, r_off = _list_column(table, "responses", file)
+        if not np.array_equal(q_off, r_off):
+            bad = int(np.flatnonzero(np.diff(q_off) != np.diff(r_off))[0])
+            raise ValueError(f"{file}: row {bad} has {q_off[bad + 1] - q_off[bad]} questions but "
+                             f"{r_off[bad + 1] - r_off[bad]} responses; each row needs one response per question")
+        return q, r, q_off
+    # one row per response: students in sorted id order (a shuffled file gives the same folds), each
+    # student's rows in the file's order or by the order column
+    names = {role: _pick(table, role, getattr(opt, f"{role}_column"), file) for role in LONG_COLUMNS}
+    cols = {role: table.column(n) for role, n in names.items()}
+    for role, c in cols.items():
+        if c.null_count:
+            raise ValueError(f"{file}: column {names[role]!r} has {c.null_count} empty (null) value(s)")
+    students = pd.factorize(cols["student"].to_numpy(zero_copy_only=False), sort=True)[0]
+    raw_q = cols["question"].to_numpy(zero_copy_only=False)
+    if np.asarray(raw_q).dtype.kind in "iufb":
+        q = _ints(raw_q, f"column {names['question']!r}", file)
+    else:  # names, not numbers: number them 1..Q in sorted order
+        uniq, q = np.unique(np.asarray(raw_q).astype(str), return_inverse=True)
+        q = q.astype(np.int64) + 1
+        notes.append(f"question ids in {names['question']!r} are names: numbered 1..{len(uniq)} in sorted order")
+    r = _ints(cols["response"].to_numpy(zero_copy_only=False), f"column {names['response']!r}", file)
+    if opt.order_column is not None:
+        if opt.order_column not in table.column_names:
+            raise ValueError(f"{file}: no column {opt.order_column!r} (data.order_column); "
+                             f"has: {', '.join(table.column_names)}")
+        order = np.lexsort((table.column(opt.order_column).to_numpy(zero_copy_only=False), students))
+    else:
+        order = np.argsort(students, kind="stable")
+    counts = np.bincount(students)
+    return q[order], r[order], np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def _is_three_line(file: Path) -> bool:
+    """The original's and DKVMN's text layout: per student a length line, then question ids, then responses."""
+    if file.suffix.lower() == ".txt":
+        return True
+    if file.suffix.lower() != ".csv":
+        return False
+    with open(file, errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
+    return re.fullmatch(r"\s*\d+\s*,?\s*", first) is not None
+
+
+def _from_lines(file: Path) -> Flat:
+    lines = [(i + 1, line.strip()) for i, line in enumerate(file.read_text(errors="replace").splitlines())]
+    lines = [(n, line) for n, line in lines if line]
+    if len(lines) % 3:
+        raise ValueError(f"{file}: {len(lines)} non-empty lines; this layout needs 3 per student "
+                         "(length, question ids, responses)")
+    qs, rs, lengths = [], [], []
+    for k in range(0, len(lines), 3):
+        (n0, head), (n1, ql), (n2, rl) = lines[k:k + 3]
+        try:
+            length = int(head.strip(","))
+            q = [int(x) for x in re.split(r"[\s,]+", ql.strip(" ,")) if x]
+            r = [int(float(x)) for x in re.split(r"[\s,]+", rl.strip(" ,")) if x]
+        except ValueError as e:
+            raise ValueError(f"{file}: lines {n0}-{n2}: not a length and two lists of integers ({e})") from None
+        if not length == len(q) == len(r):
+            raise ValueError(f"{file}: line {n0} says {length} responses, lines {n1}-{n2} hold {len(q)} question ids "
+                             f"and {len(r)} responses")
+        qs += q
+        rs += r
+        lengths.append(length)
+    return (np.array(qs, np.int64), np.array(rs, np.int64),
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+def _source_files(path: Path) -> list[Path]:
+    """A file; or a folder with sequences.parquet, or the original's <name>_train / <name>_test split files
+    (pooled: raysys makes its own k folds)."""
+    if not path.is_dir():
+        if not path.exists():
+            raise FileNotFoundError(f"no sequences file at {path}")
+        return [path]
+    if (path / SEQUENCES).is_file():
+        return [path / SEQUENCES]
+    splits = [f for f in path.iterdir() if f.is_file() and re.search(r"_(train|test)$", f.stem, re.IGNORECASE)]
+    if not splits:
+        raise FileNotFoundError(f"{path}: a data folder needs {SEQUENCES}, or <name>_train / <name>_test files")
+    return sorted(splits, key=lambda f: (not f.stem.lower().endswith("_train"), f.name))
+
+
+def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> SequenceData:
+    """Read and validate a user's sequences, in any of these layouts:
+
+    - a row per student with list columns ``questions`` and ``responses`` (parquet, JSONL/JSON, or CSV
+      holding "1,2,3" texts); a folder holding ``sequences.parquet`` (what synthetic_OC writes);
+    - a row per response (parquet/JSONL/JSON/CSV/TSV) with student, question and response columns,
+      named as in ``LONG_COLUMNS`` or by ``options``;
+    - the original's and DKVMN's text layout (.txt, or .csv starting with a bare number), three lines
+      per student; a folder of its ``<name>_train`` / ``<name>_test`` files.
+
+    ``meta.json`` or the original's ``metadata.json`` beside the data may give n_questions and n_cats.
+    """
+    from raysys.tables import read_table
+
+    opt = options or ReadOptions()
     path = Path(path)
-    file = path / SEQUENCES if path.is_dir() else path
-    if not file.exists():
-        raise FileNotFoundError(f"no sequences parquet at {file}")
-    meta_path = file.parent / META
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-
-    table = pq.read_table(file)
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        raise ValueError(f"{file}: missing required column(s) {', '.join(map(repr, missing))}; "
-                         f"required columns are {', '.join(map(repr, REQUIRED_COLUMNS))} "
-                         f"(found {table.column_names})")
-    q, q_off = _flatten(table, "questions", file)
-    r, r_off = _flatten(table, "responses", file)
-    if not np.array_equal(q_off, r_off):
-        bad = int(np.flatnonzero(np.diff(q_off) != np.diff(r_off))[0])
-        raise ValueError(f"{file}: row {bad} has {q_off[bad + 1] - q_off[bad]} questions but "
-                         f"{r_off[bad + 1] - r_off[bad]} responses; each row needs one response per question")
-    if len(q) and q.min() < 1:
-        raise ValueError(f"{file}: question ids must be >= 1 (0 is reserved for padding), found {q.min()}")
-    if len(r) and r.min() < 0:
-        raise ValueError(f"{file}: responses must be >= 0, found {r.min()}")
+    files = _source_files(path)
+    label = files[0] if len(files) == 1 else path
+    notes: list[str] = []
+    parts = [_from_lines(f) if _is_three_line(f) else _from_table(read_table(f), f, opt, notes) for f in files]
+    q = np.concatenate([p[0] for p in parts])
+    r = np.concatenate([p[1] for p in parts])
+    starts = np.cumsum([0] + [len(p[0]) for p in parts[:-1]])  # where each file's responses begin
+    off = np.concatenate([[0]] + [p[2][1:] + start for p, start in zip(parts, starts)]).astype(np.int64)
+    meta_path = next((m for m in (files[0].parent / META, files[0].parent / "metadata.json") if m.is_file()), None)
+    meta = json.loads(meta_path.read_text()) if meta_path else {}
     if not len(q):
-        raise ValueError(f"{file}: no responses (the table is empty)")
+        raise ValueError(f"{label}: no responses (the table is empty)")
+    if q.min() < 0:
+        raise ValueError(f"{label}: question ids must be >= 0, found {q.min()}")
+    base = opt.id_base if opt.id_base is not None else (0 if q.min() == 0 else 1)
+    if base == 1 and q.min() < 1:
+        raise ValueError(f"{label}: question ids must be >= 1 with data.id_base=1 (0 is reserved for padding), "
+                         f"found {q.min()}")
+    if base == 0:
+        q = q + 1
+        if opt.id_base is None:
+            notes.append("question ids start at 0: read as 0..Q-1 and shifted to 1..Q (0 pads; "
+                         "set data.id_base=1 to refuse a 0 instead)")
+    if len(r) and r.min() < 0:
+        raise ValueError(f"{label}: responses must be >= 0, found {r.min()}")
     n_questions = int(meta.get("n_questions", q.max()))
     distinct = len(np.unique(q))
     if n_questions > max(10 * distinct, 100_000):
         # the model keeps one embedding row per id up to the largest: 10^9 ids would be a 32 GB table
-        raise ValueError(f"{file}: question ids are sparse ({distinct} distinct, largest {n_questions}); renumber them "
+        raise ValueError(f"{label}: question ids are sparse ({distinct} distinct, largest {n_questions}); renumber them "
                          f"1..{distinct} (the model has one embedding row per id up to the largest)")
-    n_cats = int(meta.get("n_cats", r.max() + 1 if len(r) else 0))
-    if len(q) and q.max() > n_questions:
-        raise ValueError(f"{file}: question id {q.max()} exceeds n_questions={n_questions} from {meta_path}")
-    if len(r) and r.max() >= n_cats:
-        raise ValueError(f"{file}: response {r.max()} out of range 0..{n_cats - 1} (n_cats={n_cats} from {meta_path})")
+    n_cats = int(meta.get("n_cats", r.max() + 1))
+    if q.max() > n_questions:
+        raise ValueError(f"{label}: question id {q.max()} exceeds n_questions={n_questions} from {meta_path}")
+    if r.max() >= n_cats:
+        raise ValueError(f"{label}: response {r.max()} out of range 0..{n_cats - 1} (n_cats={n_cats} from {meta_path})")
     if n_cats < 2:
-        raise ValueError(f"{file}: need at least 2 response categories, found {n_cats}")
-    cuts = q_off[1:-1]
-    return SequenceData(np.split(q, cuts), np.split(r, cuts), n_questions, n_cats)
+        raise ValueError(f"{label}: need at least 2 response categories, found {n_cats}")
+    lengths = np.diff(off)
+    if np.any(lengths == 0):
+        raise ValueError(f"{label}: row {int(np.flatnonzero(lengths == 0)[0])} has no responses")
+    cuts = off[1:-1]
+    return SequenceData(np.split(q, cuts), np.split(r, cuts), n_questions, n_cats, tuple(notes))
 
 
 # ---- splits and batching --------------------------------------------------------------------------

@@ -23,8 +23,23 @@ from raysys.workload import Workload
 @dataclass
 class DataConfig:
     path: Optional[str] = None
-    """A parquet file (or folder with sequences.parquet) with list columns `questions` (ids 1..Q) and
-    `responses` (0..K-1). None generates synthetic_OC into `data_dir`."""
+    """Your sequences; None generates synthetic_OC into `data_dir`. A parquet/JSONL/JSON/CSV/TSV file with
+    a row per student (list columns `questions`, `responses`) or a row per response (student, question
+    and response columns); the original's three-line text file (.txt, or a .csv starting with a bare
+    length); or a folder with sequences.parquet or the original's `<name>_train` / `<name>_test` files.
+    Responses are ordered categories 0..K-1; `meta.json`/`metadata.json` beside it may give Q and K."""
+    student_column: Optional[str] = None
+    """A row per response: the student column (None: student_id, user_id, student, user or learner_id)."""
+    question_column: Optional[str] = None
+    """A row per response: the question column (None: question_id, item_id, problem_id, question, item or
+    skill_id); ids that are names are numbered 1..Q."""
+    response_column: Optional[str] = None
+    """A row per response: the response column (None: response, score, category or correct)."""
+    order_column: Optional[str] = None
+    """A row per response: the column that orders each student's responses (None: the file's order)."""
+    id_base: Optional[int] = None
+    """Smallest question id in your data: 1, or 0 (the original's files; shifted to 1..Q, since 0 pads).
+    None: 0 when some id is 0, else 1."""
     data_dir: str = "raysys_data/synthetic_OC"
     """Where the synthetic dataset is written (once; reused when its generator settings match)."""
     n_students: int = 800
@@ -51,6 +66,7 @@ class DataConfig:
             raise ConfigError("data.min_len >= 2 and data.max_len > data.min_len are required")
         at_least(self, "data.", 1, "n_questions")
         at_least(self, "data.", 2, "n_cats", "n_folds")
+        require(self.id_base in (None, 0, 1), f"data.id_base must be 0, 1 or null, got {self.id_base}")
         require(self.path is not None or self.n_students >= self.n_folds,
                 f"data.n_students ({self.n_students}) must be >= data.n_folds ({self.n_folds})")
 
@@ -149,6 +165,12 @@ PRESETS = {"default": default, "original": original, "parity": parity, "quick": 
 
 # ---- the task the shared loop drives -----------------------------------------------------------
 
+def _read_options(d: DataConfig):
+    from raysys.workloads.deep_gpcm.data import ReadOptions
+
+    return ReadOptions(d.student_column, d.question_column, d.response_column, d.order_column, d.id_base)
+
+
 def _data_source(cfg: DeepGPCMConfig) -> Path:
     return Path(cfg.data.path) if cfg.data.path else Path(cfg.data.data_dir)
 
@@ -163,7 +185,9 @@ class DeepGPCMTask:
         d = cfg.data
         if d.path:
             d.path = str(Path(d.path).resolve())
-            seqs = data.load_sequences(d.path)  # fail now, with the column named, not inside a worker
+            seqs = data.load_sequences(d.path, _read_options(d))  # fail now, with the column named, not in a worker
+            for note in seqs.notes:
+                print(f"[deep_gpcm] {Path(d.path).name}: {note}", flush=True)
             data.kfold_indices(len(seqs.questions), d.n_folds, d.fold, d.seed)  # enough rows for the folds
         else:
             d.data_dir = str(Path(d.data_dir).resolve())
@@ -175,9 +199,9 @@ class DeepGPCMTask:
         from raysys.workloads.deep_gpcm import data
 
         cache = getattr(self, "_cache", None)
-        key = str(_data_source(cfg))
+        key = (str(_data_source(cfg)), _read_options(cfg.data))
         if cache is None or cache[0] != key:
-            self._cache = (key, data.load_sequences(key))
+            self._cache = (key, data.load_sequences(*key))
         return self._cache[1]
 
     def datasets(self, cfg: DeepGPCMConfig):
@@ -238,7 +262,7 @@ def _dataset(cfg: DeepGPCMConfig) -> dict:
 
 WORKLOAD = Workload(
     name="deep_gpcm",
-    description="Deep-GPCM knowledge tracing (DKVMN + GPCM head) on synthetic_OC or your parquet",
+    description="Deep-GPCM knowledge tracing (DKVMN + GPCM head) on synthetic_OC or your data (parquet/CSV/JSONL, the original's .txt)",
     config_cls=DeepGPCMConfig,
     presets=PRESETS,
     task=DeepGPCMTask(),

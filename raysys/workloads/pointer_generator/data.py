@@ -1,4 +1,4 @@
-"""Text data for the summarizer: a corpus (synthetic, or the user's parquet/JSONL), a SentencePiece
+"""Text data for the summarizer: a corpus (synthetic, or the user's parquet/JSONL/CSV), a SentencePiece
 tokenizer trained on its training split, and tokenized splits as parquet.
 
 Layout of a prepared data folder (written once; reused while its settings match ``meta.json``)::
@@ -51,23 +51,11 @@ def _digest(settings: dict) -> str:
 # ---- reading a user's corpus ------------------------------------------------------------------------
 
 def read_texts(path: str, source: str, target: str) -> list[dict]:
-    """Rows of ``{note, summary}`` from a parquet or JSONL file; one clear ``ValueError`` (shown as a one-line data error) for an
-    unreadable file, a missing column, or empty/non-text values."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        if p.suffix in (".jsonl", ".json", ".ndjson"):
-            import pyarrow.json as pj
+    """Rows of ``{note, summary}`` from a parquet, JSONL/JSON or CSV/TSV file; one clear ``ValueError`` (shown as a one-line
+    data error) for an unreadable file, a missing column, or empty/non-text values."""
+    from raysys.tables import read_table
 
-            table = pj.read_json(p)
-        else:
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(p)
-    except Exception as e:  # a corrupt or mislabelled file: say which and why, in one line
-        raise ValueError(f"{path}: not readable as {'JSONL' if p.suffix in ('.jsonl', '.json', '.ndjson') else 'parquet'} "
-                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    table = read_table(path)
     missing = [c for c in (source, target) if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(table.column_names)}); "

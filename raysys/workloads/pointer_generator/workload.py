@@ -25,7 +25,7 @@ from raysys.workload import Workload
 @dataclass
 class DataConfig:
     path: Optional[str] = None
-    """Your corpus: a parquet or JSONL file with a note and a summary text column. None generates the
+    """Your corpus: a parquet, JSONL/JSON or CSV/TSV file with a note and a summary text column. None generates the
     synthetic clinical-note corpus (raysys/workloads/pointer_generator/corpus.py)."""
     eval_path: Optional[str] = None
     """A separate evaluation file (same columns); None holds out ``eval_fraction`` of ``path``."""

@@ -1,0 +1,48 @@
+"""A user's table file as a ``pyarrow.Table``: parquet, JSON lines (or one JSON array), CSV or TSV,
+chosen by the file's suffix. Anything unreadable is one ``ValueError`` naming the file, the format
+tried and why, which the CLI prints as a one-line data error before anything is made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "JSONL", ".ndjson": "JSONL", ".json": "JSON",
+           ".csv": "CSV", ".tsv": "TSV"}
+"""Suffix -> format; any other suffix is read as parquet (the error then lists these)."""
+
+
+def format_of(path) -> str:
+    return FORMATS.get(Path(path).suffix.lower(), "parquet")
+
+
+def read_table(path, columns: list[str] | None = None):
+    """The whole table (or only ``columns``, for parquet) of a parquet/JSONL/JSON/CSV/TSV file."""
+    import pyarrow as pa
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file")
+    kind = format_of(p)
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(p, columns=columns)
+        if kind == "JSON" and p.read_text(errors="replace").lstrip()[:1] == "[":
+            rows = json.loads(p.read_text())  # one JSON array of records (what pandas' to_json writes)
+            if not all(isinstance(r, dict) for r in rows):
+                raise ValueError("a JSON array must hold one object per row")
+            return pa.Table.from_pylist(rows)
+        if kind in ("JSON", "JSONL"):
+            import pyarrow.json as pj
+
+            return pj.read_json(p)
+        import pyarrow.csv as pcsv
+
+        return pcsv.read_csv(p, parse_options=pcsv.ParseOptions(delimiter="\t" if kind == "TSV" else ","))
+    except Exception as e:  # a corrupt or mislabelled file: say which and why, in one line
+        known = "" if p.suffix.lower() in FORMATS else f"; known suffixes: {', '.join(sorted(FORMATS))}"
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: not readable as {kind} ({type(e).__name__}: {why}){known}") from None
