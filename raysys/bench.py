@@ -8,6 +8,7 @@ naive.throughput, optimized.throughput, speedup, naive.quality, optimized.qualit
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from raysys import workload as registry
-from raysys.config import ConfigError
+from raysys.config import ConfigError, load_yaml, parse_set_args
 
 
 def device_name() -> str:
@@ -53,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repeats and a short quality run (a minute or two)")
     p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "
                                     "(default: quick with --quick where it exists, else default)")
+    p.add_argument("--config", metavar="YAML", help="YAML file of config keys applied to the configuration the bench "
+                                                    "measures (your data, your model's size), like train's --config")
+    p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
+                   help="one config key for the measured configuration, e.g. --set data.path=my.parquet "
+                        "(repeatable; applied after --config)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where both paths run: cuda (a GPU; JAX workloads on JAX's GPU backend), cpu (GPUs hidden "
@@ -72,15 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     console.setup_logging()
     try:
         wl = registry.get(args.workload)
-        if wl.bench is not None:
-            res = wl.bench(quick=args.quick)
-        else:
+        overrides = (load_yaml(args.config) if args.config else {}) | parse_set_args(args.sets)
+        if wl.bench is None:
             from raysys.bench_generic import generic_bench
 
-            res = generic_bench(wl, quick=args.quick, preset=args.preset)
+            res = generic_bench(wl, quick=args.quick, preset=args.preset, overrides=overrides)
+        elif overrides and "overrides" not in inspect.signature(wl.bench).parameters:
+            raise ConfigError(f"{wl.name}'s bench measures fixed shapes of its own and takes no --set/--config; time "
+                              f"your configuration with `python -m raysys train {wl.name} --set ...` (its perf/ "
+                              "metrics), or compare configurations with `python -m raysys.tune`")
+        else:
+            res = wl.bench(quick=args.quick, **({"overrides": overrides} if overrides else {}))
     except ConfigError as e:
         print(f"raysys.bench: {e}", file=sys.stderr)
         return 2
+    except (ValueError, OSError) as e:  # the user's data, read by the bench: one line, as train says it
+        print(f"raysys.bench: data error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        return 2
+    if overrides:
+        res["overrides"] = {k: str(v) for k, v in overrides.items()}
+        res.setdefault("extra", {})["measured with"] = " ".join(f"{k}={v}" for k, v in overrides.items())
     res.setdefault("workload", wl.name)
     if not res.get("device"):
         res["device"] = device_name()

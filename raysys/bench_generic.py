@@ -30,7 +30,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None) -> dict:
+def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,
+                  overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device
     from raysys.train.launcher import set_threads
     from raysys.train.optim import build_optimizer
@@ -40,7 +41,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
                           "Workload(bench=...) a function that measures it")
     task = wl.task
     preset = preset or ("quick" if quick and "quick" in wl.presets else "default")
-    cfg = wl.config(preset)
+    cfg = apply_overrides(wl.config(preset), overrides or {})
     cfg = task.prepare(cfg) or cfg
     launch = apply_overrides(cfg, {"launch.workers": 0}).launch
     set_threads(launch)
@@ -110,6 +111,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
                  "throughput_unit": "samples/s (collate + forward + backward + optimizer, same batches)",
                  "quality_metric": f"{task.quality_metric} after {1 + repeats * n_batches} steps",
                  "paths": [label[p] for p in paths],
+                 "params": sum(t.numel() for t in models[paths[0]].parameters()),
                  "batch": {"size": bs, "batches": n_batches, "repeats": repeats}}
     for p in paths:
         models[p].eval()

@@ -296,3 +296,25 @@ def test_threads_knob_and_the_in_process_default():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, capsys):
+    """``python -m raysys.bench --set/--config``: the generic bench times the configuration asked for
+    (a narrower model here) and records the overrides; a bench that measures fixed shapes of its own
+    refuses them in one line, and an unknown key is one line, before anything is measured."""
+    from raysys.bench import main as bench
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    (tmp_path / "narrow.yaml").write_text("model:\n  hidden: 8\n")
+    assert bench(["digits_mlp:WORKLOAD", "--quick", "--config", "narrow.yaml", "--set", "model.dropout=0.0",
+                  "--json", "b.json"]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["overrides"] == {"model.hidden": "8", "model.dropout": "0.0"}
+    assert res["params"] == (64 * 8 + 8) + (8 * 8 + 8) + (8 * 10 + 10)  # the 8-wide MLP, not the default 128
+    assert "measured with: model.hidden=8 model.dropout=0.0" in capsys.readouterr().out
+    for args, needle in ((["hackmatrix_ppo", "--set", "train.num_envs=64"], "takes no --set/--config"),
+                         (["digits_mlp:WORKLOAD", "--set", "model.nope=1"], "unknown config key 'model.nope'")):
+        assert bench(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err

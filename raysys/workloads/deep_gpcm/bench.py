@@ -7,6 +7,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -81,17 +82,18 @@ def batch_sizes(task, cfg, sizes, repeats: int, device) -> dict:
     return out
 
 
-def run_bench(quick: bool = False) -> dict:
+def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
+    """Both paths on the parity preset (or it with ``overrides``: your data, your model's size)."""
     from raysys.train.launcher import run_training
     from raysys.workloads.deep_gpcm.model import triton_available
     from raysys.workloads.deep_gpcm.workload import DeepGPCMTask, parity
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     task = DeepGPCMTask()
-    cfg = task.prepare(parity())
+    cfg = task.prepare(apply_overrides(parity(), overrides or {}))
     train_ds, _ = task.datasets(cfg)
     seqs = task._data(cfg)
-    batch = task.collate([train_ds[i] for i in range(cfg.train.batch_size)])
+    batch = task.collate([train_ds[i] for i in range(min(cfg.train.batch_size, len(train_ds)))])
     speed = step_throughput(batch, seqs.n_questions, seqs.n_cats, repeats=3 if quick else 8, device=device)
     extra = {"max |logit diff| naive vs optimized (shared weights)": f"{speed['max_abs_logit_diff']:.2e}",
              "quality run": "12 steps each (quick)" if quick else f"{cfg.train.epochs} epochs each, fold 0"}

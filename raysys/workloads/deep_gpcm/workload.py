@@ -246,10 +246,10 @@ class DeepGPCMTask:
         return acc.compute()
 
 
-def _bench(quick: bool = False, **kw) -> dict:
+def _bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     from raysys.workloads.deep_gpcm.bench import run_bench
 
-    return run_bench(quick=quick, **kw)
+    return run_bench(quick=quick, overrides=overrides)
 
 
 def _dataset(cfg: DeepGPCMConfig) -> dict:

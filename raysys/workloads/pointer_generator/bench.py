@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -65,7 +66,7 @@ def _opt_step(model, opt, micro_batches, device, dtype=None) -> int:
     return tokens
 
 
-def run_bench(quick: bool = False) -> dict:
+def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     from raysys.workloads.pointer_generator.beam import beam_search, per_example
     from raysys.workloads.pointer_generator.model import EOS
     from raysys.workloads.pointer_generator.workload import SummarizationTask, default, small
@@ -74,7 +75,7 @@ def run_bench(quick: bool = False) -> dict:
     base = small() if quick else default()  # quick: the CPU-sized model; else the original's size
     # beam search decodes the workload's evaluation subset (50 notes, the original's), the batch it serves
     cfg = apply_overrides(base, {"data.n_train": 400, "data.n_eval": 50, "data.eval_examples": 50,
-                                 "data.data_dir": "raysys_data/pointer_generator_bench"})
+                                 "data.data_dir": "raysys_data/pointer_generator_bench"} | (overrides or {}))
     task = SummarizationTask()
     cfg = task.prepare(cfg)
     train_ds, eval_ds = task.datasets(cfg)

@@ -266,10 +266,10 @@ class SummarizationTask:
         return metrics
 
 
-def _bench(quick: bool = False) -> dict:
+def _bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     from raysys.workloads.pointer_generator.bench import run_bench
 
-    return run_bench(quick=quick)
+    return run_bench(quick=quick, overrides=overrides)
 
 
 def _dataset(cfg: PointerGeneratorConfig) -> dict:
