@@ -138,3 +138,16 @@ def test_device_flag_maps_to_the_device_key():
     assert cfg.device == "cpu" and cfg.launch.experiment == "fast"
     with pytest.raises(ConfigError, match="no `device` key"):
         build_config(build_parser().parse_args(["train", "deep_gpcm", "--device", "cpu"]))
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_of_a_task_without_trials_counts_episodes():
+    """``task`` may be any gymnasium id (a flat Box observation, Discrete actions). One that never says
+    ``new_trial`` (CartPole) is evaluated per episode: before, its evaluation waited for ever."""
+    from raysys.workloads.mpn_dqn.train import evaluate, policy_factory
+
+    cfg = apply_overrides(registry.get("mpn_dqn").config("quick"), {"task": "CartPole-v1", "max_episode_steps": 50})
+    model = policy_factory(cfg)()
+    for eps in (0.0, 1.0):
+        res = evaluate(model, cfg, trials=4, epsilon=eps)
+        assert 1.0 <= res["reward_per_trial"] <= 50.0 and res["correct_rate"] == 1.0, res  # +1 a step, <= 50 steps

@@ -152,7 +152,9 @@ class Collector:
 @torch.no_grad()
 def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0, seed: int = 12345) -> dict:
     """Reward per NeuroGym trial of the ε-greedy policy (ε=0: greedy; ε=1: uniformly random) on
-    fresh episodes of the task, on CPU. A trial ends where the env's info says ``new_trial``."""
+    fresh episodes of the task, on CPU. A trial ends where the env's info says ``new_trial`` (and is
+    correct if that step's reward is positive); in an env that never says it (any other gymnasium
+    task) a trial is an episode, correct if its return is positive."""
     model = copy.deepcopy(model).cpu()
     env = make_env(cfg.task, cfg.max_episode_steps)
     gen = torch.Generator().manual_seed(seed)
@@ -160,15 +162,21 @@ def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0
     while done_trials < trials:
         obs, _ = env.reset(seed=seed + episode)
         episode += 1
+        episode_return = 0.0
         M, start = model.init_state(1, "cpu"), torch.ones(1, dtype=torch.bool)
         while done_trials < trials:
             a, M = model.act(torch.as_tensor(obs, dtype=torch.float32)[None], M, start, epsilon, gen)
             start = torch.zeros(1, dtype=torch.bool)
             obs, r, term, trunc, info = env.step(int(a))
             total += float(r)
-            if info.get("new_trial", False):
+            episode_return += float(r)
+            if "new_trial" in info:
+                if info["new_trial"]:
+                    done_trials += 1
+                    correct += float(r) > 0
+            elif term or trunc:  # no trials in this env: the episode is one
                 done_trials += 1
-                correct += float(r) > 0
+                correct += episode_return > 0
             if term or trunc:
                 break
     env.close()
