@@ -169,6 +169,19 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     assert not list(tmp_path.glob("s3*")) and not (tmp_path.parent.parent / "x").exists()
 
 
+@pytest.mark.parametrize("task, needle", [
+    ("ContextDecisionMaking-v9", "not a gymnasium or NeuroGym id; did you mean ContextDecisionMaking-v0"),
+    ("Pendulum-v1", "(Discrete); this task's actions are Box"),
+    ("FrozenLake-v1", "flat Box observation (a vector); this task's is Discrete(16)"),
+])
+def test_an_env_task_mpn_dqn_cannot_learn_is_one_line_and_creates_nothing(tmp_path, task, needle):
+    """mpn_dqn takes any gymnasium id with a vector observation and discrete actions; others were a
+    traceback after the run folder existed."""
+    proc = _train(tmp_path, "mpn_dqn", "--preset", "quick", "--set", f"task={task}", timeout=120)
+    _one_line_error(proc, 2, "config error", needle)
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 def _parquet(path: Path, questions: list, responses: list) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq

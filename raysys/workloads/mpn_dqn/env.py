@@ -7,11 +7,14 @@ inside an episode, which is what lets it learn the task's context.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import warnings
 from typing import Any, Optional
 
 import gymnasium as gym
+
+from raysys.config import ConfigError
 
 NEUROGYM_TASK = "ContextDecisionMaking-v0"
 
@@ -61,8 +64,23 @@ def make_env(task: str = NEUROGYM_TASK, max_episode_steps: int = 200, **task_kwa
 
 @functools.cache
 def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]:
-    """(obs_dim, n_actions) of a task with a flat Box observation and a Discrete action space."""
-    env = make_env(task, **task_kwargs)
-    obs_dim, n_actions = int(env.observation_space.shape[0]), int(env.action_space.n)
+    """(obs_dim, n_actions) of a task with a flat Box observation and a Discrete action space; a
+    ConfigError naming the problem for an unknown id, one that cannot be made, or other spaces."""
+    if task not in gym.envs.registry:
+        _neurogym_ids()
+    if task not in gym.envs.registry:
+        near = difflib.get_close_matches(task, list(gym.envs.registry), n=3, cutoff=0.6)
+        raise ConfigError(f"task {task!r} is not a gymnasium or NeuroGym id"
+                          + (f"; did you mean {', '.join(near)}?" if near else ""))
+    try:
+        env = make_env(task, **task_kwargs)
+    except Exception as e:  # a missing extra (box2d, mujoco), bad kwargs: say which, in one line
+        raise ConfigError(f"task {task!r} cannot be made: {type(e).__name__}: "
+                          f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None
+    obs, act = env.observation_space, env.action_space
     env.close()
-    return obs_dim, n_actions
+    if not (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1):
+        raise ConfigError(f"task {task!r}: the MPN reads a flat Box observation (a vector); this task's is {obs}")
+    if not isinstance(act, gym.spaces.Discrete):
+        raise ConfigError(f"task {task!r}: DQN picks one of n actions (Discrete); this task's actions are {act}")
+    return int(obs.shape[0]), int(act.n)

@@ -193,6 +193,14 @@ def _train(cfg, session):
     return train(cfg, session)
 
 
+def _prepare(cfg):
+    """Before a run folder exists: the task must be a vector-observation, discrete-action env."""
+    from raysys.workloads.mpn_dqn.env import env_spaces
+
+    env_spaces(cfg.task)
+    return cfg
+
+
 def _bench(quick: bool = False) -> dict:
     from raysys.workloads.mpn_dqn.bench import run_bench
 
@@ -208,5 +216,6 @@ WORKLOAD = Workload(
     train_fn=_train,
     throughput_metric="perf/env_steps_per_s",
     # launch.workers > 0: the learner runs data-parallel on that many Ray Train workers
-    extra={"identity_sections": ("task", "hidden", "eta", "lam", "freeze_plasticity"), "distributed": "torch"},
+    extra={"identity_sections": ("task", "hidden", "eta", "lam", "freeze_plasticity"), "distributed": "torch",
+           "prepare": _prepare},
 )
