@@ -228,6 +228,11 @@ def _from_table(table, file: Path, opt: ReadOptions, notes: list[str]) -> Flat:
             raise ValueError(f"{file}: row {bad} has {q_off[bad + 1] - q_off[bad]} questions but "
                              f"{r_off[bad + 1] - r_off[bad]} responses; each row needs one response per question")
         return q, r, q_off
+    present = [c for c in REQUIRED_COLUMNS if c in table.column_names]
+    if present and opt.question_column is None:
+        missing = [c for c in REQUIRED_COLUMNS if c not in present]
+        raise ValueError(f"{file}: missing required column(s) {', '.join(map(repr, missing))}: a row per student needs "
+                         f"both {' and '.join(map(repr, REQUIRED_COLUMNS))} (found {table.column_names})")
     # one row per response: students in sorted id order (a shuffled file gives the same folds), each
     # student's rows in the file's order or by the order column
     names = {role: _pick(table, role, getattr(opt, f"{role}_column"), file) for role in LONG_COLUMNS}
