@@ -23,21 +23,26 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def interrupt_sweep(args: list, cwd, ready, env=None, timeout: float = 400, poll_s: float = 0.2):
+def interrupt_sweep(args: list, cwd, ready, env=None, timeout: float = 400, poll_s: float = 0.2, group_sigterm=False):
     """Start ``python -m raysys.tune *args``, send it Ctrl-C (SIGINT) once ``ready()`` holds, and return
-    (its exit code, its output). Fails if the sweep ends before it could be interrupted."""
+    (its exit code, its output). Fails if the sweep ends before it could be interrupted. With
+    ``group_sigterm``: SIGTERM to its whole process group instead, as `timeout` or Slurm send it."""
     import signal
     import subprocess
     import sys
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=group_sigterm)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None and not ready():
         time.sleep(poll_s)
     assert proc.poll() is None, "the sweep ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops the running trials
+    if group_sigterm:
+        os.killpg(proc.pid, signal.SIGTERM)  # Tune would die at once; raysys takes Tune's clean stop
+    else:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops the running trials
     out, _ = proc.communicate(timeout=180)
     print(out[-5000:])
     return proc.returncode, out

@@ -148,6 +148,8 @@ def _events(sweep_dir: Path) -> list[list[str]]:
 # the same interruption on S3 storage runs in the default suite (tests/test_storage.py)
 @pytest.mark.slow
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
+    """SIGTERM to the sweep's whole process group, then --resume: finished trials are kept, the
+    interrupted one continues from its checkpoint."""
     args = ["--space", str(SPACE), "--num-samples", "3", "--max-concurrent", "1", *TINY,
             "--set", "train.epochs=3", "--set", "train.checkpoint_every_steps=2", "--name", "intr"]
     sweep_dir = workdir / "raysys_runs" / "sweeps" / "intr"
@@ -158,8 +160,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
         running = [e[1] for e in ev if e[0] == "start" and e[1] not in ended]
         return bool(ended and running and any((sweep_dir / "runs").glob(f"*{running[0]}/checkpoints/step_*/meta.json")))
 
-    returncode, out = interrupt_sweep(args, workdir, ready)
-    assert returncode == 130, out[-3000:]
+    returncode, out = interrupt_sweep(args, workdir, ready, group_sigterm=True)  # timeout, Slurm, systemd
+    assert returncode == 143, out[-3000:]
     assert "--resume" in out
     before = _events(sweep_dir)
     finished = {e[1] for e in before if e[0] == "end"}

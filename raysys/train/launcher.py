@@ -175,6 +175,36 @@ def check_local_resources(launch: Any) -> None:
                           "fewer, or --address of a bigger cluster (nothing was created)")
 
 
+@contextlib.contextmanager
+def ray_services_in_own_session():
+    """Around the ``ray.init`` that starts Ray here: its processes (the GCS, the raylet and through it
+    every worker, the dashboard) get a session of their own. A SIGTERM to this command's whole process
+    group (``timeout``, Slurm's scancel, a systemd stop) then reaches this driver only, which stops the
+    run at a step boundary with a checkpoint. Before, the same signal killed the GCS at once: no
+    checkpoint, the MLflow run left RUNNING, and the driver waited 60 s for a GCS that was gone. Ray
+    already keeps SIGINT from them (it blocks it), and they still die with this process (Ray's
+    fate sharing). Ray has no option for this, so its process class is wrapped for the call."""
+    try:
+        from ray._private import services
+    except ImportError:
+        services = None
+    base = getattr(services, "ConsolePopen", None)
+    if base is None or sys.platform == "win32":
+        yield
+        return
+
+    class _OwnSession(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
+
+
 def init_ray(address: Optional[str]) -> None:
     """Connect to ``address`` / $RAY_ADDRESS, or start Ray in this process with quiet defaults."""
     import ray
@@ -199,8 +229,9 @@ def init_ray(address: Optional[str]) -> None:
     else:
         # The dashboard process also serves the State API that Train V2's controller polls; it binds
         # to 127.0.0.1 only, so nothing listens beyond this machine.
-        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet, configure_logging=False,
-                 runtime_env=env)
+        with ray_services_in_own_session():
+            ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet,
+                     configure_logging=False, runtime_env=env)
     lifecycle.reinstall_if_active()  # ray.init replaced our SIGTERM handler with its own
 
 

@@ -107,7 +107,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"raysys.tune: config error: {e}", file=sys.stderr)
         return 2
-    return 130 if outcome.interrupted else 0
+    return 128 + outcome.signum if outcome.interrupted else 0  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":

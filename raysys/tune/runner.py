@@ -9,9 +9,12 @@ Pareto front (see docs/tune.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +68,8 @@ class SweepOutcome:
     records: list[TrialRecord]
     recommended: Optional[TrialRecord]
     interrupted: bool
+    signum: int = 2
+    """The signal that interrupted it (SIGINT 2, SIGTERM 15): the exit code is 128 + signum."""
 
 
 # ---- sweep folder and MLflow parent ------------------------------------------------------------
@@ -128,6 +133,31 @@ def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
                           f"{', '.join(diff)}. Resume with the same space file and --preset/--set, or start a new --name")
 
 
+@contextlib.contextmanager
+def _sigterm_stops_like_ctrl_c():
+    """Tune ends a sweep cleanly on SIGINT or SIGUSR1 (trials stopped, its state saved for --resume) but
+    dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends. Around ``fit``, SIGTERM
+    takes Tune's own SIGUSR1 path; the dict it yields records which signal came."""
+    got: dict = {}
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def on_sigterm(signum, frame):
+        got["signum"] = signum
+        tune_stop = signal.getsignal(signal.SIGUSR1)  # installed by fit; a second signal stops at once
+        if callable(tune_stop):
+            tune_stop(signal.SIGUSR1, frame)
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def _init_ray(address: Optional[str]) -> None:
     import ray
 
@@ -146,7 +176,10 @@ def _init_ray(address: Optional[str]) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=False, runtime_env=env)
     else:
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=env)
+        from raysys.train.launcher import ray_services_in_own_session
+
+        with ray_services_in_own_session():  # a SIGTERM to the whole group reaches the driver only
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=env)
 
 
 def _prepare(wl: registry.Workload, cfg: Any) -> Any:
@@ -257,7 +290,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                                                    opts.max_failures),
                                           *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
-    grid = tuner.fit()
+    with _sigterm_stops_like_ctrl_c() as signals:
+        grid = tuner.fit()
     records = collect(grid, setup)
     if wl.population is not None:  # one speed per program, in both kinds of sweep (population.pool_throughput)
         from raysys.tune.population import pool_throughput
@@ -276,7 +310,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
               f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
               + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
               + _extra_flags(opts), flush=True)
-        return SweepOutcome(name, sweep_dir, parent, records, None, True)
+        return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", 2))
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
                            budget_hit=budget_hit)
     storage.push_tree(sweep_dir / "report")
