@@ -149,6 +149,13 @@ def test_every_layout_of_the_same_data_reads_the_same(tmp_path):
     got = load_sequences(layouts / "named.tsv", ReadOptions("learner", "skill", "grade"))
     _same(got, ref)
     assert any("names" in n for n in got.notes)
+    split = tmp_path / "named_split"  # names numbered over both files alike, though each holds only some
+    split.mkdir()
+    (split / "meta.json").write_text(json.dumps(meta))
+    first = named.learner < "s040"
+    named[first].drop(columns="t").to_csv(split / "kt_train.csv", index=False)
+    named[~first].drop(columns="t").to_csv(split / "kt_test.csv", index=False)
+    _same(load_sequences(split, ReadOptions("learner", "skill", "grade")), ref)
 
     original = tmp_path / "synthetic_OC"  # the original project's layout: 0-based ids, 3 lines per student
     original.mkdir()

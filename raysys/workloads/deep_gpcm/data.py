@@ -219,7 +219,7 @@ def _pick(table, role: str, given: Optional[str], file: Path) -> str:
                      f"has: {', '.join(table.column_names)}")
 
 
-def _from_table(table, file: Path, opt: ReadOptions, notes: list[str]) -> Flat:
+def _from_table(table, file: Path, opt: ReadOptions) -> Flat:
     if all(c in table.column_names for c in REQUIRED_COLUMNS) and opt.question_column is None:
         q, q_off = _list_column(table, "questions", file)
         r, r_off = _list_column(table, "responses", file)
@@ -241,13 +241,9 @@ def _from_table(table, file: Path, opt: ReadOptions, notes: list[str]) -> Flat:
         if c.null_count:
             raise ValueError(f"{file}: column {names[role]!r} has {c.null_count} empty (null) value(s)")
     students = pd.factorize(cols["student"].to_numpy(zero_copy_only=False), sort=True)[0]
-    raw_q = cols["question"].to_numpy(zero_copy_only=False)
-    if np.asarray(raw_q).dtype.kind in "iufb":
-        q = _ints(raw_q, f"column {names['question']!r}", file)
-    else:  # names, not numbers: number them 1..Q in sorted order
-        uniq, q = np.unique(np.asarray(raw_q).astype(str), return_inverse=True)
-        q = q.astype(np.int64) + 1
-        notes.append(f"question ids in {names['question']!r} are names: numbered 1..{len(uniq)} in sorted order")
+    q = np.asarray(cols["question"].to_numpy(zero_copy_only=False))
+    # names, not numbers, stay text here: load_sequences numbers them over all of a dataset's files
+    q = _ints(q, f"column {names['question']!r}", file) if q.dtype.kind in "iufb" else q.astype(str)
     r = _ints(cols["response"].to_numpy(zero_copy_only=False), f"column {names['response']!r}", file)
     if opt.order_column is not None:
         if opt.order_column not in table.column_names:
@@ -330,8 +326,12 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
     files = _source_files(path)
     label = files[0] if len(files) == 1 else path
     notes: list[str] = []
-    parts = [_from_lines(f) if _is_three_line(f) else _from_table(read_table(f), f, opt, notes) for f in files]
+    parts = [_from_lines(f) if _is_three_line(f) else _from_table(read_table(f), f, opt) for f in files]
     q = np.concatenate([p[0] for p in parts])
+    if q.dtype.kind not in "iu":  # question names: numbered 1..Q in sorted order, the same in every file
+        names, q = np.unique(q.astype(str), return_inverse=True)
+        q = q.astype(np.int64) + 1
+        notes.append(f"question ids are names: numbered 1..{len(names)} in sorted order")
     r = np.concatenate([p[1] for p in parts])
     starts = np.cumsum([0] + [len(p[0]) for p in parts[:-1]])  # where each file's responses begin
     off = np.concatenate([[0]] + [p[2][1:] + start for p, start in zip(parts, starts)]).astype(np.int64)
