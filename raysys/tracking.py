@@ -136,6 +136,30 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
                           "another --tracking-uri (nothing was created)") from None
 
 
+def wait_for_store(uri: str, max_wait_s: Optional[float] = None) -> None:
+    """``check_store``, retried while an HTTP tracking server does not answer, for up to ``max_wait_s``
+    (default ``$RAYSYS_TRACKING_WAIT_S``, else 600 s). For a sweep's trials and its last writes: the
+    server answered when the sweep started, so a refusal now is an outage, which a sweep waits out
+    rather than failing every trial that starts during it. Anything else fails at once, as before."""
+    from raysys.config import ConfigError
+
+    if max_wait_s is None:
+        max_wait_s = float(os.environ.get("RAYSYS_TRACKING_WAIT_S", "600"))
+    deadline, delay, told = time.monotonic() + max_wait_s, 2.0, False
+    while True:
+        try:
+            return check_store(uri)
+        except ConfigError:
+            if not is_server(uri) or time.monotonic() + delay > deadline:
+                raise
+            if not told:
+                told = True
+                print(f"[raysys] the MLflow server at {uri} does not answer; waiting up to {max_wait_s / 60:.0f} min "
+                      "for it ($RAYSYS_TRACKING_WAIT_S)", flush=True)
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
+
+
 def quick_failures() -> None:
     """Inside a run, a tracking call that fails should fail fast and be buffered (MLflowLogger), not hold
     training for MLflow's default seven retries with exponential backoff and 120 s timeouts."""

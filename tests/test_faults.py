@@ -318,6 +318,37 @@ def test_tracking_outage_mid_run_loses_nothing(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # ~2 min: a sweep through an outage of its tracking server
+def test_a_sweep_waits_out_a_tracking_outage(tmp_path):
+    """The server goes away once the sweep's first trial has started and comes back 30 s later. Before,
+    every trial that started in the outage failed as a config error (and was never retried), and the
+    driver's last MLflow writes failed after minutes of retries. Now trials and driver wait for it."""
+    server = MlflowServer(tmp_path / "server").start()
+    events = tmp_path / "raysys_runs" / "sweeps" / "out" / "trial_events.log"
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"),
+                             "--num-samples", "2", "--max-concurrent", "1", "--preset", "quick", "--set", "train.epochs=1",
+                             "--tracking-uri", server.url, "--name", "out"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _STARTED.append(proc)
+    try:
+        deadline = time.time() + 300
+        while not (events.is_file() and " start " in events.read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        server.stop()
+        time.sleep(30)  # the first trial trains on (buffered); the next one starts and waits for the server
+        server.start()
+        out, _ = proc.communicate(timeout=900)
+        print(out[-5000:])
+        assert proc.returncode == 0 and "Recommended: trial" in out
+        assert "FAILED" not in out  # no trial failed for the outage
+        exp = _client(server.url).get_experiment_by_name("raysys-deep_gpcm")
+        children = [r for r in _client(server.url).search_runs([exp.experiment_id]) if "raysys.trial_id" in r.data.tags]
+        assert sorted(c.data.tags["raysys.trial_status"] for c in children) == ["ok", "ok"]
+    finally:
+        server.stop()
+
+
 # ---- signals and resume -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

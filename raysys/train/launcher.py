@@ -436,7 +436,10 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
-    tracking.check_store(uri)
+    if parent_run_id is None:
+        tracking.check_store(uri)  # a command's own store: bad input, one line before anything
+    else:
+        tracking.wait_for_store(uri)  # a sweep's trial: its server answered when the sweep began
     if getattr(launch, "workers", 0) > 0 or wl.extra.get("needs_ray", False):
         check_ray_address(getattr(launch, "address", None))
         check_local_resources(launch)

@@ -301,6 +301,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     unfinished = [r for r in records if r.status == INCOMPLETE]
     interrupted = (bool(unfinished) or len(records) < _num_samples(stored, opts)) and not budget_hit
 
+    tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
     report.finalize_children(uri, experiment, setup, records, grid,
                              None if interrupted else report.Verdict.of(records, tolerance))
     if interrupted:
