@@ -13,25 +13,22 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "JSONL", ".ndjson"
 """Suffix -> format; any other suffix is read as parquet (the error then lists these)."""
 
 
-def format_of(path) -> str:
-    return FORMATS.get(Path(path).suffix.lower(), "parquet")
-
-
-def read_table(path, columns: list[str] | None = None):
-    """The whole table (or only ``columns``, for parquet) of a parquet/JSONL/JSON/CSV/TSV file."""
+def read_table(path):
+    """The whole table of a parquet/JSONL/JSON/CSV/TSV file."""
     import pyarrow as pa
 
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{path}: no such file")
-    kind = format_of(p)
+    kind = FORMATS.get(p.suffix.lower(), "parquet")
     try:
         if kind == "parquet":
             import pyarrow.parquet as pq
 
-            return pq.read_table(p, columns=columns)
-        if kind == "JSON" and p.read_text(errors="replace").lstrip()[:1] == "[":
-            rows = json.loads(p.read_text())  # one JSON array of records (what pandas' to_json writes)
+            return pq.read_table(p)
+        text = p.read_text(errors="replace") if kind == "JSON" else ""
+        if text.lstrip()[:1] == "[":
+            rows = json.loads(text)  # one JSON array of records (what pandas' to_json writes)
             if not all(isinstance(r, dict) for r in rows):
                 raise ValueError("a JSON array must hold one object per row")
             return pa.Table.from_pylist(rows)

@@ -181,6 +181,7 @@ def test_every_layout_of_the_same_data_reads_the_same(tmp_path):
     ("3\n1,2,3\n0,1,1\n2\n1,2\n", "5 non-empty lines"),
     ("3\n1,2,3\n0,1\n", "line 1 says 3 responses, lines 2-3 hold 3 question ids and 2 responses"),
     ("3\n1,x,3\n0,1,1\n", "lines 1-3: not a length and two lists of integers"),
+    ("3\n1,2,3\n0,0.5,1\n", "responses must be whole numbers, found 0.5"),  # partial credit is not a category
 ])
 def test_bad_three_line_files_name_the_lines(tmp_path, text, fragment):
     f = tmp_path / "d.txt"

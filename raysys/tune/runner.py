@@ -68,8 +68,8 @@ class SweepOutcome:
     records: list[TrialRecord]
     recommended: Optional[TrialRecord]
     interrupted: bool
-    signum: int = 2
-    """The signal that interrupted it (SIGINT 2, SIGTERM 15): the exit code is 128 + signum."""
+    signum: int = signal.SIGINT
+    """The signal that interrupted it (SIGINT or SIGTERM): the exit code is 128 + signum."""
 
 
 # ---- sweep folder and MLflow parent ------------------------------------------------------------
@@ -311,7 +311,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
               f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
               + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
               + _extra_flags(opts), flush=True)
-        return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", 2))
+        return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", signal.SIGINT))
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
                            budget_hit=budget_hit)
     storage.push_tree(sweep_dir / "report")

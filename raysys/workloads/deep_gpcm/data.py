@@ -173,9 +173,9 @@ def _ints(values, what: str, file: Path) -> np.ndarray:
     if a.dtype == bool:
         return a.astype(np.int64)
     if a.dtype.kind == "f":
-        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
-            bad = a[~np.isfinite(a) | (a != np.round(a))][0]
-            raise ValueError(f"{file}: {what} must be whole numbers, found {bad}")
+        bad = ~np.isfinite(a) | (a != np.round(a))
+        if bad.any():
+            raise ValueError(f"{file}: {what} must be whole numbers, found {a[bad][0]}")
         return a.astype(np.int64)
     if a.dtype.kind not in "iu":
         raise ValueError(f"{file}: {what} must be whole numbers, found {a.dtype} values")
@@ -279,7 +279,7 @@ def _from_lines(file: Path) -> Flat:
         try:
             length = int(head.strip(","))
             q = [int(x) for x in re.split(r"[\s,]+", ql.strip(" ,")) if x]
-            r = [int(float(x)) for x in re.split(r"[\s,]+", rl.strip(" ,")) if x]
+            r = [float(x) for x in re.split(r"[\s,]+", rl.strip(" ,")) if x]
         except ValueError as e:
             raise ValueError(f"{file}: lines {n0}-{n2}: not a length and two lists of integers ({e})") from None
         if not length == len(q) == len(r):
@@ -288,7 +288,7 @@ def _from_lines(file: Path) -> Flat:
         qs += q
         rs += r
         lengths.append(length)
-    return (np.array(qs, np.int64), np.array(rs, np.int64),
+    return (np.array(qs, np.int64), _ints(np.array(rs, np.float64), "responses", file),
             np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
 
 

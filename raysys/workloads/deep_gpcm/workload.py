@@ -9,7 +9,7 @@ memory recurrence tightly, with predictions equal to the naive path's (a test ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Optional
 
@@ -166,9 +166,10 @@ PRESETS = {"default": default, "original": original, "parity": parity, "quick": 
 # ---- the task the shared loop drives -----------------------------------------------------------
 
 def _read_options(d: DataConfig):
+    """The data.* keys that say how to read the user's file (the same names in ReadOptions)."""
     from raysys.workloads.deep_gpcm.data import ReadOptions
 
-    return ReadOptions(d.student_column, d.question_column, d.response_column, d.order_column, d.id_base)
+    return ReadOptions(**{f.name: getattr(d, f.name) for f in fields(ReadOptions)})
 
 
 def _data_source(cfg: DeepGPCMConfig) -> Path:
