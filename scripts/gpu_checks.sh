@@ -10,6 +10,9 @@
 #   a: pytest -m gpu, the deep_gpcm and mpn_dqn benches (extras: neurogym and its needs)
 #   b: the hackmatrix_ppo, pointer_generator and ad_transformer benches (sentencepiece, rouge-score;
 #      without the SQL store's wheels, which these benches do not use, to stay under 64 MiB)
+#   all: one call for a session with little device time (kit a plus nltk and rouge-score): the three
+#      benches the issues' figures come from, then the GPU tests (in parallel where pytest-xdist is
+#      there), then the text benches while time is left; GPU_CHECKS_BUDGET_S bounds the whole call
 # Each step has its own time limit, so one slow step cannot use up a call; logs and JSON land in
 # $OUT (they come back). Then record the figures in docs/benchmarks.md with the device named.
 set -uo pipefail
@@ -19,10 +22,13 @@ mkdir -p "$OUT"
 export RAY_ADDRESS=local
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX next to torch in one process: take memory as needed
 
+DEADLINE=$(( $(date +%s) + ${GPU_CHECKS_BUDGET_S:-100000} ))  # the whole call's time: no step runs past it
 step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log, go on whatever it returns
-  local name=$1 limit=$2
+  local name=$1 limit=$2 left=$(( DEADLINE - $(date +%s) ))
   shift 2
-  echo "== $name ($(date +%T))"
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then echo "== $name: skipped, the call's time is spent"; return; fi
+  echo "== $name ($(date +%T), up to ${limit}s)"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "   exit $? ; last lines:"
   tail -n 12 "$OUT/$name.log" | sed 's/^/   /'
@@ -37,7 +43,11 @@ if [ "${1:-}" = kit ]; then  # here, not on the device
     b) EXTRA="$EXTRA_B" DL=$(mktemp -d) bash ../shared/devkit/build.sh \
          && rm -f .devkit/sqlalchemy-*.whl .devkit/cryptography-*.whl \
          && python -m pip wheel -q --no-deps rouge-score==0.1.2 -w .devkit ;;  # an sdist only: built here, pure Python
-    *) echo "usage: bash scripts/gpu_checks.sh kit a|b" >&2; exit 2 ;;
+    # the device image has sentencepiece, absl, regex, joblib, click and tqdm: nltk and rouge-score make the text benches run
+    all) EXTRA="$EXTRA_A" DL=$(mktemp -d) bash ../shared/devkit/build.sh \
+           && python -m pip download -q --no-deps nltk==3.10.4 -d .devkit \
+           && python -m pip wheel -q --no-deps rouge-score==0.1.2 -w .devkit ;;
+    *) echo "usage: bash scripts/gpu_checks.sh kit a|b|all" >&2; exit 2 ;;
   esac
   exit $?
 fi
@@ -54,8 +64,16 @@ case "${1:-a}" in
     step bench-pointer_generator 150 python -m raysys.bench pointer_generator --quick --device cuda --json "$OUT/bench_pointer_generator_cuda.json"
     step bench-ad_transformer 120 python -m raysys.bench ad_transformer --quick --device cuda --json "$OUT/bench_ad_transformer_cuda.json"
     ;;
+  all)
+    step bench-deep_gpcm 150 python -m raysys.bench deep_gpcm --quick --device cuda --json "$OUT/bench_deep_gpcm_cuda.json"
+    step bench-hackmatrix_ppo 220 python -m raysys.bench hackmatrix_ppo --quick --device cuda --json "$OUT/bench_hackmatrix_ppo_cuda.json"
+    step bench-mpn_dqn 150 python -m raysys.bench mpn_dqn --quick --device cuda --json "$OUT/bench_mpn_dqn_cuda.json"
+    par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 4)  # each test starts its own Ray: 4 at once share the GPU
+    step gpu-tests 200 python -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" tests/test_gpu.py tests/test_train_knobs.py
+    step bench-pointer_generator 100 python -m raysys.bench pointer_generator --quick --device cuda --json "$OUT/bench_pointer_generator_cuda.json"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh a|b" >&2
+    echo "usage: bash scripts/gpu_checks.sh a|b|all" >&2
     exit 2
     ;;
 esac

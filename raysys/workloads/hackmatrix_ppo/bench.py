@@ -261,12 +261,15 @@ def run_bench(quick: bool = False) -> dict:
             r = fused_throughput(n, 128, chunks=chunks, updates_per_chunk=1)
             res[f"envs_{n}"] = r
             extra[f"fused PPO env-steps/s at {n} envs x 128 steps"] = f"{r['env_steps_per_s']:.0f}"
+            print(f"[bench] fused PPO {n}x128: {r['env_steps_per_s']:.0f} env-steps/s", flush=True)
         res["profile_8192"] = split = profile_split(8192, 128, repeats=3)
         _print_split(split)
         extra["one update at 8192 envs: time shares"] = ", ".join(f"{k} {v:.0%}" for k, v in split["share"].items())
         res["population_32"] = pop = population_vs_alone(32, 256, 128, chunks=chunks)
         extra["population of 32 x 256 envs vs one member alone (aggregate env-steps/s)"] = (
             f"{pop['population_env_steps_per_s']:.0f} vs {pop['alone_env_steps_per_s']:.0f}: {pop['ratio']:.1f}x")
+        print(f"[bench] population {extra['population of 32 x 256 envs vs one member alone (aggregate env-steps/s)']}",
+              flush=True)
     try:
         from raysys.workloads.hackmatrix_ppo.rllib_compare import measure_rllib_ppo
 
