@@ -71,6 +71,8 @@ case "${1:-a}" in
     par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 4)  # each test starts its own Ray: 4 at once share the GPU
     step gpu-tests 200 python -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" tests/test_gpu.py tests/test_train_knobs.py
     step bench-pointer_generator 100 python -m raysys.bench pointer_generator --quick --device cuda --json "$OUT/bench_pointer_generator_cuda.json"
+    # the device tool returns at most 8 files: one archive holds every log and JSON
+    (cd "$OUT" && tar czf gpu_checks.tgz --remove-files ./*.log ./*.json device.txt 2>/dev/null; ls -l)
     ;;
   *)
     echo "usage: bash scripts/gpu_checks.sh a|b|all" >&2
