@@ -30,6 +30,32 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[dict]:
+    """Where a training step's time goes, from PyTorch's profiler: the ``top`` operators or kernels
+    by self time on ``device`` (GPU kernels on CUDA), in ms per step, over ``steps`` calls of
+    ``step()`` after one warm-up. What a bench prints next to a step time that misses its target."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+
+    def own(e) -> float:  # microseconds, on the device the step runs on
+        if cuda:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        return e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if own(e) > 0]
+    total = sum(own(e) for e in events) or 1.0
+    rows = sorted(events, key=own, reverse=True)[:top]
+    return [{"name": e.key[:90], "ms_per_step": own(e) / 1e3 / steps, "calls_per_step": e.count / steps,
+             "share": own(e) / total} for e in rows]
+
+
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,
                   overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device

@@ -10,9 +10,12 @@
 #   a: pytest -m gpu, the deep_gpcm and mpn_dqn benches (extras: neurogym and its needs)
 #   b: the hackmatrix_ppo, pointer_generator and ad_transformer benches (sentencepiece, rouge-score;
 #      without the SQL store's wheels, which these benches do not use, to stay under 64 MiB)
-#   all: one call for a session with little device time (kit a plus nltk and rouge-score): the three
-#      benches the issues' figures come from, then the GPU tests (in parallel where pytest-xdist is
-#      there), then the text benches while time is left; GPU_CHECKS_BUDGET_S bounds the whole call
+#   all [STEP...]: one call for a session with little device time (`kit all`: kit a plus nltk and
+#      rouge-score): the three benches the issues' figures come from, the GPU tests (7 at once where
+#      pytest-xdist is there), then pointer_generator's bench; or the STEPs named, in that order.
+#      GPU_CHECKS_BUDGET_S bounds the whole call; one archive, gpu_checks.tgz, comes back.
+#      On an H200 (2026-11-26) these took ~55, ~220, ~150 and ~140 s: all of them in one 10-minute call
+#      is tight, so name the steps a session needs (e.g. `all deep_gpcm tests`)
 # Each step has its own time limit, so one slow step cannot use up a call; logs and JSON land in
 # $OUT (they come back). Then record the figures in docs/benchmarks.md with the device named.
 set -uo pipefail
@@ -32,6 +35,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log, go on 
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "   exit $? ; last lines:"
   tail -n 12 "$OUT/$name.log" | sed 's/^/   /'
+}
+
+run_tests() {  # the -m gpu tests, 7 at once where pytest-xdist is there (each starts its own Ray; ~140 s on an H200)
+  local par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 7)
+  step gpu-tests 200 python -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" tests/test_gpu.py tests/test_train_knobs.py
 }
 
 EXTRA_A="neurogym==2.3.1 pydantic-settings==2.14.1 loguru==0.7.3 tomlkit==0.15.2 natsort==8.4.0"
@@ -64,13 +72,18 @@ case "${1:-a}" in
     step bench-pointer_generator 150 python -m raysys.bench pointer_generator --quick --device cuda --json "$OUT/bench_pointer_generator_cuda.json"
     step bench-ad_transformer 120 python -m raysys.bench ad_transformer --quick --device cuda --json "$OUT/bench_ad_transformer_cuda.json"
     ;;
-  all)
-    step bench-deep_gpcm 150 python -m raysys.bench deep_gpcm --quick --device cuda --json "$OUT/bench_deep_gpcm_cuda.json"
-    step bench-hackmatrix_ppo 220 python -m raysys.bench hackmatrix_ppo --quick --device cuda --json "$OUT/bench_hackmatrix_ppo_cuda.json"
-    step bench-mpn_dqn 150 python -m raysys.bench mpn_dqn --quick --device cuda --json "$OUT/bench_mpn_dqn_cuda.json"
-    par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 4)  # each test starts its own Ray: 4 at once share the GPU
-    step gpu-tests 200 python -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" tests/test_gpu.py tests/test_train_knobs.py
-    step bench-pointer_generator 100 python -m raysys.bench pointer_generator --quick --device cuda --json "$OUT/bench_pointer_generator_cuda.json"
+  all)  # all [STEP...]: these steps in this order (default: deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator)
+    steps=("${@:2}"); [ ${#steps[@]} -eq 0 ] && steps=(deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator)
+    for s in "${steps[@]}"; do  # limits: what each took on an H200 (2026-11-26), plus a margin
+      case $s in
+        tests) run_tests ;;
+        deep_gpcm) step bench-$s 120 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
+        hackmatrix_ppo) step bench-$s 240 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
+        mpn_dqn) step bench-$s 150 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
+        pointer_generator|ad_transformer) step bench-$s 100 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
+        *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer)" ;;
+      esac
+    done
     # the device tool returns at most 8 files: one archive holds every log and JSON
     (cd "$OUT" && tar czf gpu_checks.tgz --remove-files ./*.log ./*.json device.txt 2>/dev/null; ls -l)
     ;;

@@ -99,6 +99,7 @@ def test_torch_compile_on_cuda(workdir):
 
 
 def test_two_ddp_workers_share_one_gpu(workdir):
+    """Both ranks on one device: NCCL refuses that, so the run all-reduces CUDA gradients with gloo."""
     assert main([*QUICK, "--workers", "2", "--gpus-per-worker", "0.5", "--name", "ddp"]) == 0
     final = _final(workdir, "ddp")
     assert final["stability/nonfinite_loss"] == 0 and final["eval/qwk"] > 0

@@ -60,3 +60,14 @@ def test_cross_validation_runs_each_fold_under_one_parent(workdir, capsys):
     (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "cross_validation"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(children) == 2 and "cv_mean/qwk" in parent.data.metrics
+
+
+@pytest.mark.parametrize("workers,gpus,backend", [(2, 0, "gloo"), (1, 1, "nccl"), (4, 1, "nccl"), (0, 1, "nccl"),
+                                                  (1, 0.5, "nccl"), (2, 0.5, "gloo"), (3, 0.25, "gloo")])
+def test_workers_that_can_share_a_gpu_all_reduce_with_gloo(workers, gpus, backend, capsys):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", ray-project/ray#48012), and Ray
+    packs fractional GPUs onto one device: such runs all-reduce with gloo, and say so once."""
+    from raysys.train.launcher import process_group_backend
+
+    assert process_group_backend(workers, gpus) == backend
+    assert ("NCCL refuses" in capsys.readouterr().out) == (backend == "gloo" and gpus > 0)

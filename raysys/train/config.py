@@ -136,7 +136,7 @@ class LaunchConfig:
     workers: int = 1
     """Ray Train workers (data-parallel ranks). 0 runs the loop in this process, without Ray actors."""
     gpus_per_worker: float = 0.0
-    """GPUs per worker; > 0 selects CUDA and NCCL, else CPU and gloo."""
+    """GPUs per worker; > 0 selects CUDA and NCCL (gloo where several workers may share a GPU: a fraction < 1), else CPU and gloo."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per worker."""
     address: Optional[str] = None

@@ -26,8 +26,8 @@ from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import from_dict
 from raysys.session import Session
-from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, ray_storage,
-                                   set_threads, train_logging)
+from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, process_group_backend,
+                                   ray_storage, set_threads, train_logging)
 
 
 def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Session]:
@@ -95,6 +95,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     init_ray(launch.address)
     use_gpu = launch.gpus_per_worker > 0
     resources = {"CPU": launch.cpus_per_worker, **({"GPU": launch.gpus_per_worker} if use_gpu else {})}
+    backend = process_group_backend(launch.workers, launch.gpus_per_worker) if kind == "torch" else None
     # a restarted worker group resumes from the run's own checkpoints (Session.restore); restarts are
     # fit_with_restarts', which fails at once on errors a restart cannot fix
     failure = FailureConfig(max_failures=0)
@@ -102,7 +103,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
                    "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor()}
-        fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure),
+        fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure, backend),
                           launch.max_failures, run.run_dir, sink)
         lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
     final_path = run.run_dir / "final_metrics.json"
@@ -111,7 +112,8 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
                      resume_command=run.resume_command())
 
 
-def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool, resources: dict, failure: Any):
+def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool, resources: dict, failure: Any,
+             backend: Optional[str]):
     from ray.train import RunConfig, ScalingConfig
 
     if kind == "jax":
@@ -134,7 +136,7 @@ def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool,
         _train_worker,
         train_loop_config=payload,
         scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu, resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=backend),
         run_config=RunConfig(name=run.name, **ray_storage(run.run_dir), failure_config=failure,
                              logging_config=train_logging()),
     )

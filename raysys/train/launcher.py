@@ -205,6 +205,20 @@ def ray_services_in_own_session():
         services.ConsolePopen = base
 
 
+def process_group_backend(workers: int, gpus_per_worker: float) -> str:
+    """torch.distributed backend of the Train workers: gloo on CPUs, NCCL on GPUs, except where
+    workers hold a fraction of a GPU each: Ray may then place two ranks on one device, and NCCL
+    refuses that ("Duplicate GPU detected", ray-project/ray#48012). gloo all-reduces CUDA tensors
+    through the host, so such a run trains, slower, and says why once."""
+    if gpus_per_worker <= 0:
+        return "gloo"
+    if workers > 1 and gpus_per_worker < 1:
+        print(f"[raysys] {workers} workers x {gpus_per_worker:g} GPU can share a GPU, which NCCL refuses: "
+              "gradients are all-reduced with gloo", flush=True)
+        return "gloo"
+    return "nccl"
+
+
 def init_ray(address: Optional[str]) -> None:
     """Connect to ``address`` / $RAY_ADDRESS, or start Ray in this process with quiet defaults."""
     import ray
@@ -523,7 +537,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
             train_loop_config=payload,
             scaling_config=ScalingConfig(num_workers=launch.workers, use_gpu=use_gpu,
                                          resources_per_worker=resources if launch.workers > 0 else None),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            torch_config=TorchConfig(backend=backend),
             run_config=RunConfig(name=name, **ray_storage(run_dir), callbacks=callbacks,
                                  failure_config=FailureConfig(max_failures=0), logging_config=train_logging(),
                                  checkpoint_config=CheckpointConfig(num_to_keep=1)),

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from raysys.bench_generic import sync
+from raysys.bench_generic import sync, top_ops
 from raysys.config import apply_overrides
 
 
@@ -82,6 +82,26 @@ def batch_sizes(task, cfg, sizes, repeats: int, device) -> dict:
     return out
 
 
+def step_profile(task, cfg, batch_size: int, device) -> list[dict]:
+    """The optimized path's training step on the longest ``batch_size`` sequences, by operator or
+    kernel (``top_ops``): what to speed up next where the step misses its time."""
+    from raysys.train.data import to_device
+    from raysys.workloads.deep_gpcm.model import DeepGPCM
+
+    train_ds, _ = task.datasets(cfg)
+    seqs = task._data(cfg)
+    by_length = sorted(range(len(train_ds)), key=lambda i: -len(train_ds[i][0]))
+    batch = to_device(task.collate([train_ds[i] for i in by_length[:batch_size]]), torch.device(device))
+    torch.manual_seed(0)
+    model = DeepGPCM(seqs.n_questions, seqs.n_cats, path="optimized").to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rows = top_ops(lambda: _train_step(model, opt, batch), torch.device(device))
+    for r in rows:
+        print(f"[bench] B={batch_size} optimized step: {r['ms_per_step']:8.3f} ms/step {r['share']:5.1%} "
+              f"x{r['calls_per_step']:g} {r['name']}", flush=True)
+    return rows
+
+
 def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     """Both paths on the parity preset (or it with ``overrides``: your data, your model's size)."""
     from raysys.train.launcher import run_training
@@ -106,6 +126,9 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
                 f" ({r['naive']['step_s'] / r['optimized']['step_s']:.0f}x; logits |diff| "
                 f"{r['optimized']['max_abs_logit_diff_vs_naive']:.1e})")
         extra["recurrence on CUDA"] = "triton (fused kernels)" if triton_available() else "loop (triton missing)"
+        profile = step_profile(task, cfg, 256, device)
+        extra["optimized step at B=256, GPU time by kernel (ms/step)"] = ", ".join(
+            f"{r['name']} {r['ms_per_step']:.2f}" for r in profile[:6])
 
     # Quality: each path trained the same way from the same seed, through the shared loop in-process.
     quality = {}
@@ -126,7 +149,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
                      "valid_responses": int(batch["mask"].sum())},
            "speedup": speed["naive"]["step_s"] / speed["optimized"]["step_s"], "extra": extra}
     if gpu_batches:
-        res["gpu_batches"] = gpu_batches
+        res["gpu_batches"], res["profile_b256"] = gpu_batches, profile
     for path in ("naive", "optimized"):
         res[path] = {**speed[path], "quality": quality[path].get("qwk"), "eval": quality[path]}
     res["max_abs_logit_diff"] = speed["max_abs_logit_diff"]

@@ -307,9 +307,13 @@ class DeepGPCM(nn.Module):
         blocks = weight.t().reshape(self.n_questions, K, -1)[(uq - 1).clamp(min=0)]  # [U,K,Dv]
         blocks = blocks * (uq > 0).to(blocks.dtype)[:, None, None]  # padding (q = 0) has no input
         value = torch.bmm(self.decay[ur].unsqueeze(1), blocks).squeeze(1) + self.gpcm_value_embed.bias
-        erase = torch.sigmoid(self.erase(value))
-        add = torch.tanh(self.add(value))
-        return erase[inv], add[inv]
+        table = torch.cat([torch.sigmoid(self.erase(value)), torch.tanh(self.add(value))], dim=-1)  # [U, 2*Dv]
+        # A lookup, not table[inv]: T*B rows gather from a few hundred, and one pair (the padding)
+        # can fill half the batch. On CUDA the gradient of table[inv] adds a pair's rows one after
+        # another, so that pair's tens of thousands of rows serialize; embedding's backward splits
+        # long runs into segments summed in parallel.
+        erase, add = F.embedding(inv, table).chunk(2, dim=-1)
+        return erase, add
 
     def _forward_optimized(self, questions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         # Sort rows longest first so that the rows still inside their sequence at step t are a
