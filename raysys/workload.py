@@ -49,8 +49,9 @@ class TorchTask(Protocol):
     """What a supervised PyTorch workload provides to the shared Ray Train loop."""
 
     quality_metric: str
-    """Name of the evaluation metric (a key of ``evaluate``'s dict) that measures quality, higher is
-    better, e.g. 'qwk'. Named once: the workload's ``eval/<name>`` and sweeps' objective follow."""
+    """Name of the evaluation metric (a key of ``evaluate``'s dict) that measures quality, e.g. 'qwk'.
+    Named once: the workload's ``eval/<name>`` and sweeps' objective follow. Higher is better, unless
+    the task also sets ``quality_mode = "min"`` (a loss, an error rate, perplexity)."""
     token_name: str
     """What a 'token' is for tokens/s (e.g. 'responses', 'tokens'); samples/s is always reported."""
 
@@ -127,8 +128,11 @@ class Workload:
     throughput_metric: str = "perf/samples_per_s"
     """What sweeps maximise as speed."""
     quality_metric: Optional[str] = None
-    """What sweeps maximise as quality. Default: ``eval/<task.quality_metric>`` for a task, else
+    """What sweeps optimise as quality. Default: ``eval/<task.quality_metric>`` for a task, else
     ``eval/quality`` (which a ``train_fn`` returns)."""
+    quality_mode: Optional[str] = None
+    """'max' when a higher quality is better, 'min' when lower is (a loss, an error, perplexity), as in
+    Ray Tune's ``mode``. Default: the task's ``quality_mode`` attribute where it has one, else 'max'."""
     path_key: Optional[str] = None
     """Dotted config key choosing the slow ('naive') or fast ('optimized') path, where the workload has
     both (e.g. 'model.path'); the generic bench then measures both and their ratio."""
@@ -151,6 +155,10 @@ class Workload:
         if self.quality_metric is None:
             q = getattr(self.task, "quality_metric", None) if self.task is not None else None
             object.__setattr__(self, "quality_metric", f"eval/{q}" if q else "eval/quality")
+        if self.quality_mode is None:
+            object.__setattr__(self, "quality_mode", getattr(self.task, "quality_mode", None) or "max")
+        if self.quality_mode not in ("max", "min"):
+            raise ConfigError(f"workload {self.name}: quality_mode must be 'max' or 'min', got {self.quality_mode!r}")
 
     def config(self, preset: str = "default") -> Any:
         if preset not in self.presets:

@@ -318,3 +318,49 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
         assert bench(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
+
+
+ERROR_RATE = '''
+import dataclasses
+
+import digits_mlp
+
+
+class ErrorRateTask(digits_mlp.DigitsTask):
+    quality_metric = "error_rate"
+    quality_mode = "min"  # lower is better, as in Ray Tune's mode
+
+    def evaluate(self, model, batches):
+        return {"error_rate": 1.0 - super().evaluate(model, batches)["accuracy"]}
+
+
+# quality_metric/quality_mode None: taken from the task again (the original's were filled in from its own)
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_error", task=ErrorRateTask(), quality_metric=None,
+                               quality_mode=None)
+'''
+
+
+def test_a_sweep_minimises_a_quality_where_lower_is_better(project):
+    """A workload whose quality is an error rate (``quality_mode = "min"``): the front, the
+    recommendation and the best quality are the lowest error's, and the searcher minimises it. The
+    hopeless learning rate has the higher error: maximising would recommend it."""
+    (project / "error_rate.py").write_text(ERROR_RATE)
+    (project / "space.yaml").write_text("workload: error_rate:WORKLOAD\npreset: quick\nfixed:\n  launch.workers: 0\n"
+                                        "space:\n  optim.lr: {grid: [1.0e-6, 0.05]}\nobjectives:\n  tolerance: 0.0\n")
+    proc = _run(["python", "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "2", "--name", "s"], project)
+    assert proc.returncode == 0
+    import csv
+
+    with open(project / "raysys_runs" / "sweeps" / "s" / "report" / "trials.csv") as f:
+        rows = {float(r["optim.lr"]): r for r in csv.DictReader(f)}
+    good, hopeless = rows[0.05], rows[1e-6]
+    assert float(good["quality"]) < float(hopeless["quality"])  # the premise: one lr learns, one does not
+    assert good["recommended"] == "True" and hopeless["recommended"] == "False"
+    assert "lower is better" in (project / "raysys_runs" / "sweeps" / "s" / "report" / "recommendation.md").read_text()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=50)
+    (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
+    assert parent.data.params["sweep.quality_mode"] == "min"
+    assert parent.data.metrics["sweep/best_quality"] == pytest.approx(float(good["quality"]), rel=1e-3)

@@ -72,3 +72,17 @@ def test_trials_of_one_program_share_one_pooled_throughput():
     assert records[1].extra["measured_throughput"] == 300.0 and "measured_throughput" not in records[3].extra
     # with one speed per program, the front of that program is its best quality alone
     assert ids(pareto_front(records)) == ["c"]  # d (another program) is slower and worse
+
+
+def test_where_lower_quality_is_better_the_front_and_recommendation_follow():
+    """quality_mode min (an error rate): the lowest error is the best, and within the tolerance the
+    fastest wins, as with max; the records keep the raw values."""
+    def low(tid, t, q):
+        return TrialRecord(trial_id=tid, knobs={}, throughput=t, quality=q, higher_is_better=False)
+
+    pts = [low("best", 100, 0.10), low("close", 300, 0.11), low("fast-bad", 500, 0.40), low("dominated", 90, 0.50)]
+    assert ids(pareto_front(pts)) == ["fast-bad", "close", "best"]
+    assert recommend(pts, 0.0).trial_id == "best"
+    assert recommend(pts, 0.02).trial_id == "close"
+    assert recommend(pts, 1.0).trial_id == "fast-bad"
+    assert not dominates(pts[0], pts[2]) and dominates(pts[0], pts[3])

@@ -74,12 +74,27 @@ def test_bad_space_is_one_clear_config_error(space, words):
     ({"quality_penalty": float("nan")}, ["objectives.quality_penalty", "number"]),
     ({"throughput": 3}, ["objectives.throughput", "names a metric"]),
     ({"quality": ""}, ["objectives.quality", "names a metric"]),
+    ({"quality_mode": "lowest"}, ["objectives.quality_mode", "'max'", "'min'"]),
+    ({"quality": "eval/val_loss"}, ["eval/val_loss", "lower-is-better", "objectives.quality_mode: min"]),
+    ({"quality": "eval/rmse"}, ["eval/rmse", "lower-is-better"]),
+    ({"quality": "eval/error-rate"}, ["eval/error-rate", "lower-is-better"]),
 ])
 def test_bad_objectives_are_one_clear_config_error(objectives, words):
     with pytest.raises(ConfigError) as e:
         spaces.from_dict(_space(objectives=objectives), "s.yaml")
     msg = str(e.value)
     assert msg.startswith("s.yaml") and "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("objectives, mode", [
+    ({}, "max"),  # deep_gpcm's own QWK
+    ({"quality": "eval/val_loss", "quality_mode": "min"}, "min"),
+    ({"quality": "eval/neg_loss"}, "max"),  # a negated loss is higher-is-better
+    ({"quality": "eval/lossless_ratio"}, "max"),  # words, not substrings
+    ({"quality": "eval/qwk", "quality_mode": "min"}, "min"),  # said outright: believed
+])
+def test_quality_mode_is_said_or_safely_inferred(objectives, mode):
+    assert spaces.from_dict(_space(objectives=objectives), "s.yaml").objectives["quality_mode"] == mode
 
 
 def test_other_space_errors():
@@ -249,3 +264,18 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
     assert "reuse a1 run=s-a1" in (tmp_path / "trial_events.log").read_text()
     assert _record("a1", {}, {**last, "time_total_s": 0.1}, None, setup).seconds == 42.0
     assert _record("c3", {}, {"time_total_s": 17.5}, None, setup).seconds == 17.5
+
+
+def test_an_unstable_trial_where_lower_is_better_is_left_out_not_scored():
+    """No penalty value is worse than every loss: by default such a trial's quality objective is NaN
+    (Optuna leaves it out), while higher-is-better sweeps keep their -1."""
+    import math
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.runner import _penalty
+
+    assert _penalty({"quality_mode": "min"}) is None and _penalty({}) == obj.DEFAULT_QUALITY_PENALTY
+    assert _penalty({"quality_mode": "min", "quality_penalty": 9.0}) == 9.0
+    t = obj.ObjectiveTracker("perf/x", "eval/loss", quality_penalty=None, quality_mode="min")
+    out = t.update({"perf/x": 1.0, "eval/loss": 0.3, "train/loss": float("nan")})
+    assert out[obj.UNSTABLE] == 1.0 and math.isnan(out[obj.QUALITY]) and out[obj.MEASURED_QUALITY] == 0.3

@@ -525,6 +525,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     if launch.workers > 0:
         init_ray(launch.address)
     resources = {"CPU": launch.cpus_per_worker, **({"GPU": launch.gpus_per_worker} if use_gpu else {})}
+    backend = process_group_backend(launch.workers, launch.gpus_per_worker)
 
     stop = lifecycle.stop_flag_actor() if launch.workers > 0 else None
 

@@ -17,7 +17,8 @@ EPILOG = """examples:
   python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --address auto --max-concurrent 4
   python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --set train.compile=false   # pin a knob
 
-Objectives (both maximised): the workload's throughput metric and its quality metric; a trial that
+Objectives: the workload's throughput metric (maximised) and its quality metric (maximised, or
+minimised with objectives.quality_mode: min, e.g. a loss or an error rate); a trial that
 turns unstable (non-finite loss, too many loss spikes, a metric outside its bounds) is stopped,
 tagged unstable and gets the space's quality penalty. See docs/tune.md and docs/objectives.md.
 """

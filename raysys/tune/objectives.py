@@ -2,10 +2,11 @@
 
 Every report a trial makes passes through an :class:`ObjectiveTracker`, which adds:
 
-* ``objective/throughput`` and ``objective/quality``: what the searcher optimises (both maximised;
-  NaN until first measured).
+* ``objective/throughput`` and ``objective/quality``: what the searcher optimises (throughput
+  maximised, quality by the sweep's ``quality_mode``, 'max' or 'min'; NaN until first measured).
   For an unstable trial they are ``0`` and the space's ``quality_penalty``, so that any stable
-  trial dominates it and Optuna learns to avoid its region.
+  trial dominates it and Optuna learns to avoid its region. Without a penalty (the default where
+  lower quality is better, as no value is worst for every metric) it is NaN: left out of the study.
 * ``objective/measured_throughput`` / ``objective/measured_quality``: the raw values, for tables.
 * ``stability/unstable`` (0/1, sticky) and ``stability/reason`` (why), which the sweep's stopper
   reads to end the trial early.
@@ -106,10 +107,12 @@ class ObjectiveTracker:
     """Per-trial state across reports: last throughput, last quality, best values, the verdict."""
 
     def __init__(self, throughput_metric: str, quality_metric: str, rules: Optional[StabilityRules] = None,
-                 quality_penalty: float = DEFAULT_QUALITY_PENALTY):
+                 quality_penalty: Optional[float] = DEFAULT_QUALITY_PENALTY, quality_mode: str = "max"):
         self.throughput_metric, self.quality_metric = throughput_metric, quality_metric
         self.rules = rules or StabilityRules()
-        self.quality_penalty = quality_penalty
+        self.quality_penalty = math.nan if quality_penalty is None else quality_penalty
+        self.sign = 1.0 if quality_mode == "max" else -1.0
+        """+1 where higher quality is better, -1 where lower is."""
         self.throughput: Optional[float] = None
         self.quality: Optional[float] = None
         self.best: dict[str, float] = {}

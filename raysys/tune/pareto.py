@@ -1,4 +1,5 @@
-"""Pareto front of (throughput, quality), both maximised, and the recommended configuration.
+"""Pareto front of (throughput, quality), and the recommended configuration. Throughput is
+maximised; quality too, or minimised where the sweep's ``quality_mode`` is 'min' (``score``).
 
 Only stable, complete trials with finite objectives take part: an unstable trial's throughput is
 not a speed anyone can use, and an incomplete one has no final quality to judge.
@@ -25,6 +26,13 @@ class TrialRecord:
     run_name: str = ""
     seconds: Optional[float] = None
     extra: dict[str, Any] = field(default_factory=dict)
+    higher_is_better: bool = True
+    """The sweep's quality_mode: False where a lower quality is better (a loss, an error rate)."""
+
+    @property
+    def score(self) -> float:
+        """Quality, oriented so that higher is better."""
+        return self.quality if self.higher_is_better else -self.quality
 
     @property
     def eligible(self) -> bool:
@@ -34,15 +42,15 @@ class TrialRecord:
 
 def dominates(a: TrialRecord, b: TrialRecord) -> bool:
     """a is at least as good in both objectives and strictly better in one."""
-    return (a.throughput >= b.throughput and a.quality >= b.quality
-            and (a.throughput > b.throughput or a.quality > b.quality))
+    return (a.throughput >= b.throughput and a.score >= b.score
+            and (a.throughput > b.throughput or a.score > b.score))
 
 
 def pareto_front(records: Sequence[TrialRecord]) -> list[TrialRecord]:
     """Non-dominated eligible trials, fastest first. Exact ties are all kept (none dominates)."""
     pool = [r for r in records if r.eligible]
     front = [r for r in pool if not any(dominates(o, r) for o in pool)]
-    return sorted(front, key=lambda r: (-r.throughput, -r.quality, r.trial_id))
+    return sorted(front, key=lambda r: (-r.throughput, -r.score, r.trial_id))
 
 
 def recommend(records: Sequence[TrialRecord], tolerance: float) -> Optional[TrialRecord]:
@@ -52,9 +60,14 @@ def recommend(records: Sequence[TrialRecord], tolerance: float) -> Optional[Tria
     pool = [r for r in records if r.eligible]
     if not pool:
         return None
-    best = max(r.quality for r in pool)
-    within = [r for r in pool if r.quality >= best - tolerance]
-    return max(within, key=lambda r: (r.throughput, r.quality, _neg_id(r.trial_id)))
+    best = best_of(pool).score
+    within = [r for r in pool if r.score >= best - tolerance]
+    return max(within, key=lambda r: (r.throughput, r.score, _neg_id(r.trial_id)))
+
+
+def best_of(records: Sequence[TrialRecord]) -> TrialRecord:
+    """The eligible record of best quality (highest, or lowest where lower is better)."""
+    return max(records, key=lambda r: (r.score, _neg_id(r.trial_id)))
 
 
 def _neg_id(trial_id: str) -> tuple:

@@ -17,11 +17,11 @@ from raysys.tune.report import fmt_value
 MAX_LISTED = 24  # rows beside the plot; the rest are in trials.csv
 
 
-def axis_label(metric: str, better: str) -> str:
+def axis_label(metric: str, better: str, higher: bool = True) -> str:
     """'perf/tokens_per_s' -> 'tokens per second (perf/tokens_per_s; higher is faster)'."""
     leaf = metric.rsplit("/", 1)[-1]
     words = f"{leaf[:-len('_per_s')].replace('_', ' ')} per second" if leaf.endswith("_per_s") else leaf.replace("_", " ")
-    return f"{words}  ({metric}; higher is {better})"
+    return f"{words}  ({metric}; {'higher' if higher else 'lower, axis reversed,'} is {better})"
 
 
 def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optional[str], path: Path,
@@ -42,7 +42,9 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
     front = sorted((r for r in stable if r.trial_id in front_ids), key=lambda r: r.throughput)
     shaky = [r for r in records if r.status == UNSTABLE and r.throughput is not None and math.isfinite(r.throughput)]
     qs = [r.quality for r in stable] or [0.0]
-    floor = min(qs) - 0.08 * ((max(qs) - min(qs)) or 1.0)  # where unstable trials without a quality sit
+    lower = bool(records) and not records[0].higher_is_better
+    margin = 0.08 * ((max(qs) - min(qs)) or 1.0)
+    floor = max(qs) + margin if lower else min(qs) - margin  # the worse side: where unstable trials without a quality sit
 
     def y(r: TrialRecord) -> float:
         return r.quality if r.quality is not None and math.isfinite(r.quality) else floor
@@ -64,7 +66,9 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
                     fontweight="bold" if r.trial_id in front_ids else "normal", zorder=5)
     ax.margins(x=0.12, y=0.15)  # room for the labels and the ring inside the frame
     ax.set_xlabel(axis_label(throughput_metric, "faster"), fontsize=9)
-    ax.set_ylabel(axis_label(quality_metric, "better"), fontsize=9)
+    ax.set_ylabel(axis_label(quality_metric, "better", higher=not lower), fontsize=9)
+    if lower:  # better stays up: the front keeps its staircase shape and the axis label its arrow
+        ax.invert_yaxis()
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.08, 0.01), ncol=len(handles), fontsize=8,

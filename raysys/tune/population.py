@@ -132,7 +132,8 @@ class Reports:
         # the population's best objectives, unstable only once every member is
         done = [t for t in self.trackers if t.throughput is not None]
         out[obj.THROUGHPUT] = max((t.throughput for t in done if not t.unstable), default=math.nan)
-        out[obj.QUALITY] = max((t.quality for t in done if not t.unstable and t.quality is not None), default=math.nan)
+        qs = [t.quality for t in done if not t.unstable and t.quality is not None]
+        out[obj.QUALITY] = max(qs, key=lambda q: q * self.trackers[0].sign) if qs else math.nan  # the best, either mode
         out[obj.UNSTABLE] = float(all(t.unstable for t in self.trackers))
         if all(obj.FINAL in m for m in self.pending.values()) and len(self.pending) == len(self.ids):
             out[obj.FINAL] = 1.0

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from raysys.tune import objectives as obj
-from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, pareto_front, recommend
+from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, best_of, pareto_front, recommend
 
 JOB_ADDRESS = "http://127.0.0.1:8265"
 
@@ -86,10 +86,11 @@ def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecor
     eligible = [r for r in records if r.eligible]
     if rec is None:
         return "No recommendation: no trial finished stable with a finite quality.\n"
-    best = max(r.quality for r in eligible)
+    best = best_of(eligible).quality
+    lower = "" if rec.higher_is_better else ", lower is better"
     train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs)
     return (f"Recommended: trial {rec.trial_id}, the fastest within {tolerance:g} of the best {quality_metric} "
-            f"({best:.4g}): {throughput_metric} {rec.throughput:.4g}, {quality_metric} {rec.quality:.4g}.\n\n"
+            f"({best:.4g}{lower}): {throughput_metric} {rec.throughput:.4g}, {quality_metric} {rec.quality:.4g}.\n\n"
             f"Train it:\n\n    {train}\n\nOn a Ray cluster (with token auth on a local cluster, prefix "
             f"RAY_AUTH_MODE=token):\n\n    {job}\n\n"
             "(The sweep's fixed overrides are included, e.g. fewer epochs: raise them for a full run.)\n")
@@ -145,7 +146,7 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
                "sweep/incomplete": counts["incomplete"], "sweep/front_size": len(front)}
     eligible = [r for r in records if r.eligible]
     if eligible:
-        metrics["sweep/best_quality"] = sig(max(r.quality for r in eligible))
+        metrics["sweep/best_quality"] = sig(best_of(eligible).quality)
         metrics["sweep/best_throughput"] = sig(max(r.throughput for r in eligible))
     if rec is not None:
         # Not objective/*: sorted by an objective, the parent would rank as one more trial.

@@ -247,7 +247,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     parent_log.log_params({"sweep.workload": wl.name, "sweep.preset": sp.preset, "sweep.space_file": sp.source,
                            "sweep.num_samples": opts.num_samples, "sweep.max_concurrent": concurrent,
                            "sweep.tolerance": tolerance, "sweep.throughput_metric": throughput_metric,
-                           "sweep.quality_metric": quality_metric, "sweep.seed": opts.seed,
+                           "sweep.quality_metric": quality_metric,
+                           "sweep.quality_mode": sp.objectives.get("quality_mode", "max"), "sweep.seed": opts.seed,
                            **{f"space.{k}": d.describe() for k, d in sp.knobs.items()},
                            **{f"fixed.{k}": v for k, v in sp.fixed.items()}})
     if not stored:
@@ -262,8 +263,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                        runs_storage=runs_storage, sweep_storage=opts.storage_path if remote else "",
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
-                       stability=sp.stability, quality_penalty=float(sp.objectives.get("quality_penalty",
-                                                                                        obj.DEFAULT_QUALITY_PENALTY)),
+                       stability=sp.stability, quality_penalty=_penalty(sp.objectives),
+                       quality_mode=sp.objectives.get("quality_mode", "max"),
                        preset=sp.preset, fixed=tuple(sp.fixed.items()))
     link = report.save_sweep_view(uri, parent, name, sorted(sp.knobs))
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
@@ -357,7 +358,7 @@ def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl:
         print(f"[raysys.tune] note: the grid knobs make {len(grid)} combinations but only {opts.num_samples} trials "
               "run; the first ones are tried", flush=True)
     searcher = OptunaSearch(space=spaces.OptunaSpace(sp.knobs), metric=[obj.THROUGHPUT, obj.QUALITY],
-                            mode=["max", "max"], points_to_evaluate=grid or None,
+                            mode=["max", sp.objectives.get("quality_mode", "max")], points_to_evaluate=grid or None,
                             sampler=optuna.samplers.TPESampler(seed=opts.seed))
     if opts.vectorize > 1:
         from raysys.tune.population import PopulationSearcher
@@ -388,7 +389,8 @@ def collect(grid, setup) -> list[TrialRecord]:
 def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
     rec = TrialRecord(trial_id=trial_id, knobs=knobs, run_name=setup.run_name(trial_id),
                       throughput=_float(m.get(obj.MEASURED_THROUGHPUT)), quality=_float(m.get(obj.MEASURED_QUALITY)),
-                      seconds=_float(m.get(obj.RUN_SECONDS, m.get("time_total_s"))))
+                      seconds=_float(m.get(obj.RUN_SECONDS, m.get("time_total_s"))),
+                      higher_is_better=setup.quality_mode == "max")
     if error is not None:
         rec.status, rec.reason = ERROR, error_summary(error)
     elif m.get(obj.FAILED):  # ended at once: an error no restart can fix
@@ -400,6 +402,14 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
     else:
         rec.status, rec.reason = INCOMPLETE, "stopped before the end (budget or interruption)"
     return rec
+
+
+def _penalty(objectives: dict) -> Optional[float]:
+    """The space's quality penalty; by default -1 where higher quality is better, and none (NaN, left
+    out of the study) where lower is: no one value is worse than every loss."""
+    if "quality_penalty" in objectives:
+        return float(objectives["quality_penalty"])
+    return obj.DEFAULT_QUALITY_PENALTY if objectives.get("quality_mode", "max") == "max" else None
 
 
 def _float(v: Any) -> Optional[float]:

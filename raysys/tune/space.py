@@ -8,7 +8,7 @@ space:                               # dotted config paths -> one domain each
   train.batch_size: {choice: [16, 32, 64]}
   model.path: {grid: [naive, optimized]}
   optim.lr: {loguniform: [1.0e-4, 1.0e-2]}
-objectives: {tolerance: 0.02, quality_penalty: -1.0}
+objectives: {tolerance: 0.02, quality_penalty: -1.0}   # quality_mode: min where lower is better
 stability: {max_loss_spikes: 3, bounds: {train/loss: {max: 20}}}
 ```
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -192,7 +193,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
             raise ConfigError(f"{source}: space '{key}' is an integer setting; {d.kind} draws floats, use randint or choice")
 
     objectives = dict(data.get("objectives") or {})
-    _check_keys(source, "objectives", objectives, {"throughput", "quality", "tolerance", "quality_penalty"})
+    _check_keys(source, "objectives", objectives, {"throughput", "quality", "quality_mode", "tolerance", "quality_penalty"})
     for key in ("throughput", "quality"):
         if key in objectives and (not isinstance(objectives[key], str) or not objectives[key].strip()):
             raise ConfigError(f"{source}: objectives.{key} names a metric, e.g. perf/samples_per_s; got {objectives[key]!r}")
@@ -200,6 +201,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
         if key in objectives and (not _is_number(objectives[key]) or key == "tolerance" and objectives[key] < 0):
             raise ConfigError(f"{source}: objectives.{key} must be a number{' >= 0' if key == 'tolerance' else ''}, "
                               f"got {objectives[key]!r}")
+    objectives["quality_mode"] = quality_mode(source, wl, objectives)
     stability = dict(data.get("stability") or {})
     _check_keys(source, "stability", stability, {"max_nonfinite_losses", "max_loss_spikes", "bounds", "collapse"})
     from raysys.tune.objectives import StabilityRules  # late: objectives imports nothing from here
@@ -209,6 +211,32 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{source}: stability: {e}") from None
     return SweepSpace(registry.ref(wl), preset, fixed, knobs, objectives, stability, source)
+
+
+_LOWER_IS_BETTER = {"loss", "error", "err", "mse", "rmse", "mae", "mape", "perplexity", "ppl", "nll", "brier", "ece",
+                    "wer", "cer", "regret", "distance", "latency"}
+
+
+def quality_mode(source: str, wl: Any, objectives: Mapping[str, Any]) -> str:
+    """Which way the sweep's quality is better: the space's ``objectives.quality_mode``, else the
+    workload's for its own metric, else 'max'. A metric named like a loss or an error with no mode
+    given anywhere is refused: maximising it would recommend the worst configuration."""
+    mode = objectives.get("quality_mode")
+    if mode is not None:
+        if mode not in ("max", "min"):
+            raise ConfigError(f"{source}: objectives.quality_mode is 'max' (higher quality is better) or 'min', "
+                              f"got {mode!r}")
+        return mode
+    metric = str(objectives.get("quality", wl.quality_metric))
+    own = metric == wl.quality_metric
+    if own and wl.quality_mode == "min":
+        return "min"
+    words = set(re.split(r"[^a-z0-9]+", metric.split("/")[-1].lower()))
+    if words & _LOWER_IS_BETTER and not words & {"neg", "negative", "minus", "inv"}:
+        where = "its task's quality_mode = 'min'" if own else "objectives.quality_mode: min"
+        raise ConfigError(f"{source}: quality metric '{metric}' reads as lower-is-better, but sweeps maximise quality "
+                          f"unless told: set {where} (or objectives.quality_mode: max if higher is better)")
+    return wl.quality_mode if own else "max"
 
 
 def flatten_space(space: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -69,7 +69,10 @@ class TrialSetup:
     throughput_metric: str
     quality_metric: str
     stability: dict
-    quality_penalty: float
+    quality_penalty: Optional[float]
+    """What an unstable trial scores as quality; None: NaN (left out of the searcher's study)."""
+    quality_mode: str = "max"
+    """'max' or 'min': which way quality is better."""
     sweep_storage: str = ""
     """The sweeps' storage URI when remote ('' for a local folder)."""
     preset: str = ""
@@ -128,7 +131,7 @@ class TrialSetup:
 
     def tracker(self) -> ObjectiveTracker:
         return ObjectiveTracker(self.throughput_metric, self.quality_metric,
-                                StabilityRules.from_dict(self.stability), self.quality_penalty)
+                                StabilityRules.from_dict(self.stability), self.quality_penalty, self.quality_mode)
 
 
 def trial_config(setup: TrialSetup, knobs: dict[str, Any], trial_id: str) -> Any:
