@@ -414,6 +414,14 @@ class MLflowLogger:
 
         storage.push(self.buffer)  # a run on remote storage: the buffer outlives this process's working copy
 
+    @classmethod
+    def send_buffer(cls, uri: str, run_id: str, buffer: str | Path) -> bool:
+        """Send a finished run's buffered records from another process (a sweep's driver, once its
+        server is back), with MLflow's usual retries; True when the buffer is sent and removed."""
+        logger = cls(uri, run_id)  # no buffer given: the run's fail-fast settings stay out of this process
+        logger.buffer = Path(buffer)
+        return logger.flush()
+
     # -- the Logger interface -----------------------------------------------------------------------
     def _log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param

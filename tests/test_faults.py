@@ -349,6 +349,45 @@ def test_a_sweep_waits_out_a_tracking_outage(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # ~2 min: a trial that ends inside an outage of its sweep's tracking server
+def test_a_sweep_sends_what_a_trial_buffered_in_an_outage(tmp_path):
+    """The server goes away while the trial trains and comes back only after the trial has ended, so
+    its run could not send its buffered records. Before, they waited for a --resume of that run
+    (which a sweep's user never types) and the child run in MLflow stayed cut short. Now the sweep's
+    driver sends them once the server is back: every step's loss, the run's end, no buffer left."""
+    server = MlflowServer(tmp_path / "server").start()
+    sweep = tmp_path / "raysys_runs" / "sweeps" / "buf"
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"),
+                             "--num-samples", "1", "--preset", "quick", "--set", "model.path=optimized", "--set", "train.epochs=8",
+                             "--set", "train.log_every_steps=1", "--set", "train.checkpoint_every_steps=2",
+                             "--tracking-uri", server.url, "--name", "buf"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _STARTED.append(proc)
+    try:
+        deadline = time.time() + 300
+        while not list(sweep.glob("runs/*/checkpoints/step_*/meta.json")):  # its run is open and training
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        server.stop()
+        events = sweep / "trial_events.log"
+        while not (events.is_file() and " end " in events.read_text()):  # the trial is over, server still down
+            assert proc.poll() is None and time.time() < deadline + 300, proc.communicate()
+            time.sleep(0.2)
+        assert list(sweep.glob("runs/*/tracking-buffer.jsonl"))  # the premise: records wait
+        server.start()
+        out, _ = proc.communicate(timeout=600)
+        print(out[-5000:])
+        assert proc.returncode == 0 and "Recommended: trial" in out
+        assert not list(sweep.glob("runs/*/tracking-buffer.jsonl"))
+        (final_file,) = sweep.glob("runs/*/final_metrics.json")
+        final = json.loads(final_file.read_text())
+        (child,) = [r for r in _mlflow_runs(server.url, "raysys-deep_gpcm") if "raysys.trial_id" in r.data.tags]
+        assert child.info.status == "FINISHED" and child.data.tags["raysys.trial_status"] == "ok"
+        assert sorted(_losses(server.url, child.info.run_id)) == list(range(1, final["step"] + 1))
+    finally:
+        server.stop()
+
+
 # ---- signals and resume -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

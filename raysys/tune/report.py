@@ -184,6 +184,7 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         run_id = tracking.find_run(uri, experiment, r.run_name)
         if run_id is None:  # failed before its run opened
             continue
+        _send_buffered(uri, run_id, setup, r)  # before the verdict: the run's own records come first
         tags = {"raysys.trial_status": r.status, "raysys.knobs": " ".join(f"{k}={v}" for k, v in sorted(r.knobs.items()))}
         if r.reason:
             tags["raysys.trial_reason"] = r.reason[:5000]
@@ -198,6 +199,28 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         client.log_batch(run_id, metrics=_objective_history(histories.get(r.trial_id)))
         if client.get_run(run_id).info.status == "RUNNING":
             client.set_terminated(run_id, status="KILLED")
+
+
+def _send_buffered(uri: str, run_id: str, setup, r: TrialRecord) -> None:
+    """What a trial's run buffered while the tracking server was down and could not send before it
+    ended (its ``tracking-buffer.jsonl``), sent now in order: the child run is complete without a
+    ``--resume`` of that run. A buffer that still fails to send stays for that resume."""
+    import tempfile
+
+    from raysys import storage, tracking
+
+    if not setup.run_exists(r.trial_id, tracking.BUFFER_FILE):
+        return
+    run = setup.run_name(r.trial_id)
+    if not storage.is_remote(setup.runs_storage):
+        tracking.MLflowLogger.send_buffer(uri, run_id, Path(setup.runs_storage) / run / tracking.BUFFER_FILE)
+        return
+    remote = storage.Remote(setup.runs_storage)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / tracking.BUFFER_FILE
+        local.write_text(setup.read_run_file(r.trial_id, tracking.BUFFER_FILE))
+        if tracking.MLflowLogger.send_buffer(uri, run_id, local):
+            remote.fs.delete_file(remote.path(run, tracking.BUFFER_FILE))
 
 
 def trial_note(r: TrialRecord, setup, verdict: Optional[Verdict]) -> str:
