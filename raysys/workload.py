@@ -110,6 +110,12 @@ def program_key(values: Mapping[str, Any], member_knobs: Iterable[str]) -> str:
                       default=str)
 
 
+class _FromTask(str):
+    """A ``Workload`` default filled in from its task (``quality_metric``, ``quality_mode``): filled
+    in again when ``dataclasses.replace`` gives the workload another task, where a plain string
+    would keep the old task's metric."""
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -132,7 +138,8 @@ class Workload:
     ``eval/quality`` (which a ``train_fn`` returns)."""
     quality_mode: Optional[str] = None
     """'max' when a higher quality is better, 'min' when lower is (a loss, an error, perplexity), as in
-    Ray Tune's ``mode``. Default: the task's ``quality_mode`` attribute where it has one, else 'max'."""
+    Ray Tune's ``mode``. Default: the task's ``quality_mode`` attribute where the quality metric is
+    the task's own, else 'max'."""
     path_key: Optional[str] = None
     """Dotted config key choosing the slow ('naive') or fast ('optimized') path, where the workload has
     both (e.g. 'model.path'); the generic bench then measures both and their ratio."""
@@ -152,11 +159,14 @@ class Workload:
             raise ConfigError(f"workload {self.name}: give exactly one of task= (a TorchTask) or train_fn=")
         if "default" not in self.presets:
             raise ConfigError(f"workload {self.name}: presets must include 'default'")
-        if self.quality_metric is None:
+        if self.quality_metric is None or isinstance(self.quality_metric, _FromTask):
             q = getattr(self.task, "quality_metric", None) if self.task is not None else None
-            object.__setattr__(self, "quality_metric", f"eval/{q}" if q else "eval/quality")
-        if self.quality_mode is None:
-            object.__setattr__(self, "quality_mode", getattr(self.task, "quality_mode", None) or "max")
+            object.__setattr__(self, "quality_metric", _FromTask(f"eval/{q}" if q else "eval/quality"))
+        if self.quality_mode is None or isinstance(self.quality_mode, _FromTask):
+            # the task's mode is its own metric's: another metric named here is maximised unless told
+            q = getattr(self.task, "quality_metric", None) if self.task is not None else None
+            own = q is not None and self.quality_metric == f"eval/{q}"
+            object.__setattr__(self, "quality_mode", _FromTask((own and getattr(self.task, "quality_mode", None)) or "max"))
         if self.quality_mode not in ("max", "min"):
             raise ConfigError(f"workload {self.name}: quality_mode must be 'max' or 'min', got {self.quality_mode!r}")
 

@@ -334,9 +334,8 @@ class ErrorRateTask(digits_mlp.DigitsTask):
         return {"error_rate": 1.0 - super().evaluate(model, batches)["accuracy"]}
 
 
-# quality_metric/quality_mode None: taken from the task again (the original's were filled in from its own)
-WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_error", task=ErrorRateTask(), quality_metric=None,
-                               quality_mode=None)
+# the quality metric and mode follow the new task (the original's were filled in from its own)
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_error", task=ErrorRateTask())
 '''
 
 

@@ -279,3 +279,27 @@ def test_an_unstable_trial_where_lower_is_better_is_left_out_not_scored():
     t = obj.ObjectiveTracker("perf/x", "eval/loss", quality_penalty=None, quality_mode="min")
     out = t.update({"perf/x": 1.0, "eval/loss": 0.3, "train/loss": float("nan")})
     assert out[obj.UNSTABLE] == 1.0 and math.isnan(out[obj.QUALITY]) and out[obj.MEASURED_QUALITY] == 0.3
+
+
+def test_a_workload_given_another_task_takes_that_tasks_quality_metric_and_mode():
+    """``dataclasses.replace(wl, task=...)``: the quality metric and mode filled in from the old task
+    follow the new one; ones given outright stay; a bad mode is one ConfigError."""
+    import dataclasses
+
+    from raysys.workload import Workload
+
+    class Accuracy:
+        quality_metric = "accuracy"
+
+    class ErrorRate:
+        quality_metric, quality_mode = "error_rate", "min"
+
+    base = Workload(name="w", description="", config_cls=object, presets={"default": object}, task=Accuracy())
+    assert (base.quality_metric, base.quality_mode) == ("eval/accuracy", "max")
+    moved = dataclasses.replace(base, task=ErrorRate())
+    assert (moved.quality_metric, moved.quality_mode) == ("eval/error_rate", "min")
+    pinned = dataclasses.replace(Workload(name="w", description="", config_cls=object, presets={"default": object},
+                                          task=Accuracy(), quality_metric="eval/f1"), task=ErrorRate())
+    assert (pinned.quality_metric, pinned.quality_mode) == ("eval/f1", "max")  # the task's mode is its own metric's
+    with pytest.raises(ConfigError, match="quality_mode must be 'max' or 'min'"):
+        dataclasses.replace(base, quality_mode="lowest")

@@ -227,7 +227,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     tracking.check_store(uri)
     tolerance = opts.tolerance if opts.tolerance is not None else float(sp.objectives.get("tolerance", obj.DEFAULT_TOLERANCE))
     throughput_metric = sp.objectives.get("throughput", wl.throughput_metric)
-    quality_metric = sp.objectives.get("quality", wl.quality_metric)
+    quality_metric = str(sp.objectives.get("quality", wl.quality_metric))
 
     base = _prepare(wl, sp.base_config())
     experiment = base.launch.experiment or f"raysys-{wl.name}"

@@ -236,7 +236,7 @@ def quality_mode(source: str, wl: Any, objectives: Mapping[str, Any]) -> str:
         where = "its task's quality_mode = 'min'" if own else "objectives.quality_mode: min"
         raise ConfigError(f"{source}: quality metric '{metric}' reads as lower-is-better, but sweeps maximise quality "
                           f"unless told: set {where} (or objectives.quality_mode: max if higher is better)")
-    return wl.quality_mode if own else "max"
+    return str(wl.quality_mode) if own else "max"
 
 
 def flatten_space(space: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
