@@ -159,12 +159,11 @@ class Workload:
             raise ConfigError(f"workload {self.name}: give exactly one of task= (a TorchTask) or train_fn=")
         if "default" not in self.presets:
             raise ConfigError(f"workload {self.name}: presets must include 'default'")
+        q = getattr(self.task, "quality_metric", None) if self.task is not None else None
         if self.quality_metric is None or isinstance(self.quality_metric, _FromTask):
-            q = getattr(self.task, "quality_metric", None) if self.task is not None else None
             object.__setattr__(self, "quality_metric", _FromTask(f"eval/{q}" if q else "eval/quality"))
         if self.quality_mode is None or isinstance(self.quality_mode, _FromTask):
             # the task's mode is its own metric's: another metric named here is maximised unless told
-            q = getattr(self.task, "quality_metric", None) if self.task is not None else None
             own = q is not None and self.quality_metric == f"eval/{q}"
             object.__setattr__(self, "quality_mode", _FromTask((own and getattr(self.task, "quality_mode", None)) or "max"))
         if self.quality_mode not in ("max", "min"):

@@ -76,13 +76,14 @@ case "${1:-a}" in
     steps=("${@:2}"); [ ${#steps[@]} -eq 0 ] && steps=(deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator)
     for s in "${steps[@]}"; do  # limits: what each took on an H200 (2026-11-26), plus a margin
       case $s in
-        tests) run_tests ;;
-        deep_gpcm) step bench-$s 120 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
-        hackmatrix_ppo) step bench-$s 240 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
-        mpn_dqn) step bench-$s 150 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
-        pointer_generator|ad_transformer) step bench-$s 100 python -m raysys.bench $s --quick --device cuda --json "$OUT/bench_${s}_cuda.json" ;;
-        *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer)" ;;
+        tests) run_tests; continue ;;
+        deep_gpcm) limit=120 ;;
+        hackmatrix_ppo) limit=240 ;;
+        mpn_dqn) limit=150 ;;
+        pointer_generator|ad_transformer) limit=100 ;;
+        *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer)"; continue ;;
       esac
+      step "bench-$s" "$limit" python -m raysys.bench "$s" --quick --device cuda --json "$OUT/bench_${s}_cuda.json"
     done
     # the device tool returns at most 8 files: one archive holds every log and JSON
     (cd "$OUT" && tar czf gpu_checks.tgz --remove-files ./*.log ./*.json device.txt 2>/dev/null; ls -l)

@@ -274,8 +274,11 @@ def test_an_unstable_trial_where_lower_is_better_is_left_out_not_scored():
     from raysys.tune import objectives as obj
     from raysys.tune.runner import _penalty
 
-    assert _penalty({"quality_mode": "min"}) is None and _penalty({}) == obj.DEFAULT_QUALITY_PENALTY
-    assert _penalty({"quality_mode": "min", "quality_penalty": 9.0}) == 9.0
+    def penalty(**objectives):
+        return _penalty(spaces.SweepSpace("deep_gpcm", "quick", {}, {}, objectives, {}, "s.yaml"))
+
+    assert penalty(quality_mode="min") is None and penalty() == obj.DEFAULT_QUALITY_PENALTY
+    assert penalty(quality_mode="min", quality_penalty=9.0) == 9.0
     t = obj.ObjectiveTracker("perf/x", "eval/loss", quality_penalty=None, quality_mode="min")
     out = t.update({"perf/x": 1.0, "eval/loss": 0.3, "train/loss": float("nan")})
     assert out[obj.UNSTABLE] == 1.0 and math.isnan(out[obj.QUALITY]) and out[obj.MEASURED_QUALITY] == 0.3

@@ -248,7 +248,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                            "sweep.num_samples": opts.num_samples, "sweep.max_concurrent": concurrent,
                            "sweep.tolerance": tolerance, "sweep.throughput_metric": throughput_metric,
                            "sweep.quality_metric": quality_metric,
-                           "sweep.quality_mode": sp.objectives.get("quality_mode", "max"), "sweep.seed": opts.seed,
+                           "sweep.quality_mode": sp.quality_mode, "sweep.seed": opts.seed,
                            **{f"space.{k}": d.describe() for k, d in sp.knobs.items()},
                            **{f"fixed.{k}": v for k, v in sp.fixed.items()}})
     if not stored:
@@ -263,8 +263,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                        runs_storage=runs_storage, sweep_storage=opts.storage_path if remote else "",
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
-                       stability=sp.stability, quality_penalty=_penalty(sp.objectives),
-                       quality_mode=sp.objectives.get("quality_mode", "max"),
+                       stability=sp.stability, quality_penalty=_penalty(sp), quality_mode=sp.quality_mode,
                        preset=sp.preset, fixed=tuple(sp.fixed.items()))
     link = report.save_sweep_view(uri, parent, name, sorted(sp.knobs))
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
@@ -358,7 +357,7 @@ def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl:
         print(f"[raysys.tune] note: the grid knobs make {len(grid)} combinations but only {opts.num_samples} trials "
               "run; the first ones are tried", flush=True)
     searcher = OptunaSearch(space=spaces.OptunaSpace(sp.knobs), metric=[obj.THROUGHPUT, obj.QUALITY],
-                            mode=["max", sp.objectives.get("quality_mode", "max")], points_to_evaluate=grid or None,
+                            mode=["max", sp.quality_mode], points_to_evaluate=grid or None,
                             sampler=optuna.samplers.TPESampler(seed=opts.seed))
     if opts.vectorize > 1:
         from raysys.tune.population import PopulationSearcher
@@ -404,12 +403,12 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
     return rec
 
 
-def _penalty(objectives: dict) -> Optional[float]:
+def _penalty(sp: spaces.SweepSpace) -> Optional[float]:
     """The space's quality penalty; by default -1 where higher quality is better, and none (NaN, left
     out of the study) where lower is: no one value is worse than every loss."""
-    if "quality_penalty" in objectives:
-        return float(objectives["quality_penalty"])
-    return obj.DEFAULT_QUALITY_PENALTY if objectives.get("quality_mode", "max") == "max" else None
+    if "quality_penalty" in sp.objectives:
+        return float(sp.objectives["quality_penalty"])
+    return obj.DEFAULT_QUALITY_PENALTY if sp.quality_mode == "max" else None
 
 
 def _float(v: Any) -> Optional[float]:

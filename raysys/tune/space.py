@@ -67,6 +67,11 @@ class SweepSpace:
     stability: dict[str, Any] = field(default_factory=dict)
     source: str = "<dict>"
 
+    @property
+    def quality_mode(self) -> str:
+        """'max' or 'min': which way quality is better (``from_dict`` settles it, ``quality_mode()``)."""
+        return self.objectives.get("quality_mode", "max")
+
     def base_config(self) -> Any:
         """The workload's preset with the fixed overrides: what every trial starts from."""
         wl = registry.get(self.workload)

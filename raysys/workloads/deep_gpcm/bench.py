@@ -69,17 +69,22 @@ def batch_sizes(task, cfg, sizes, repeats: int, device) -> dict:
     """Step times at each batch size (the longest sequences of the training split, so T is the data's
     longest): the naive path, the optimized path, and the optimized path with its recurrence as a
     torch loop (``model.recurrence=loop``) next to whatever ``auto`` picks on this device."""
-    train_ds, _ = task.datasets(cfg)
     seqs = task._data(cfg)
-    by_length = sorted(range(len(train_ds)), key=lambda i: -len(train_ds[i][0]))
     variants = {"naive": {"path": "naive"}, "optimized": {"path": "optimized"},
                 "optimized_loop": {"path": "optimized", "recurrence": "loop"}}
     out = {}
     for bs in sizes:
-        big = task.collate([train_ds[i] for i in by_length[:bs]])
+        big = longest_batch(task, cfg, bs)
         out[f"B={bs} T={big['questions'].shape[1]}"] = step_throughput(
             big, seqs.n_questions, seqs.n_cats, repeats=repeats, device=device, variants=variants)
     return out
+
+
+def longest_batch(task, cfg, batch_size: int) -> dict:
+    """A batch of the training split's ``batch_size`` longest sequences: T is the data's longest."""
+    train_ds, _ = task.datasets(cfg)
+    by_length = sorted(range(len(train_ds)), key=lambda i: -len(train_ds[i][0]))
+    return task.collate([train_ds[i] for i in by_length[:batch_size]])
 
 
 def step_profile(task, cfg, batch_size: int, device) -> list[dict]:
@@ -88,10 +93,8 @@ def step_profile(task, cfg, batch_size: int, device) -> list[dict]:
     from raysys.train.data import to_device
     from raysys.workloads.deep_gpcm.model import DeepGPCM
 
-    train_ds, _ = task.datasets(cfg)
     seqs = task._data(cfg)
-    by_length = sorted(range(len(train_ds)), key=lambda i: -len(train_ds[i][0]))
-    batch = to_device(task.collate([train_ds[i] for i in by_length[:batch_size]]), torch.device(device))
+    batch = to_device(longest_batch(task, cfg, batch_size), torch.device(device))
     torch.manual_seed(0)
     model = DeepGPCM(seqs.n_questions, seqs.n_cats, path="optimized").to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -312,8 +312,7 @@ class DeepGPCM(nn.Module):
         # can fill half the batch. On CUDA the gradient of table[inv] adds a pair's rows one after
         # another, so that pair's tens of thousands of rows serialize; embedding's backward splits
         # long runs into segments summed in parallel.
-        erase, add = F.embedding(inv, table).chunk(2, dim=-1)
-        return erase, add
+        return F.embedding(inv, table).chunk(2, dim=-1)  # erase, add
 
     def _forward_optimized(self, questions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         # Sort rows longest first so that the rows still inside their sequence at step t are a

@@ -266,10 +266,9 @@ def run_bench(quick: bool = False) -> dict:
         _print_split(split)
         extra["one update at 8192 envs: time shares"] = ", ".join(f"{k} {v:.0%}" for k, v in split["share"].items())
         res["population_32"] = pop = population_vs_alone(32, 256, 128, chunks=chunks)
-        extra["population of 32 x 256 envs vs one member alone (aggregate env-steps/s)"] = (
-            f"{pop['population_env_steps_per_s']:.0f} vs {pop['alone_env_steps_per_s']:.0f}: {pop['ratio']:.1f}x")
-        print(f"[bench] population {extra['population of 32 x 256 envs vs one member alone (aggregate env-steps/s)']}",
-              flush=True)
+        line = f"{pop['population_env_steps_per_s']:.0f} vs {pop['alone_env_steps_per_s']:.0f}: {pop['ratio']:.1f}x"
+        extra["population of 32 x 256 envs vs one member alone (aggregate env-steps/s)"] = line
+        print(f"[bench] population of 32 x 256 envs vs one member alone: {line}", flush=True)
     try:
         from raysys.workloads.hackmatrix_ppo.rllib_compare import measure_rllib_ppo
 

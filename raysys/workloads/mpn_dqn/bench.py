@@ -32,8 +32,10 @@ def _run(preset: str, overrides: dict, tmp: str) -> dict:
     return {k.split("/")[1]: m.get(k) for k in keys}
 
 
-def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda",
-                 kinds=("eager", "compile", "reduce-overhead", "cuda_graph")) -> dict:
+UPDATE_KINDS = ("eager", "compile", "reduce-overhead", "cuda_graph")
+
+
+def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda", kinds=UPDATE_KINDS) -> dict:
     """Milliseconds per whole optimized update (TD loss, backward, clip, Adam step) at each batch
     size: eager, the loss through ``torch.compile`` (the ``compile`` knob), the same with
     ``mode="reduce-overhead"`` (CUDA graphs of the loss's forward and backward, inside compile), and
@@ -90,8 +92,8 @@ def run_bench(quick: bool = False) -> dict:
     print(f"[bench] TD-loss step: naive {td['naive_s'] * 1e3:.1f} ms, optimized {td['optimized_s'] * 1e3:.2f} ms "
           f"-> {td['speedup']:.1f}x", flush=True)
     # quick: the two ends (torch.compile's variants cost a minute of compiling; the full bench has them)
-    updates = update_times(repeats=20 if quick else 50, **({"kinds": ("eager", "cuda_graph")} if quick else {})) \
-        if device == "cuda" else None
+    kinds = ("eager", "cuda_graph") if quick else UPDATE_KINDS
+    updates = update_times(repeats=20 if quick else 50, kinds=kinds) if device == "cuda" else None
     # Same episodes for both commands; the old one stops at its time budget.
     # On a GPU the quick bench runs inside a short device lease: 30 s gives the old config's rate too.
     episodes, budget = (40, 90.0 if device == "cpu" else 30.0) if quick else (100, 900.0)
