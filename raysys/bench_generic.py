@@ -30,16 +30,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[dict]:
+def top_ops(step, device: torch.device, steps: int = 3, top: int = 8, on_host: bool = False) -> list[dict]:
     """Where a training step's time goes, from PyTorch's profiler: the ``top`` operators or kernels
     by self time on ``device`` (GPU kernels on CUDA), in ms per step, over ``steps`` calls of
-    ``step()`` after one warm-up. What a bench prints next to a step time that misses its target."""
+    ``step()`` after one warm-up. What a bench prints next to a step time that misses its target.
+    ``on_host``: operators by self time on the host instead (rows marked ``host``), which is what
+    bounds a GPU step made of many small kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda" and not on_host
     step()
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
         for _ in range(steps):
             step()
         sync(device)
@@ -53,7 +55,7 @@ def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[di
     total = sum(own(e) for e in events) or 1.0
     rows = sorted(events, key=own, reverse=True)[:top]
     return [{"name": e.key[:90], "ms_per_step": own(e) / 1e3 / steps, "calls_per_step": e.count / steps,
-             "share": own(e) / total} for e in rows]
+             "share": own(e) / total} | ({"host": True} if on_host else {}) for e in rows]
 
 
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,

@@ -78,7 +78,7 @@ case "${1:-a}" in
       case $s in
         tests) run_tests; continue ;;
         deep_gpcm) limit=120 ;;
-        hackmatrix_ppo) limit=240 ;;
+        hackmatrix_ppo) limit=300 ;;
         mpn_dqn) limit=150 ;;
         pointer_generator|ad_transformer) limit=100 ;;
         *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer)"; continue ;;

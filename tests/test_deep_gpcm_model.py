@@ -277,7 +277,8 @@ def test_triton_recurrence_matches_the_naive_path_in_the_interpreter():
 
 def test_triton_kernels_compile_for_an_h100_without_spills():
     """Triton's whole compiler (to PTX and cubin) for sm_90, no GPU needed: the kernels the interpreter
-    checked above are valid GPU programs, and their tiles fit in registers (no local memory)."""
+    checked above are valid GPU programs in every configuration the tuner may pick, and their tiles
+    fit in registers (no local memory)."""
     import json
     import subprocess
     import sys
@@ -288,7 +289,7 @@ def test_triton_kernels_compile_for_an_h100_without_spills():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(res) == {"fwd", "bwd"}
+    assert {k.split()[0] for k in res} == {"fwd", "bwd"} and len(res) >= 4, res
     for name, (spills, size) in res.items():
         assert not spills and size > 1000, (name, spills, size)
 

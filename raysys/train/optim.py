@@ -15,7 +15,15 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **fused_kwargs(params))
+
+
+def fused_kwargs(params) -> dict:
+    """``fused=True`` where every parameter is a floating-point CUDA tensor: Adam's whole step is
+    then one kernel launch instead of a dozen. A GPU step that is short on compute is bound by
+    launches on the host (measured on an H200, docs/benchmarks.md), so this is time off every step."""
+    params = list(params)
+    return {"fused": True} if params and all(p.is_cuda and p.is_floating_point() for p in params) else {}
 
 
 def lr_factor(cfg: OptimConfig, step: int, total_steps: int) -> float:

@@ -13,6 +13,7 @@ import torch
 
 from raysys.bench_generic import sync, top_ops
 from raysys.config import apply_overrides
+from raysys.train.optim import fused_kwargs
 
 
 def _train_step(model, opt, batch) -> None:
@@ -45,7 +46,7 @@ def step_throughput(batch: dict, n_questions: int, n_cats: int, repeats: int, de
         logits = {k: m(batch["questions"], batch["responses"]) for k, m in models.items()}
     base = logits.get("naive", logits[next(iter(logits))])
     diffs = {k: float((base - v)[batch["mask"]].abs().max()) for k, v in logits.items()}
-    opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3) for k, m in models.items()}
+    opts = {k: torch.optim.Adam(m.parameters(), lr=1e-3, **fused_kwargs(m.parameters())) for k, m in models.items()}
     times = {k: [] for k in models}
     for k in models:  # warm-up (allocator, lazy init, kernel compiles)
         _train_step(models[k], opts[k], batch)
@@ -72,6 +73,8 @@ def batch_sizes(task, cfg, sizes, repeats: int, device) -> dict:
     seqs = task._data(cfg)
     variants = {"naive": {"path": "naive"}, "optimized": {"path": "optimized"},
                 "optimized_loop": {"path": "optimized", "recurrence": "loop"}}
+    if torch.device(device).type == "cuda":  # the kernels' chunk: checkpoint memory against recompute
+        variants |= {f"optimized_chunk{c}": {"path": "optimized", "chunk": c} for c in (4, 16)}
     out = {}
     for bs in sizes:
         big = longest_batch(task, cfg, bs)
@@ -97,8 +100,10 @@ def step_profile(task, cfg, batch_size: int, device) -> list[dict]:
     batch = to_device(longest_batch(task, cfg, batch_size), torch.device(device))
     torch.manual_seed(0)
     model = DeepGPCM(seqs.n_questions, seqs.n_cats, path="optimized").to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **fused_kwargs(model.parameters()))
     rows = top_ops(lambda: _train_step(model, opt, batch), torch.device(device))
+    if torch.device(device).type == "cuda":  # the host's side of the step: what launches cost
+        rows += top_ops(lambda: _train_step(model, opt, batch), torch.device(device), on_host=True)
     for r in rows:
         print(f"[bench] B={batch_size} optimized step: {r['ms_per_step']:8.3f} ms/step {r['share']:5.1%} "
               f"x{r['calls_per_step']:g} {r['name']}", flush=True)
@@ -129,9 +134,22 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
                 f" ({r['naive']['step_s'] / r['optimized']['step_s']:.0f}x; logits |diff| "
                 f"{r['optimized']['max_abs_logit_diff_vs_naive']:.1e})")
         extra["recurrence on CUDA"] = "triton (fused kernels)" if triton_available() else "loop (triton missing)"
+        for name, r in gpu_batches.items():
+            chunks = sorted(k for k in r if k.startswith("optimized_chunk"))
+            if chunks:
+                extra[f"{name} optimized step ms by chunk"] = ", ".join(
+                    f"{k.removeprefix('optimized_chunk')}: {r[k]['step_s'] * 1e3:.2f}" for k in chunks) + (
+                    f", 8 (default): {r['optimized']['step_s'] * 1e3:.2f}")
+        if triton_available():
+            from raysys.workloads.deep_gpcm.memory_kernel import tuning_report
+
+            for i, line in enumerate(tuning_report()):
+                extra[f"kernel tuning {i}"] = line
         profile = step_profile(task, cfg, 256, device)
         extra["optimized step at B=256, GPU time by kernel (ms/step)"] = ", ".join(
-            f"{r['name']} {r['ms_per_step']:.2f}" for r in profile[:6])
+            f"{r['name']} {r['ms_per_step']:.2f}" for r in profile if not r.get("host"))
+        extra["optimized step at B=256, host time by operator (ms/step)"] = ", ".join(
+            f"{r['name']} {r['ms_per_step']:.2f} x{r['calls_per_step']:g}" for r in profile if r.get("host"))
 
     # Quality: each path trained the same way from the same seed, through the shared loop in-process.
     quality = {}

@@ -38,6 +38,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _step_inputs(w_ptr, e_ptr, a_ptr, t, ok, b, B, N, D, rows, cols):
+    """w_t [BLOCK_N], e_t, a_t [BLOCK_D] of batch row b; zeros where not ``ok`` (padded steps)."""
+    n_ok = tl.where(ok, N, 0)  # masks: all rows/columns inside the sequence, none after
+    d_ok = tl.where(ok, D, 0)
+    wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
+    et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+    at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+    return wt, et, at
+
+
+# Both kernels load step t's inputs one step ahead, during step t-1's math: the recurrence is
+# serial, so a load issued when it is needed leaves the program waiting on memory for most of a step.
+
+@triton.jit
 def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, B, N, D,
          CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
@@ -48,17 +62,15 @@ def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, B, N, D,
     tile = rows[:, None] * D + cols[None, :]
     m = tl.load(m0_ptr + tile, mask=tile_ok, other=0.0)
     length = tl.load(len_ptr + b)
+    wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, 0, 0 < length, b, B, N, D, rows, cols)
     for c in range(0, (length + CHUNK - 1) // CHUNK):
         tl.store(ckpt_ptr + (c * B + b) * N * D + tile, m, mask=tile_ok)
         for s in range(0, CHUNK):
             t = c * CHUNK + s
-            n_ok = tl.where(t < length, N, 0)  # masks: all rows/columns inside the sequence, none after
-            d_ok = tl.where(t < length, D, 0)
-            wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
-            et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
-            at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
-            tl.store(reads_ptr + (t * B + b) * D + cols, tl.sum(wt[:, None] * m, axis=0), mask=cols < d_ok)
+            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t + 1, t + 1 < length, b, B, N, D, rows, cols)
+            tl.store(reads_ptr + (t * B + b) * D + cols, tl.sum(wt[:, None] * m, axis=0), mask=cols < tl.where(t < length, D, 0))
             m += wt[:, None] * (at[None, :] - et[None, :] * m)  # w = 0 on padded steps: no change
+            wt, et, at = wn, en, an
 
 
 @triton.jit
@@ -77,64 +89,129 @@ def _bwd(w_ptr, e_ptr, a_ptr, len_ptr, ckpt_ptr, gr_ptr, dw_ptr, de_ptr, da_ptr,
     for cc in range(0, n_chunks):
         c = n_chunks - 1 - cc
         m = tl.load(ckpt_ptr + (c * B + b) * N * D + tile, mask=tile_ok, other=0.0)
+        t0 = c * CHUNK
+        wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, t0, t0 < length, b, B, N, D, rows, cols)
         for s in range(0, CHUNK):  # recompute M_t of this chunk into scratch
-            t = c * CHUNK + s
-            n_ok = tl.where(t < length, N, 0)  # masks: all rows/columns inside the sequence, none after
-            d_ok = tl.where(t < length, D, 0)
+            t = t0 + s
+            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t + 1, (t + 1 < length) & (s + 1 < CHUNK), b, B, N, D, rows, cols)
             tl.store(scratch_ptr + (b * CHUNK + s) * N * D + tile, m, mask=tile_ok)
-            wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
-            et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
-            at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
             m += wt[:, None] * (at[None, :] - et[None, :] * m)
+            wt, et, at = wn, en, an
         tl.debug_barrier()  # the scratch slice written above is read back below by other threads
+        t = t0 + CHUNK - 1
+        wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, t, t < length, b, B, N, D, rows, cols)
+        dr = tl.load(gr_ptr + (t * B + b) * D + cols, mask=cols < tl.where(t < length, D, 0), other=0.0)
+        m = tl.load(scratch_ptr + (b * CHUNK + CHUNK - 1) * N * D + tile, mask=tile_ok, other=0.0)
         for s2 in range(0, CHUNK):
             s = CHUNK - 1 - s2
-            t = c * CHUNK + s
-            n_ok = tl.where(t < length, N, 0)  # masks: all rows/columns inside the sequence, none after
+            t = t0 + s
+            ok = (s > 0) & (t - 1 < length)  # the step before, inside this chunk: fetched ahead
+            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t - 1, ok, b, B, N, D, rows, cols)
+            drn = tl.load(gr_ptr + ((t - 1) * B + b) * D + cols, mask=cols < tl.where(ok, D, 0), other=0.0)
+            mn = tl.load(scratch_ptr + (b * CHUNK + s - 1) * N * D + tile, mask=(rows < tl.where(ok, N, 0))[:, None] & col_ok[None, :], other=0.0)
+            n_ok = tl.where(t < length, N, 0)
             d_ok = tl.where(t < length, D, 0)
-            m = tl.load(scratch_ptr + (b * CHUNK + s) * N * D + tile, mask=tile_ok, other=0.0)
-            wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
-            et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
-            at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
-            dr = tl.load(gr_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
             wg = wt[:, None] * g
             tl.store(da_ptr + (t * B + b) * D + cols, tl.sum(wg, axis=0), mask=cols < d_ok)
             tl.store(de_ptr + (t * B + b) * D + cols, -tl.sum(wg * m, axis=0), mask=cols < d_ok)
             dw = tl.sum(dr[None, :] * m + g * (at[None, :] - et[None, :] * m), axis=1)
             tl.store(dw_ptr + ((blk * T + t) * B + b) * N + rows, dw, mask=rows < n_ok)
             g = g - wt[:, None] * (et[None, :] * g - dr[None, :])  # w = dr = 0 on padded steps: no change
+            wt, et, at, dr, m = wn, en, an, drn, mn
         tl.debug_barrier()  # the next chunk overwrites the scratch slice
     tl.store(dm0_ptr + b * N * D + tile, g, mask=tile_ok)
 
 
+def configs(n: int, d: int) -> list[tuple[int, int]]:
+    """The (BLOCK_D, num_warps) the tuner tries for a memory of n rows and d columns: 16 or 32 tile
+    elements per thread, so a tile and its temporaries stay in registers; BLOCK_D no wider than d."""
+    block_n = triton.next_power_of_2(n)
+    out = [(bd, nw) for bd in (16, 32, 64, 128) for nw in (1, 2, 4, 8)
+           if bd <= max(16, triton.next_power_of_2(d)) and block_n * bd // (32 * nw) in (16, 32)]
+    return out or [(16, 1)]
+
+
 def compile_for(arch: int = 90, chunk: int = 16, n: int = 50, d: int = 200) -> dict:
-    """Both kernels through Triton's whole compiler (to PTX and cubin) for a CUDA architecture
-    (90: H100), without a GPU: what a CPU-only CI can check besides the numerics. -> {name: PTX}."""
+    """Both kernels, in every configuration the tuner may pick, through Triton's whole compiler (to
+    PTX and cubin) for a CUDA architecture (90: H100), without a GPU: what a CPU-only CI can check
+    besides the numerics. -> {"fwd 64x4": PTX, ...} (BLOCK_D x num_warps)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     ptr, i32 = "*fp32", "i32"
-    consts = {"CHUNK": chunk, "BLOCK_N": triton.next_power_of_2(n), "BLOCK_D": min(triton.next_power_of_2(d), 64)}
     sigs = {
         "fwd": (_fwd, [ptr] * 4 + ["*i32", ptr, ptr] + [i32] * 3),
         "bwd": (_bwd, [ptr] * 3 + ["*i32"] + [ptr] * 7 + [i32] * 4),
     }
     out = {}
-    for name, (kernel, types) in sigs.items():
-        names = kernel.arg_names
-        signature = dict(zip(names, types)) | {k: "constexpr" for k in consts}
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=GPUTarget("cuda", arch, 32))
-        out[name] = compiled.asm["ptx"]
+    for block_d, warps in configs(n, d):
+        consts = {"CHUNK": chunk, "BLOCK_N": triton.next_power_of_2(n), "BLOCK_D": block_d}
+        for name, (kernel, types) in sigs.items():
+            signature = dict(zip(kernel.arg_names, types)) | {k: "constexpr" for k in consts}
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts),
+                                      target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+            out[f"{name} {block_d}x{warps}"] = compiled.asm["ptx"]
     return out
 
 
-def _launch(x: torch.Tensor, d: int) -> tuple[int, int]:
-    """(the grid's column blocks, BLOCK_D) for a memory of d columns."""
+def _check_device(x: torch.Tensor) -> None:
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton memory recurrence runs on a CUDA device, or on a CPU in Triton's interpreter "
                            "(TRITON_INTERPRET=1 set before triton is imported)")
-    block_d = min(triton.next_power_of_2(d), 64)
-    return triton.cdiv(d, block_d), block_d
+
+
+_best: dict = {}  # (kernel, device, B rounded up to a power of two, N, D, chunk) -> (BLOCK_D, num_warps)
+_times: dict = {}  # the same keys -> {(BLOCK_D, num_warps): ms}
+
+
+def tuning_report() -> list[str]:
+    """What the tuner measured in this process, one line per kernel and shape (benches print it)."""
+    return [f"{kind} B<={b} N={n} D={d} chunk={c}: " + ", ".join(
+        f"{bd}x{nw} {ms:.2f}{'*' if (bd, nw) == _best[key] else ''}" for (bd, nw), ms in _times[key].items())
+        + " ms (BLOCK_D x warps, * picked)" for key in _times for kind, _, b, n, d, c in [key]]
+
+
+def _tuned(kind: str, run, x: torch.Tensor, B: int, N: int, D: int, chunk: int) -> tuple[int, int]:
+    """The fastest configuration of one kernel for this shape, timed once per process on the call's
+    own inputs (as ``triton.autotune`` does, but here the grid and the dw partials depend on the
+    pick). The best tile differs by GPU and by shape, so it is measured, not assumed. The
+    interpreter (CPU) takes the widest tile; its timings would mean nothing."""
+    if x.device.type != "cuda":
+        return min(triton.next_power_of_2(D), 64), 4
+    key = (kind, x.device.index, triton.next_power_of_2(B), N, D, chunk)
+    if key not in _best:
+        from triton.testing import do_bench
+
+        _times[key] = {cfg: do_bench(lambda: run(cfg), warmup=2, rep=10) for cfg in configs(N, D)}
+        _best[key] = min(_times[key], key=_times[key].get)
+    return _best[key]
+
+
+def forward_kernel(w, e, a, m0, lengths, chunk: int, config: tuple[int, int]):
+    """-> (reads [T,B,D], checkpoints [T/chunk,B,N,D]) with one (BLOCK_D, num_warps) configuration."""
+    T, B, N = w.shape
+    D = e.shape[-1]
+    block_d, warps = config
+    reads = e.new_zeros(T, B, D)
+    ckpt = e.new_empty(triton.cdiv(T, chunk), B, N, D)
+    _fwd[(B, triton.cdiv(D, block_d))](w, e, a, m0, lengths, reads, ckpt, B, N, D, CHUNK=chunk,
+                                       BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps)
+    return reads, ckpt
+
+
+def backward_kernel(w, e, a, lengths, ckpt, grad_reads, chunk: int, config: tuple[int, int]):
+    """-> (dw, de, da, dm0) with one (BLOCK_D, num_warps) configuration."""
+    T, B, N = w.shape
+    D = e.shape[-1]
+    block_d, warps = config
+    blocks = triton.cdiv(D, block_d)
+    dw = w.new_zeros(blocks, T, B, N)  # one partial sum per column block: no atomics, deterministic
+    de, da = torch.zeros_like(e), torch.zeros_like(a)
+    dm0 = e.new_empty(B, N, D)
+    scratch = e.new_empty(B, chunk, N, D)
+    _bwd[(B, blocks)](w, e, a, lengths, ckpt, grad_reads, dw, de, da, dm0, scratch, T, B, N, D, CHUNK=chunk,
+                      BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps)
+    return dw.sum(0), de, da, dm0.sum(0)
 
 
 class TritonMemoryScan(torch.autograd.Function):
@@ -143,14 +220,11 @@ class TritonMemoryScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, e, a, m0, lengths, chunk: int):
+        _check_device(w)
         w, e, a, m0 = (x.float().contiguous() for x in (w, e, a, m0))
-        T, B, N = w.shape
-        D = e.shape[-1]
-        blocks, block_d = _launch(w, D)
-        reads = e.new_zeros(T, B, D)
-        ckpt = e.new_empty(triton.cdiv(T, chunk), B, N, D)
-        _fwd[(B, blocks)](w, e, a, m0, lengths, reads, ckpt, B, N, D,
-                         CHUNK=chunk, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d)
+        (T, B, N), D = w.shape, e.shape[-1]
+        cfg = _tuned("fwd", lambda c: forward_kernel(w, e, a, m0, lengths, chunk, c), w, B, N, D, chunk)
+        reads, ckpt = forward_kernel(w, e, a, m0, lengths, chunk, cfg)
         ctx.save_for_backward(w, e, a, lengths, ckpt)
         ctx.chunk = chunk
         return reads
@@ -158,18 +232,12 @@ class TritonMemoryScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_reads):
         w, e, a, lengths, ckpt = ctx.saved_tensors
-        T, B, N = w.shape
-        D = e.shape[-1]
-        blocks, block_d = _launch(w, D)
-        dw = w.new_zeros(blocks, T, B, N)
-        de, da = torch.zeros_like(e), torch.zeros_like(a)
-        dm0 = e.new_empty(B, N, D)
-        scratch = e.new_empty(B, ctx.chunk, N, D)
-        _bwd[(B, blocks)](w, e, a, lengths, ckpt, grad_reads.float().contiguous(), dw, de, da, dm0, scratch, T, B, N, D,
-                         CHUNK=ctx.chunk, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d)
-        return dw.sum(0), de, da, dm0.sum(0), None, None
+        (T, B, N), D = w.shape, e.shape[-1]
+        gr = grad_reads.float().contiguous()
+        cfg = _tuned("bwd", lambda c: backward_kernel(w, e, a, lengths, ckpt, gr, ctx.chunk, c), w, B, N, D, ctx.chunk)
+        return *backward_kernel(w, e, a, lengths, ckpt, gr, ctx.chunk, cfg), None, None
 
 
 def memory_scan(w: torch.Tensor, e: torch.Tensor, a: torch.Tensor, m0: torch.Tensor, lengths: torch.Tensor,
-                chunk: int = 16) -> torch.Tensor:
+                chunk: int = 8) -> torch.Tensor:
     return TritonMemoryScan.apply(w, e, a, m0, lengths.to(device=w.device, dtype=torch.int32).contiguous(), chunk)

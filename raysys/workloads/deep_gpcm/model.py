@@ -193,7 +193,7 @@ class DeepGPCM(nn.Module):
     ``path`` picks the implementation ("naive" or "optimized"); both use the same parameters, so a
     state_dict saved from one loads into the other. ``chunk`` (optimized only) is how many steps
     the memory backward recomputes at a time: memory ~ (T/chunk + chunk) * B*N*Dv floats instead of
-    T * B*N*Dv; speed is flat between 8 and 32 on CPU. ``recurrence_threads`` (CPU only) runs the
+    T * B*N*Dv; speed is flat between 8 and 32 on CPU, and 8 is faster than 16 on a GPU. ``recurrence_threads`` (CPU only) runs the
     memory loop with that many intra-op threads, then restores the setting; None leaves it alone.
     Its ops are small, so each thread-team barrier is a large share of them: 1 is ~25% slower on
     an idle 2-core host but several times faster when other jobs load the cores (a descheduled
@@ -206,7 +206,7 @@ class DeepGPCM(nn.Module):
 
     def __init__(self, n_questions: int, n_cats: int = 4, memory_size: int = 50, key_dim: int = 50,
                  value_dim: int = 200, final_fc_dim: int = 50, path: ModelPath = "optimized",
-                 chunk: int = 16, recurrence_threads: int | None = None, recurrence: Recurrence = "auto"):
+                 chunk: int = 8, recurrence_threads: int | None = None, recurrence: Recurrence = "auto"):
         super().__init__()
         if path not in ("naive", "optimized"):
             raise ValueError(f"path must be 'naive' or 'optimized', got {path!r}")
@@ -249,7 +249,12 @@ class DeepGPCM(nn.Module):
         beta = torch.tanh(self.beta_head(q))
         alpha = F.softplus(self.alpha_head(torch.cat([summary, q], dim=-1)))
         steps = alpha * (theta - beta)  # [..., K-1]
-        return torch.cat([torch.zeros_like(steps[..., :1]), steps.cumsum(-1)], dim=-1)
+        # the running sum written out: K is a handful, and CUDA's cumsum over so short a last
+        # dimension was ~1 ms per call at B=256 on an H200, more than the whole head
+        z = [torch.zeros_like(steps[..., 0])]
+        for h in range(steps.shape[-1]):
+            z.append(z[-1] + steps[..., h])
+        return torch.stack(z, dim=-1)
 
     def _use_triton(self, device: torch.device) -> bool:
         if self.recurrence == "auto":
@@ -297,12 +302,20 @@ class DeepGPCM(nn.Module):
 
         The K*Q code of (q, r) has non-zeros only in block q, so value_embed(code) = W[:, block q] @
         decay[r] + bias. It depends on the pair (q, r) alone, so erase/add are computed once per
-        distinct pair in the batch (at most Q*K + K of them) and gathered per step.
+        distinct pair in the batch (at most Q*K + K of them), or once per possible pair where there
+        are no more of those than steps in the batch, and gathered per step.
         """
-        K = self.n_cats
+        K, Q = self.n_cats, self.n_questions
         pair = questions.t() * K + responses.t()  # [T,B]: time-major for the recurrence
-        uniq, inv = torch.unique(pair, return_inverse=True)
-        uq, ur = uniq // K, uniq % K
+        if (Q + 1) * K <= pair.numel():
+            # Every possible pair costs no more than the gather below, and needs no host sync
+            # (unique's output size does): on a GPU the step then queues ahead of the device.
+            inv = pair
+            uq = torch.arange(Q + 1, device=pair.device).repeat_interleave(K)
+            ur = torch.arange(K, device=pair.device).repeat(Q + 1)
+        else:
+            uniq, inv = torch.unique(pair, return_inverse=True)
+            uq, ur = uniq // K, uniq % K
         weight = self.gpcm_value_embed.weight  # [Dv, Q*K], column (q-1)*K + k
         blocks = weight.t().reshape(self.n_questions, K, -1)[(uq - 1).clamp(min=0)]  # [U,K,Dv]
         blocks = blocks * (uq > 0).to(blocks.dtype)[:, None, None]  # padding (q = 0) has no input
@@ -315,28 +328,35 @@ class DeepGPCM(nn.Module):
         return F.embedding(inv, table).chunk(2, dim=-1)  # erase, add
 
     def _forward_optimized(self, questions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        # Sort rows longest first so that the rows still inside their sequence at step t are a
-        # prefix of the batch: the recurrence then skips padded steps by slicing.
         B, T = questions.shape
         steps = torch.arange(T, device=questions.device)
         lengths = ((questions != 0) * (steps + 1)).amax(1)  # up to the last non-padding id
-        order = torch.argsort(lengths, descending=True, stable=True)
-        questions, responses = questions[order], responses[order]
-        lengths = lengths[order]
-        inside = steps[:, None] < lengths[None, :]  # [T,B], sorted rows
+        fused = self._use_triton(questions.device)
+        if not fused:
+            # Sort rows longest first so that the rows still inside their sequence at step t are a
+            # prefix of the batch: the loop then skips padded steps by slicing. (The kernels take
+            # each row's length instead.)
+            order = torch.argsort(lengths, descending=True, stable=True)
+            questions, responses = questions[order], responses[order]
+            lengths = lengths[order]
+        inside = steps[:, None] < lengths[None, :]  # [T,B]
 
         q_embeds = self.q_embed(questions.t())  # [T,B,Dk], time-major for the recurrence
         w = torch.softmax(q_embeds @ self.key_memory.t(), dim=-1)  # [T,B,N]
         erase, add = self._value_inputs(questions, responses)
         # the recurrence runs in float32 whatever autocast did upstream: errors compound over T steps
         args = w.float(), erase.float(), add.float(), self.init_value_memory.float()
-        if self._use_triton(w.device):
+        if fused:
             from raysys.workloads.deep_gpcm.memory_kernel import memory_scan
 
-            reads = memory_scan(*args, lengths, self.chunk)  # [T,B,Dv]; no host sync
-        else:
-            active = inside.sum(1).tolist()  # one host sync
-            reads = _MemoryScan.apply(*args, active, self.chunk, self.recurrence_threads)
+            # No host sync on this path, so a GPU step queues ahead of the device instead of waiting
+            # on its launches: the head runs on every step, padded ones too (cheap next to a sync).
+            reads = memory_scan(*args, lengths, self.chunk)  # [T,B,Dv], 0 on padded steps
+            summary = torch.tanh(self.summary(torch.cat([reads, q_embeds], dim=-1)))
+            z = self._gpcm_head(summary, q_embeds) * inside[..., None]  # padded steps: logits 0
+            return z.transpose(0, 1)
+        active = inside.sum(1).tolist()  # one host sync
+        reads = _MemoryScan.apply(*args, active, self.chunk, self.recurrence_threads)
 
         # The head runs on steps inside a sequence only (padding is ~40% of a synthetic_OC batch);
         # its logits land straight in [B,T] order, unsorted. Padded steps get logits 0.
@@ -349,5 +369,8 @@ class DeepGPCM(nn.Module):
 
 
 def masked_loss(logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the GPCM logits over valid (unpadded) steps only."""
-    return F.cross_entropy(logits[mask], responses[mask])
+    """Mean cross-entropy of the GPCM logits over valid (unpadded) steps only. Weighted by the mask,
+    not indexed by it: boolean indexing waits for the GPU to count the steps (a host sync)."""
+    losses = F.cross_entropy(logits.flatten(0, 1), responses.flatten(), reduction="none")
+    mask = mask.flatten().bool()
+    return torch.where(mask, losses, 0.0).sum() / mask.sum()

@@ -83,8 +83,10 @@ class ModelConfig:
     """Value memory width."""
     final_fc_dim: int = 50
     """Summary network width."""
-    chunk: int = 16
-    """optimized: memory states kept every `chunk` steps; the backward recomputes the rest."""
+    chunk: int = 8
+    """optimized: memory states kept every `chunk` steps; the backward recomputes the rest. Speed is
+    flat from 8 to 32 on a CPU; on a GPU the kernels' backward keeps a chunk of states in cache, and 8
+    beat 16 on an H200 (docs/benchmarks.md)."""
     recurrence_threads: Optional[int] = None
     """optimized: torch threads for the memory loop only (1 is faster on a busy CPU); None leaves it."""
     recurrence: Literal["auto", "loop", "triton"] = "auto"

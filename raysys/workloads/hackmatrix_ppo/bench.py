@@ -16,22 +16,23 @@ import time
 import numpy as np
 
 
-def _cfg(num_envs: int, num_steps: int, updates_per_chunk: int):
+def _cfg(num_envs: int, num_steps: int, updates_per_chunk: int, precision: str = "fp32"):
     from raysys.workloads.hackmatrix_ppo.workload import default
 
     cfg = default()
     cfg.train = dataclasses.replace(cfg.train, num_envs=num_envs, num_steps=num_steps, updates_per_chunk=updates_per_chunk,
-                                    total_timesteps=10**9)
+                                    total_timesteps=10**9, precision=precision)
     return cfg
 
 
-def fused_throughput(num_envs: int, num_steps: int = 128, chunks: int = 3, updates_per_chunk: int = 2) -> dict:
+def fused_throughput(num_envs: int, num_steps: int = 128, chunks: int = 3, updates_per_chunk: int = 2,
+                     precision: str = "fp32") -> dict:
     """env-steps/s of whole PPO updates in jitted chunks (compile excluded, reported apart)."""
     import jax
 
     from raysys.workloads.hackmatrix_ppo import ppo
 
-    cfg = _cfg(num_envs, num_steps, updates_per_chunk)
+    cfg = _cfg(num_envs, num_steps, updates_per_chunk, precision)
     mesh = ppo.make_mesh()
     runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
     t0 = time.perf_counter()
@@ -158,7 +159,7 @@ def _median_seconds(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3) -> dict:
+def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3, precision: str = "fp32") -> dict:
     """Where one PPO update's time goes, on one device: the env step alone (random legal actions,
     ``raysys.envs.hackmatrix.bench``), the rollout (policy network + sampling + env step,
     ``ppo.make_rollout``), and the whole update (rollout + GAE + epochs of minibatch SGD). Each is
@@ -169,7 +170,7 @@ def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3) -> dict
     from raysys.envs.hackmatrix.bench import measure
     from raysys.workloads.hackmatrix_ppo import ppo
 
-    cfg = _cfg(num_envs, num_steps, 1)
+    cfg = _cfg(num_envs, num_steps, 1, precision)
     env = measure(num_envs, num_steps, repeats, params=ppo.env_params_of(cfg))
     t_env = num_envs * num_steps / env["env_steps_per_s"]
     mesh = ppo.make_mesh(jax.devices()[:1])
@@ -177,11 +178,11 @@ def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3) -> dict
     rollout = jax.jit(ppo.make_rollout(cfg))
     args = (runner.params, runner.env_state, runner.obs, runner.env_keys)
     t_rollout = _median_seconds(lambda: rollout(*args), repeats)
-    full = fused_throughput(num_envs, num_steps, chunks=repeats, updates_per_chunk=1)
+    full = fused_throughput(num_envs, num_steps, chunks=repeats, updates_per_chunk=1, precision=precision)
     t_update = num_envs * num_steps / full["env_steps_per_s"]
     parts = {"env step": t_env, "policy network + sampling": max(t_rollout - t_env, 0.0),
              "learning (GAE + SGD epochs)": max(t_update - t_rollout, 0.0)}
-    return {"num_envs": num_envs, "num_steps": num_steps, "device": str(jax.devices()[0].platform),
+    return {"num_envs": num_envs, "num_steps": num_steps, "precision": precision, "device": str(jax.devices()[0].platform),
             "update_s": t_update, "rollout_s": t_rollout, "env_s": t_env,
             "share": {k: v / t_update for k, v in parts.items()}, "env_steps_per_s": full["env_steps_per_s"]}
 
@@ -220,7 +221,7 @@ def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunk
 
 
 def _print_split(p: dict) -> None:
-    print(f"[bench] one update at {p['num_envs']} envs x {p['num_steps']} steps: {p['update_s'] * 1e3:.1f} ms "
+    print(f"[bench] one update at {p['num_envs']} envs x {p['num_steps']} steps ({p.get('precision', 'fp32')}): {p['update_s'] * 1e3:.1f} ms "
           f"({p['env_steps_per_s']:.0f} env-steps/s): " + ", ".join(f"{k} {v:.0%}" for k, v in p["share"].items()),
           flush=True)
 
@@ -258,13 +259,17 @@ def run_bench(quick: bool = False) -> dict:
     }
     if jax.default_backend() != "cpu":  # a GPU/TPU: the large env batches it is for, and where time goes
         for n in (8192,) if quick else (8192, 32768):  # quick: the issue's width only (a short device lease)
-            r = fused_throughput(n, 128, chunks=chunks, updates_per_chunk=1)
-            res[f"envs_{n}"] = r
-            extra[f"fused PPO env-steps/s at {n} envs x 128 steps"] = f"{r['env_steps_per_s']:.0f}"
-            print(f"[bench] fused PPO {n}x128: {r['env_steps_per_s']:.0f} env-steps/s", flush=True)
-        res["profile_8192"] = split = profile_split(8192, 128, repeats=3)
+            for prec in ("fp32", "bf16"):  # train.precision: bf16 matmuls, and a rollout half the bytes
+                r = fused_throughput(n, 128, chunks=chunks, updates_per_chunk=1, precision=prec)
+                name = f"envs_{n}" + ("" if prec == "fp32" else f"_{prec}")
+                res[name] = r
+                extra[f"fused PPO env-steps/s at {n} envs x 128 steps, {prec}"] = (
+                    f"{r['env_steps_per_s']:.0f} (mean return {r['mean_return']})")
+                print(f"[bench] fused PPO {n}x128 {prec}: {r['env_steps_per_s']:.0f} env-steps/s", flush=True)
+        best = max(("fp32", "bf16"), key=lambda p: res["envs_8192" + ("" if p == "fp32" else f"_{p}")]["env_steps_per_s"])
+        res["profile_8192"] = split = profile_split(8192, 128, repeats=3, precision=best)
         _print_split(split)
-        extra["one update at 8192 envs: time shares"] = ", ".join(f"{k} {v:.0%}" for k, v in split["share"].items())
+        extra[f"one update at 8192 envs, {best}: time shares"] = ", ".join(f"{k} {v:.0%}" for k, v in split["share"].items())
         res["population_32"] = pop = population_vs_alone(32, 256, 128, chunks=chunks)
         line = f"{pop['population_env_steps_per_s']:.0f} vs {pop['alone_env_steps_per_s']:.0f}: {pop['ratio']:.1f}x"
         extra["population of 32 x 256 envs vs one member alone (aggregate env-steps/s)"] = line
