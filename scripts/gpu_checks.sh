@@ -38,8 +38,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log, go on 
 }
 
 run_tests() {  # the -m gpu tests, 7 at once where pytest-xdist is there (each starts its own Ray; ~140 s on an H200)
-  local par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 7)
-  step gpu-tests 200 python -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" tests/test_gpu.py tests/test_train_knobs.py
+  local par=() sel=(); python3 -c "import xdist" 2>/dev/null && par=(-n 7)
+  [ -n "${GPU_TESTS_K:-}" ] && sel=(-k "$GPU_TESTS_K")  # some of them only (a rerun after a fix)
+  step gpu-tests 200 python -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" "${sel[@]}" tests/test_gpu.py tests/test_train_knobs.py
 }
 
 EXTRA_A="neurogym==2.3.1 pydantic-settings==2.14.1 loguru==0.7.3 tomlkit==0.15.2 natsort==8.4.0"
@@ -77,11 +78,25 @@ case "${1:-a}" in
     for s in "${steps[@]}"; do  # limits: what each took on an H200 (2026-11-26), plus a margin
       case $s in
         tests) run_tests; continue ;;
+        hackmatrix_8192)  # the issue's width alone, fp32 and bf16, with where the time goes (~2 minutes)
+          step hackmatrix-8192 200 python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision fp32 bf16
+          continue ;;
+        deep_gpcm_256)  # the issue's step alone: B=256, T=399, every variant, and the profile (~1 minute)
+          step deep_gpcm-256 120 python -c "import torch, json
+from raysys.workloads.deep_gpcm.bench import batch_sizes, step_profile
+from raysys.workloads.deep_gpcm.memory_kernel import tuning_report
+from raysys.workloads.deep_gpcm.workload import DeepGPCMTask, parity
+task = DeepGPCMTask(); cfg = task.prepare(parity())
+r = batch_sizes(task, cfg, (256,), repeats=10, device='cuda')
+print(json.dumps({b: {k: v['step_s'] * 1e3 if isinstance(v, dict) else v for k, v in x.items()} for b, x in r.items()}))
+print(*tuning_report(), sep='\n'); step_profile(task, cfg, 256, 'cuda')"
+          continue ;;
         deep_gpcm) limit=120 ;;
         hackmatrix_ppo) limit=300 ;;
         mpn_dqn) limit=150 ;;
         pointer_generator|ad_transformer) limit=100 ;;
-        *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer)"; continue ;;
+        *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer" \
+                "hackmatrix_8192 deep_gpcm_256)"; continue ;;
       esac
       step "bench-$s" "$limit" python -m raysys.bench "$s" --quick --device cuda --json "$OUT/bench_${s}_cuda.json"
     done

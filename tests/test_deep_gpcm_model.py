@@ -229,6 +229,12 @@ TRITON_CHECK = r"""
 import json, sys
 import torch
 from raysys.workloads.deep_gpcm.model import DeepGPCM, masked_loss
+# The kernels write every element of their uninitialised outputs: poisoned with NaN, any element
+# left unwritten would show in the logits or the gradients.
+_new_empty, _empty_like = torch.Tensor.new_empty, torch.empty_like
+_poison = lambda x: x.fill_(float("nan")) if x.is_floating_point() else x
+torch.Tensor.new_empty = lambda self, *a, **k: _poison(_new_empty(self, *a, **k))
+torch.empty_like = lambda *a, **k: _poison(_empty_like(*a, **k))
 Q, K = 40, 4
 out = {}
 for case, (lengths, mem, dv, chunk) in enumerate([([19, 7, 13, 1], 5, 70, 4), ([9, 9], 50, 200, 16), ([12], 3, 8, 5)]):
@@ -257,8 +263,8 @@ print(json.dumps(out))
 def test_triton_recurrence_matches_the_naive_path_in_the_interpreter():
     """The fused CUDA kernels of model.recurrence=triton (memory_kernel.py), run by Triton's CPU
     interpreter: logits and every parameter's gradient equal the naive path's to 1e-4, with padded
-    rows (one of length 1), several column blocks (Dv 70 and 200 > 64), N not a power of two, and
-    chunks that do not divide T."""
+    rows (one of length 1), several column blocks (Dv 70 and 200 > 64), N not a power of two,
+    chunks that do not divide T, and outputs allocated full of NaN (each element must be written)."""
     import json
     import os
     import subprocess

@@ -38,21 +38,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _step_inputs(w_ptr, e_ptr, a_ptr, t, ok, b, B, N, D, rows, cols):
+def _step_inputs(w_ptr, e_ptr, a_ptr, t, ok, b, B, N, D, SE, rows, cols):
     """w_t [BLOCK_N], e_t, a_t [BLOCK_D] of batch row b; zeros where not ``ok`` (padded steps)."""
     n_ok = tl.where(ok, N, 0)  # masks: all rows/columns inside the sequence, none after
     d_ok = tl.where(ok, D, 0)
     wt = tl.load(w_ptr + (t * B + b) * N + rows, mask=rows < n_ok, other=0.0)
-    et = tl.load(e_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
-    at = tl.load(a_ptr + (t * B + b) * D + cols, mask=cols < d_ok, other=0.0)
+    et = tl.load(e_ptr + (t * B + b) * SE + cols, mask=cols < d_ok, other=0.0)
+    at = tl.load(a_ptr + (t * B + b) * SE + cols, mask=cols < d_ok, other=0.0)
     return wt, et, at
 
 
 # Both kernels load step t's inputs one step ahead, during step t-1's math: the recurrence is
 # serial, so a load issued when it is needed leaves the program waiting on memory for most of a step.
+# Every output is written at every step, padded ones included (zeros there), so the caller
+# allocates them uninitialised: no fill kernels. e and a (and their gradients) are the two halves of
+# one [T, B, 2D] tensor, row stride SE = 2D: the caller neither splits nor concatenates them.
 
 @triton.jit
-def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, B, N, D,
+def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, T, B, N, D, SE,
          CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -62,19 +65,23 @@ def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, B, N, D,
     tile = rows[:, None] * D + cols[None, :]
     m = tl.load(m0_ptr + tile, mask=tile_ok, other=0.0)
     length = tl.load(len_ptr + b)
-    wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, 0, 0 < length, b, B, N, D, rows, cols)
-    for c in range(0, (length + CHUNK - 1) // CHUNK):
+    n_chunks = (length + CHUNK - 1) // CHUNK
+    wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, 0, 0 < length, b, B, N, D, SE, rows, cols)
+    for c in range(0, n_chunks):
         tl.store(ckpt_ptr + (c * B + b) * N * D + tile, m, mask=tile_ok)
         for s in range(0, CHUNK):
             t = c * CHUNK + s
-            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t + 1, t + 1 < length, b, B, N, D, rows, cols)
-            tl.store(reads_ptr + (t * B + b) * D + cols, tl.sum(wt[:, None] * m, axis=0), mask=cols < tl.where(t < length, D, 0))
+            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t + 1, t + 1 < length, b, B, N, D, SE, rows, cols)
+            tl.store(reads_ptr + (t * B + b) * D + cols, tl.sum(wt[:, None] * m, axis=0),
+                     mask=cols < tl.where(t < T, D, 0))  # the last chunk may run past T
             m += wt[:, None] * (at[None, :] - et[None, :] * m)  # w = 0 on padded steps: no change
             wt, et, at = wn, en, an
+    for t in range(n_chunks * CHUNK, T):  # steps past the last chunk: read nothing
+        tl.store(reads_ptr + (t * B + b) * D + cols, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=col_ok)
 
 
 @triton.jit
-def _bwd(w_ptr, e_ptr, a_ptr, len_ptr, ckpt_ptr, gr_ptr, dw_ptr, de_ptr, da_ptr, dm0_ptr, scratch_ptr, T, B, N, D,
+def _bwd(w_ptr, e_ptr, a_ptr, len_ptr, ckpt_ptr, gr_ptr, dw_ptr, de_ptr, da_ptr, dm0_ptr, scratch_ptr, T, B, N, D, SE,
          CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     blk = tl.program_id(1)
@@ -86,36 +93,41 @@ def _bwd(w_ptr, e_ptr, a_ptr, len_ptr, ckpt_ptr, gr_ptr, dw_ptr, de_ptr, da_ptr,
     length = tl.load(len_ptr + b)
     g = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # G_{t+1}; 0 after a row's last step
     n_chunks = (length + CHUNK - 1) // CHUNK
+    for t in range(n_chunks * CHUNK, T):  # steps past the last chunk: no gradient
+        tl.store(da_ptr + (t * B + b) * SE + cols, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=col_ok)
+        tl.store(de_ptr + (t * B + b) * SE + cols, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=col_ok)
+        tl.store(dw_ptr + ((blk * T + t) * B + b) * N + rows, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=row_ok)
     for cc in range(0, n_chunks):
         c = n_chunks - 1 - cc
         m = tl.load(ckpt_ptr + (c * B + b) * N * D + tile, mask=tile_ok, other=0.0)
         t0 = c * CHUNK
-        wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, t0, t0 < length, b, B, N, D, rows, cols)
+        wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, t0, t0 < length, b, B, N, D, SE, rows, cols)
         for s in range(0, CHUNK):  # recompute M_t of this chunk into scratch
             t = t0 + s
-            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t + 1, (t + 1 < length) & (s + 1 < CHUNK), b, B, N, D, rows, cols)
+            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t + 1, (t + 1 < length) & (s + 1 < CHUNK), b, B, N, D, SE,
+                                      rows, cols)
             tl.store(scratch_ptr + (b * CHUNK + s) * N * D + tile, m, mask=tile_ok)
             m += wt[:, None] * (at[None, :] - et[None, :] * m)
             wt, et, at = wn, en, an
         tl.debug_barrier()  # the scratch slice written above is read back below by other threads
         t = t0 + CHUNK - 1
-        wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, t, t < length, b, B, N, D, rows, cols)
+        wt, et, at = _step_inputs(w_ptr, e_ptr, a_ptr, t, t < length, b, B, N, D, SE, rows, cols)
         dr = tl.load(gr_ptr + (t * B + b) * D + cols, mask=cols < tl.where(t < length, D, 0), other=0.0)
         m = tl.load(scratch_ptr + (b * CHUNK + CHUNK - 1) * N * D + tile, mask=tile_ok, other=0.0)
         for s2 in range(0, CHUNK):
             s = CHUNK - 1 - s2
             t = t0 + s
             ok = (s > 0) & (t - 1 < length)  # the step before, inside this chunk: fetched ahead
-            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t - 1, ok, b, B, N, D, rows, cols)
+            wn, en, an = _step_inputs(w_ptr, e_ptr, a_ptr, t - 1, ok, b, B, N, D, SE, rows, cols)
             drn = tl.load(gr_ptr + ((t - 1) * B + b) * D + cols, mask=cols < tl.where(ok, D, 0), other=0.0)
-            mn = tl.load(scratch_ptr + (b * CHUNK + s - 1) * N * D + tile, mask=(rows < tl.where(ok, N, 0))[:, None] & col_ok[None, :], other=0.0)
-            n_ok = tl.where(t < length, N, 0)
-            d_ok = tl.where(t < length, D, 0)
-            wg = wt[:, None] * g
-            tl.store(da_ptr + (t * B + b) * D + cols, tl.sum(wg, axis=0), mask=cols < d_ok)
-            tl.store(de_ptr + (t * B + b) * D + cols, -tl.sum(wg * m, axis=0), mask=cols < d_ok)
+            mn = tl.load(scratch_ptr + (b * CHUNK + s - 1) * N * D + tile,
+                         mask=(rows < tl.where(ok, N, 0))[:, None] & col_ok[None, :], other=0.0)
+            d_in, n_in = tl.where(t < T, D, 0), tl.where(t < T, N, 0)  # the last chunk may run past T
+            wg = wt[:, None] * g  # 0 on padded steps (w = 0), and so is every gradient below
+            tl.store(da_ptr + (t * B + b) * SE + cols, tl.sum(wg, axis=0), mask=cols < d_in)
+            tl.store(de_ptr + (t * B + b) * SE + cols, -tl.sum(wg * m, axis=0), mask=cols < d_in)
             dw = tl.sum(dr[None, :] * m + g * (at[None, :] - et[None, :] * m), axis=1)
-            tl.store(dw_ptr + ((blk * T + t) * B + b) * N + rows, dw, mask=rows < n_ok)
+            tl.store(dw_ptr + ((blk * T + t) * B + b) * N + rows, dw, mask=rows < n_in)
             g = g - wt[:, None] * (et[None, :] * g - dr[None, :])  # w = dr = 0 on padded steps: no change
             wt, et, at, dr, m = wn, en, an, drn, mn
         tl.debug_barrier()  # the next chunk overwrites the scratch slice
@@ -140,8 +152,8 @@ def compile_for(arch: int = 90, chunk: int = 16, n: int = 50, d: int = 200) -> d
 
     ptr, i32 = "*fp32", "i32"
     sigs = {
-        "fwd": (_fwd, [ptr] * 4 + ["*i32", ptr, ptr] + [i32] * 3),
-        "bwd": (_bwd, [ptr] * 3 + ["*i32"] + [ptr] * 7 + [i32] * 4),
+        "fwd": (_fwd, [ptr] * 4 + ["*i32", ptr, ptr] + [i32] * 5),
+        "bwd": (_bwd, [ptr] * 3 + ["*i32"] + [ptr] * 7 + [i32] * 5),
     }
     out = {}
     for block_d, warps in configs(n, d):
@@ -187,57 +199,64 @@ def _tuned(kind: str, run, x: torch.Tensor, B: int, N: int, D: int, chunk: int) 
     return _best[key]
 
 
-def forward_kernel(w, e, a, m0, lengths, chunk: int, config: tuple[int, int]):
-    """-> (reads [T,B,D], checkpoints [T/chunk,B,N,D]) with one (BLOCK_D, num_warps) configuration."""
+def forward_kernel(w, ea, m0, lengths, chunk: int, config: tuple[int, int]):
+    """-> (reads [T,B,D], checkpoints [T/chunk,B,N,D]) with one (BLOCK_D, num_warps) configuration.
+    ``ea`` [T,B,2D]: erase then add, each step's row contiguous."""
     T, B, N = w.shape
-    D = e.shape[-1]
+    D = ea.shape[-1] // 2
     block_d, warps = config
-    reads = e.new_zeros(T, B, D)
-    ckpt = e.new_empty(triton.cdiv(T, chunk), B, N, D)
-    _fwd[(B, triton.cdiv(D, block_d))](w, e, a, m0, lengths, reads, ckpt, B, N, D, CHUNK=chunk,
+    reads = ea.new_empty(T, B, D)
+    ckpt = ea.new_empty(triton.cdiv(T, chunk), B, N, D)
+    _fwd[(B, triton.cdiv(D, block_d))](w, ea, ea[..., D:], m0, lengths, reads, ckpt, T, B, N, D, 2 * D, CHUNK=chunk,
                                        BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps)
     return reads, ckpt
 
 
-def backward_kernel(w, e, a, lengths, ckpt, grad_reads, chunk: int, config: tuple[int, int]):
-    """-> (dw, de, da, dm0) with one (BLOCK_D, num_warps) configuration."""
+def backward_kernel(w, ea, lengths, ckpt, grad_reads, chunk: int, config: tuple[int, int]):
+    """-> (dw, d ea, dm0) with one (BLOCK_D, num_warps) configuration."""
     T, B, N = w.shape
-    D = e.shape[-1]
+    D = ea.shape[-1] // 2
     block_d, warps = config
     blocks = triton.cdiv(D, block_d)
-    dw = w.new_zeros(blocks, T, B, N)  # one partial sum per column block: no atomics, deterministic
-    de, da = torch.zeros_like(e), torch.zeros_like(a)
-    dm0 = e.new_empty(B, N, D)
-    scratch = e.new_empty(B, chunk, N, D)
-    _bwd[(B, blocks)](w, e, a, lengths, ckpt, grad_reads, dw, de, da, dm0, scratch, T, B, N, D, CHUNK=chunk,
-                      BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps)
-    return dw.sum(0), de, da, dm0.sum(0)
+    dw = w.new_empty(blocks, T, B, N)  # one partial sum per column block: no atomics, deterministic
+    dea = torch.empty_like(ea)
+    dm0 = ea.new_empty(B, N, D)
+    scratch = ea.new_empty(B, chunk, N, D)
+    _bwd[(B, blocks)](w, ea, ea[..., D:], lengths, ckpt, grad_reads, dw, dea, dea[..., D:], dm0, scratch, T, B, N, D,
+                      2 * D, CHUNK=chunk, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps)
+    return dw.sum(0), dea, dm0.sum(0)
 
 
 class TritonMemoryScan(torch.autograd.Function):
-    """``_MemoryScan``'s contract with per-row lengths: w [T,B,N], e, a [T,B,Dv], m0 [N,Dv], lengths [B]
-    (int32, steps inside each row's sequence) -> reads [T,B,Dv], 0 on padded steps. float32."""
+    """``_MemoryScan``'s contract with per-row lengths and erase/add as one tensor: w [T,B,N],
+    ea [T,B,2Dv] (erase, then add), m0 [N,Dv], lengths [B] (int32, steps inside each row's sequence)
+    -> reads [T,B,Dv], 0 on padded steps. float32."""
 
     @staticmethod
-    def forward(ctx, w, e, a, m0, lengths, chunk: int):
+    def forward(ctx, w, ea, m0, lengths, chunk: int):
         _check_device(w)
-        w, e, a, m0 = (x.float().contiguous() for x in (w, e, a, m0))
-        (T, B, N), D = w.shape, e.shape[-1]
-        cfg = _tuned("fwd", lambda c: forward_kernel(w, e, a, m0, lengths, chunk, c), w, B, N, D, chunk)
-        reads, ckpt = forward_kernel(w, e, a, m0, lengths, chunk, cfg)
-        ctx.save_for_backward(w, e, a, lengths, ckpt)
+        w, ea, m0 = (x.float().contiguous() for x in (w, ea, m0))
+        (T, B, N), D = w.shape, ea.shape[-1] // 2
+        cfg = _tuned("fwd", lambda c: forward_kernel(w, ea, m0, lengths, chunk, c), w, B, N, D, chunk)
+        reads, ckpt = forward_kernel(w, ea, m0, lengths, chunk, cfg)
+        ctx.save_for_backward(w, ea, lengths, ckpt)
         ctx.chunk = chunk
         return reads
 
     @staticmethod
     def backward(ctx, grad_reads):
-        w, e, a, lengths, ckpt = ctx.saved_tensors
-        (T, B, N), D = w.shape, e.shape[-1]
+        w, ea, lengths, ckpt = ctx.saved_tensors
+        (T, B, N), D = w.shape, ea.shape[-1] // 2
         gr = grad_reads.float().contiguous()
-        cfg = _tuned("bwd", lambda c: backward_kernel(w, e, a, lengths, ckpt, gr, ctx.chunk, c), w, B, N, D, ctx.chunk)
-        return *backward_kernel(w, e, a, lengths, ckpt, gr, ctx.chunk, cfg), None, None
+        cfg = _tuned("bwd", lambda c: backward_kernel(w, ea, lengths, ckpt, gr, ctx.chunk, c), w, B, N, D, ctx.chunk)
+        return *backward_kernel(w, ea, lengths, ckpt, gr, ctx.chunk, cfg), None, None
 
 
-def memory_scan(w: torch.Tensor, e: torch.Tensor, a: torch.Tensor, m0: torch.Tensor, lengths: torch.Tensor,
+# torch.compile runs this eagerly (a graph break): Dynamo would trace the tuner's timing runs and
+# cannot take a launch option (num_warps) that it sees as symbolic. One kernel launch each way
+# gains nothing from being inside a compiled graph.
+@torch.compiler.disable
+def memory_scan(w: torch.Tensor, ea: torch.Tensor, m0: torch.Tensor, lengths: torch.Tensor,
                 chunk: int = 8) -> torch.Tensor:
-    return TritonMemoryScan.apply(w, e, a, m0, lengths.to(device=w.device, dtype=torch.int32).contiguous(), chunk)
+    """reads [T,B,Dv] of the memory written with erase ``ea[..., :Dv]`` and add ``ea[..., Dv:]``."""
+    return TritonMemoryScan.apply(w, ea, m0, lengths.to(device=w.device, dtype=torch.int32).contiguous(), chunk)

@@ -252,7 +252,7 @@ class DeepGPCM(nn.Module):
         # the running sum written out: K is a handful, and CUDA's cumsum over so short a last
         # dimension was ~1 ms per call at B=256 on an H200, more than the whole head
         z = [torch.zeros_like(steps[..., 0])]
-        for h in range(steps.shape[-1]):
+        for h in range(self.n_cats - 1):
             z.append(z[-1] + steps[..., h])
         return torch.stack(z, dim=-1)
 
@@ -297,8 +297,8 @@ class DeepGPCM(nn.Module):
 
     # ---- optimized: vectorised over time, one tight recurrence --------------------------------
 
-    def _value_inputs(self, questions: torch.Tensor, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Erase and add vectors [T,B,Dv] without the dense K*Q input.
+    def _value_inputs(self, questions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """Erase and add vectors, side by side in one [T,B,2Dv] tensor, without the dense K*Q input.
 
         The K*Q code of (q, r) has non-zeros only in block q, so value_embed(code) = W[:, block q] @
         decay[r] + bias. It depends on the pair (q, r) alone, so erase/add are computed once per
@@ -325,7 +325,7 @@ class DeepGPCM(nn.Module):
         # can fill half the batch. On CUDA the gradient of table[inv] adds a pair's rows one after
         # another, so that pair's tens of thousands of rows serialize; embedding's backward splits
         # long runs into segments summed in parallel.
-        return F.embedding(inv, table).chunk(2, dim=-1)  # erase, add
+        return F.embedding(inv, table)  # [T,B,2Dv]: erase, then add
 
     def _forward_optimized(self, questions: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         B, T = questions.shape
@@ -343,20 +343,21 @@ class DeepGPCM(nn.Module):
 
         q_embeds = self.q_embed(questions.t())  # [T,B,Dk], time-major for the recurrence
         w = torch.softmax(q_embeds @ self.key_memory.t(), dim=-1)  # [T,B,N]
-        erase, add = self._value_inputs(questions, responses)
+        erase_add = self._value_inputs(questions, responses)
         # the recurrence runs in float32 whatever autocast did upstream: errors compound over T steps
-        args = w.float(), erase.float(), add.float(), self.init_value_memory.float()
+        w, erase_add, m0 = w.float(), erase_add.float(), self.init_value_memory.float()
         if fused:
             from raysys.workloads.deep_gpcm.memory_kernel import memory_scan
 
             # No host sync on this path, so a GPU step queues ahead of the device instead of waiting
             # on its launches: the head runs on every step, padded ones too (cheap next to a sync).
-            reads = memory_scan(*args, lengths, self.chunk)  # [T,B,Dv], 0 on padded steps
+            reads = memory_scan(w, erase_add, m0, lengths, self.chunk)  # [T,B,Dv], 0 on padded steps
             summary = torch.tanh(self.summary(torch.cat([reads, q_embeds], dim=-1)))
             z = self._gpcm_head(summary, q_embeds) * inside[..., None]  # padded steps: logits 0
             return z.transpose(0, 1)
         active = inside.sum(1).tolist()  # one host sync
-        reads = _MemoryScan.apply(*args, active, self.chunk, self.recurrence_threads)
+        erase, add = erase_add.chunk(2, dim=-1)
+        reads = _MemoryScan.apply(w, erase, add, m0, active, self.chunk, self.recurrence_threads)
 
         # The head runs on steps inside a sequence only (padding is ~40% of a synthetic_OC batch);
         # its logits land straight in [B,T] order, unsorted. Padded steps get logits 0.

@@ -287,7 +287,7 @@ def run_bench(quick: bool = False) -> dict:
     return res
 
 
-if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --profile 256 2048 | --population 32
+if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --profile 256 2048 [--precision fp32 bf16] | --population 32
     import argparse
     import json
 
@@ -295,6 +295,7 @@ if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --
     ap.add_argument("--profile", type=int, nargs="+", default=[256], metavar="NUM_ENVS")
     ap.add_argument("--steps", type=int, default=128, help="env steps per update")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"], help="train.precision(s)")
     ap.add_argument("--population", type=int, metavar="K", help="instead: K members at 256 envs as one program vs "
                                                                   "one member alone (aggregate env-steps/s)")
     a = ap.parse_args()
@@ -302,6 +303,7 @@ if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --
         print(json.dumps(population_vs_alone(a.population, 256, a.steps, a.repeats)))
     else:
         for n in a.profile:
-            split = profile_split(n, a.steps, a.repeats)
-            _print_split(split)
-            print(json.dumps(split))
+            for prec in a.precision:
+                split = profile_split(n, a.steps, a.repeats, precision=prec)
+                _print_split(split)
+                print(json.dumps(split))
