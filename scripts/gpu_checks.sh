@@ -81,6 +81,11 @@ case "${1:-a}" in
         hackmatrix_8192)  # the issue's width alone, fp32 and bf16, with where the time goes (~2 minutes)
           step hackmatrix-8192 200 python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision fp32 bf16
           continue ;;
+        hackmatrix_8192_xla)  # the same at bf16 under other XLA flags: CUDA graphs over the loop bodies by default
+          # (a step is ~380 small kernels, launch-bound; HACKMATRIX_XLA_FLAGS replaces the flags tried)
+          step hackmatrix-8192-xla 150 env XLA_FLAGS="${HACKMATRIX_XLA_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL}" \
+            python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision bf16
+          continue ;;
         deep_gpcm_256)  # the issue's step alone: B=256, T=399, every variant, and the profile (~1 minute)
           step deep_gpcm-256 120 python -c "import torch, json
 from raysys.workloads.deep_gpcm.bench import batch_sizes, step_profile
@@ -96,7 +101,7 @@ print(*tuning_report(), sep='\n'); step_profile(task, cfg, 256, 'cuda')"
         mpn_dqn) limit=150 ;;
         pointer_generator|ad_transformer) limit=100 ;;
         *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer" \
-                "hackmatrix_8192 deep_gpcm_256)"; continue ;;
+                "hackmatrix_8192 hackmatrix_8192_xla deep_gpcm_256)"; continue ;;
       esac
       step "bench-$s" "$limit" python -m raysys.bench "$s" --quick --device cuda --json "$OUT/bench_${s}_cuda.json"
     done

@@ -92,6 +92,27 @@ def test_logits_match(models):
     assert a[mask].std() > 0.1  # not trivially equal (e.g. all zero)
 
 
+def test_the_value_table_is_the_same_built_for_every_pair_or_for_the_pairs_seen(models):
+    """A batch with more steps than (question, response) pairs builds erase/add for every pair (no
+    host sync); a short one for the distinct pairs it holds (torch.unique). Row by row, the same."""
+    _, opt = models
+    q, r, _ = batch([40, 33, 25, 40, 12], seed=3)
+    assert (Q + 1) * K <= q.numel()
+    with torch.no_grad():
+        every = opt._value_inputs(q, r)  # [T,B,2Dv]
+        for b in range(q.shape[0]):
+            assert (Q + 1) * K > q.shape[1]
+            assert torch.allclose(opt._value_inputs(q[b:b + 1], r[b:b + 1])[:, 0], every[:, b], atol=1e-6)
+
+
+def test_masked_loss_is_the_mean_over_valid_steps_and_ignores_padded_logits():
+    q, r, mask = batch([9, 4, 7], seed=4)
+    logits = torch.randn(*q.shape, K)
+    expected = F.cross_entropy(logits[mask], r[mask])
+    logits[~mask] = 1e30  # padded logits are unspecified: whatever they hold, the loss is the same
+    assert torch.allclose(masked_loss(logits, r, mask), expected)
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16, 64])
 def test_gradients_match(chunk):
     naive, opt = pair(seed=1, chunk=chunk)

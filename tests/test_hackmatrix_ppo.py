@@ -119,6 +119,32 @@ FOUR_DEVICES = textwrap.dedent("""
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision, dtype", [pytest.param("fp32", jnp.float32, marks=pytest.mark.slow), ("bf16", jnp.bfloat16)])
+def test_the_rollout_stores_observations_in_the_compute_dtype(precision, dtype):
+    """What the network reads: with bf16 the trajectory's largest array is half the bytes."""
+    import dataclasses
+
+    from raysys.workloads.hackmatrix_ppo.workload import quick
+
+    cfg = quick()
+    cfg.train = dataclasses.replace(cfg.train, num_envs=4, num_steps=3, precision=precision)
+    runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), ppo.make_mesh(jax.devices()[:1]))
+    _, traj = jax.jit(ppo.make_rollout(cfg))(runner.params, runner.env_state, runner.obs, runner.env_keys)
+    assert traj.obs.dtype == dtype and traj.obs.shape == (3, 4, runner.obs.features.shape[-1])
+    assert np.array_equal(np.asarray(traj.obs[0], np.float32), np.asarray(runner.obs.features.astype(dtype), np.float32))
+
+
+@pytest.mark.slow  # compiles the whole step (~30 s here), for a diagnostic
+def test_the_env_step_census_counts_its_kernels():
+    """``python -m raysys.envs.hackmatrix.bench --kernels``: the compiled vmapped step's top-level
+    operations (hundreds of fusions: on a GPU, a launch-bound step)."""
+    from raysys.envs.hackmatrix.bench import kernel_census
+
+    census = kernel_census(8)
+    assert census["backend"] == "cpu" and census["by_op"]["fusion"] > 50
+    assert census["kernels"] >= census["by_op"]["fusion"]
+
+
 def test_four_device_sharding_matches_one_device():
     """XLA_FLAGS forces 4 host devices: the env batch is split over them, gradients are averaged
     across them, and one update gives the same params as on one device (up to float rounding)."""

@@ -167,12 +167,13 @@ def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3, precisi
     differences: env | policy in the rollout | learning."""
     import jax
 
-    from raysys.envs.hackmatrix.bench import measure
+    from raysys.envs.hackmatrix.bench import kernel_census, measure
     from raysys.workloads.hackmatrix_ppo import ppo
 
     cfg = _cfg(num_envs, num_steps, 1, precision)
     env = measure(num_envs, num_steps, repeats, params=ppo.env_params_of(cfg))
     t_env = num_envs * num_steps / env["env_steps_per_s"]
+    kernels = kernel_census(num_envs, ppo.env_params_of(cfg))["kernels"]
     mesh = ppo.make_mesh(jax.devices()[:1])
     runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
     rollout = jax.jit(ppo.make_rollout(cfg))
@@ -183,7 +184,8 @@ def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3, precisi
     parts = {"env step": t_env, "policy network + sampling": max(t_rollout - t_env, 0.0),
              "learning (GAE + SGD epochs)": max(t_update - t_rollout, 0.0)}
     return {"num_envs": num_envs, "num_steps": num_steps, "precision": precision, "device": str(jax.devices()[0].platform),
-            "update_s": t_update, "rollout_s": t_rollout, "env_s": t_env,
+            "update_s": t_update, "rollout_s": t_rollout, "env_s": t_env, "env_step_kernels": kernels,
+            "env_step_us_per_kernel": t_env / num_steps / max(kernels, 1) * 1e6,
             "share": {k: v / t_update for k, v in parts.items()}, "env_steps_per_s": full["env_steps_per_s"]}
 
 
@@ -222,8 +224,8 @@ def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunk
 
 def _print_split(p: dict) -> None:
     print(f"[bench] one update at {p['num_envs']} envs x {p['num_steps']} steps ({p.get('precision', 'fp32')}): {p['update_s'] * 1e3:.1f} ms "
-          f"({p['env_steps_per_s']:.0f} env-steps/s): " + ", ".join(f"{k} {v:.0%}" for k, v in p["share"].items()),
-          flush=True)
+          f"({p['env_steps_per_s']:.0f} env-steps/s): " + ", ".join(f"{k} {v:.0%}" for k, v in p["share"].items())
+          + f"; one env step is {p['env_step_kernels']} kernels, {p['env_step_us_per_kernel']:.1f} us each", flush=True)
 
 
 def run_bench(quick: bool = False) -> dict:
