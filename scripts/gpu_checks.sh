@@ -15,7 +15,9 @@
 #      pytest-xdist is there), then pointer_generator's bench; or the STEPs named, in that order.
 #      GPU_CHECKS_BUDGET_S bounds the whole call; one archive, gpu_checks.tgz, comes back.
 #      On an H200 (2026-11-26) these took ~55, ~220, ~150 and ~140 s: all of them in one 10-minute call
-#      is tight, so name the steps a session needs (e.g. `all deep_gpcm tests`)
+#      is tight, so name the steps a session needs (e.g. `all deep_gpcm tests`). Shorter steps for
+#      the figures alone: deep_gpcm_256 (~45 s), hackmatrix_8192 (fp32 and bf16, ~120 s),
+#      hackmatrix_8192_xla (bf16 under other XLA_FLAGS); GPU_TESTS_K="expr" runs some GPU tests only
 # Each step has its own time limit, so one slow step cannot use up a call; logs and JSON land in
 # $OUT (they come back). Then record the figures in docs/benchmarks.md with the device named.
 set -uo pipefail
