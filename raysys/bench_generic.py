@@ -30,32 +30,35 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def top_ops(step, device: torch.device, steps: int = 3, top: int = 8, on_host: bool = False) -> list[dict]:
+def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[dict]:
     """Where a training step's time goes, from PyTorch's profiler: the ``top`` operators or kernels
     by self time on ``device`` (GPU kernels on CUDA), in ms per step, over ``steps`` calls of
     ``step()`` after one warm-up. What a bench prints next to a step time that misses its target.
-    ``on_host``: operators by self time on the host instead (rows marked ``host``), which is what
-    bounds a GPU step made of many small kernels."""
+    On CUDA the same trace also gives the ``top`` operators by self time on the host (rows marked
+    ``host``), which is what bounds a GPU step made of many small kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = device.type == "cuda" and not on_host
+    cuda = device.type == "cuda"
     step()
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             step()
         sync(device)
+    events = prof.key_averages()
 
-    def own(e) -> float:  # microseconds, on the device the step runs on
+    def on_device(e) -> float:  # microseconds, on the device the step runs on
         if cuda:
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         return e.self_cpu_time_total
 
-    events = [e for e in prof.key_averages() if own(e) > 0]
-    total = sum(own(e) for e in events) or 1.0
-    rows = sorted(events, key=own, reverse=True)[:top]
-    return [{"name": e.key[:90], "ms_per_step": own(e) / 1e3 / steps, "calls_per_step": e.count / steps,
-             "share": own(e) / total} | ({"host": True} if on_host else {}) for e in rows]
+    def rows(own, extra: dict) -> list[dict]:
+        timed = [e for e in events if own(e) > 0]
+        total = sum(own(e) for e in timed) or 1.0
+        return [{"name": e.key[:90], "ms_per_step": own(e) / 1e3 / steps, "calls_per_step": e.count / steps,
+                 "share": own(e) / total} | extra for e in sorted(timed, key=own, reverse=True)[:top]]
+
+    return rows(on_device, {}) + (rows(lambda e: e.self_cpu_time_total, {"host": True}) if cuda else [])
 
 
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,

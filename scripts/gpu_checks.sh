@@ -89,14 +89,7 @@ case "${1:-a}" in
             python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision bf16
           continue ;;
         deep_gpcm_256)  # the issue's step alone: B=256, T=399, every variant, and the profile (~1 minute)
-          step deep_gpcm-256 120 python -c "import torch, json
-from raysys.workloads.deep_gpcm.bench import batch_sizes, step_profile
-from raysys.workloads.deep_gpcm.memory_kernel import tuning_report
-from raysys.workloads.deep_gpcm.workload import DeepGPCMTask, parity
-task = DeepGPCMTask(); cfg = task.prepare(parity())
-r = batch_sizes(task, cfg, (256,), repeats=10, device='cuda')
-print(json.dumps({b: {k: v['step_s'] * 1e3 if isinstance(v, dict) else v for k, v in x.items()} for b, x in r.items()}))
-print(*tuning_report(), sep='\n'); step_profile(task, cfg, 256, 'cuda')"
+          step deep_gpcm-256 120 python -m raysys.workloads.deep_gpcm.bench --batch 256
           continue ;;
         deep_gpcm) limit=120 ;;
         hackmatrix_ppo) limit=300 ;;

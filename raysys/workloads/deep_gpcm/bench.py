@@ -105,9 +105,7 @@ def step_profile(task, cfg, batch_size: int, device) -> list[dict]:
     torch.manual_seed(0)
     model = DeepGPCM(seqs.n_questions, seqs.n_cats, path="optimized").to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, **fused_kwargs(model.parameters()))
-    rows = top_ops(lambda: _train_step(model, opt, batch), torch.device(device))
-    if torch.device(device).type == "cuda":  # the host's side of the step: what launches cost
-        rows += top_ops(lambda: _train_step(model, opt, batch), torch.device(device), on_host=True)
+    rows = top_ops(lambda: _train_step(model, opt, batch), torch.device(device))  # on CUDA: host rows too
     for r in rows:
         print(f"[bench] B={batch_size} optimized step: {r['ms_per_step']:8.3f} ms/step {r['share']:5.1%} "
               f"x{r['calls_per_step']:g} {r['name']}", flush=True)
@@ -179,3 +177,28 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
         res[path] = {**speed[path], "quality": quality[path].get("qwk"), "eval": quality[path]}
     res["max_abs_logit_diff"] = speed["max_abs_logit_diff"]
     return res
+
+
+if __name__ == "__main__":  # python -m raysys.workloads.deep_gpcm.bench --batch 256: the step table alone
+    import argparse
+    import json
+
+    from raysys.workloads.deep_gpcm.model import triton_available
+    from raysys.workloads.deep_gpcm.workload import DeepGPCMTask, parity
+
+    ap = argparse.ArgumentParser(description="training-step times of every path at the data's longest T, then the "
+                                             "optimized step's profile (the GPU figures of issue #14, alone)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[256], help="batch sizes")
+    ap.add_argument("--repeats", type=int, default=10)
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    task = DeepGPCMTask()
+    cfg = task.prepare(parity())
+    table = batch_sizes(task, cfg, tuple(a.batch), repeats=a.repeats, device=dev)
+    print(json.dumps({b: {k: v["step_s"] * 1e3 if isinstance(v, dict) else v for k, v in r.items()}
+                      for b, r in table.items()}))
+    if dev == "cuda" and triton_available():
+        from raysys.workloads.deep_gpcm.memory_kernel import tuning_report
+
+        print(*tuning_report(), sep="\n")
+    step_profile(task, cfg, a.batch[-1], dev)

@@ -193,8 +193,8 @@ class DeepGPCM(nn.Module):
     ``path`` picks the implementation ("naive" or "optimized"); both use the same parameters, so a
     state_dict saved from one loads into the other. ``chunk`` (optimized only) is how many steps
     the memory backward recomputes at a time: memory ~ (T/chunk + chunk) * B*N*Dv floats instead of
-    T * B*N*Dv; speed is flat between 8 and 32 on CPU, and 8 is faster than 16 on a GPU. ``recurrence_threads`` (CPU only) runs the
-    memory loop with that many intra-op threads, then restores the setting; None leaves it alone.
+    T * B*N*Dv; speed is flat between 8 and 32 on CPU, and 8 is faster than 16 on a GPU.
+    ``recurrence_threads`` (CPU only) runs the memory loop with that many intra-op threads, then restores the setting; None leaves it alone.
     Its ops are small, so each thread-team barrier is a large share of them: 1 is ~25% slower on
     an idle 2-core host but several times faster when other jobs load the cores (a descheduled
     team member stalls every op). ``recurrence`` (optimized only) picks how the memory recurrence
@@ -243,8 +243,10 @@ class DeepGPCM(nn.Module):
             return self._forward_naive(questions, responses)
         return self._forward_optimized(questions, responses)
 
-    def _gpcm_head(self, summary: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """GPCM cumulative logits z_k = sum_{h<k} alpha (theta - beta_h), z_0 = 0, for all steps at once."""
+    def _gpcm_head(self, reads: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """GPCM cumulative logits z_k = sum_{h<k} alpha (theta - beta_h), z_0 = 0, from memory reads
+        and question embeddings, for all steps at once."""
+        summary = torch.tanh(self.summary(torch.cat([reads, q], dim=-1)))
         theta = self.theta_head(summary)
         beta = torch.tanh(self.beta_head(q))
         alpha = F.softplus(self.alpha_head(torch.cat([summary, q], dim=-1)))
@@ -310,12 +312,10 @@ class DeepGPCM(nn.Module):
         if (Q + 1) * K <= pair.numel():
             # Every possible pair costs no more than the gather below, and needs no host sync
             # (unique's output size does): on a GPU the step then queues ahead of the device.
-            inv = pair
-            uq = torch.arange(Q + 1, device=pair.device).repeat_interleave(K)
-            ur = torch.arange(K, device=pair.device).repeat(Q + 1)
+            uniq, inv = torch.arange((Q + 1) * K, device=pair.device), pair
         else:
             uniq, inv = torch.unique(pair, return_inverse=True)
-            uq, ur = uniq // K, uniq % K
+        uq, ur = uniq // K, uniq % K
         weight = self.gpcm_value_embed.weight  # [Dv, Q*K], column (q-1)*K + k
         blocks = weight.t().reshape(self.n_questions, K, -1)[(uq - 1).clamp(min=0)]  # [U,K,Dv]
         blocks = blocks * (uq > 0).to(blocks.dtype)[:, None, None]  # padding (q = 0) has no input
@@ -352,8 +352,7 @@ class DeepGPCM(nn.Module):
             # No host sync on this path, so a GPU step queues ahead of the device instead of waiting
             # on its launches: the head runs on every step, padded ones too (cheap next to a sync).
             reads = memory_scan(w, erase_add, m0, lengths, self.chunk)  # [T,B,Dv], 0 on padded steps
-            summary = torch.tanh(self.summary(torch.cat([reads, q_embeds], dim=-1)))
-            z = self._gpcm_head(summary, q_embeds) * inside[..., None]  # padded steps: logits 0
+            z = self._gpcm_head(reads, q_embeds) * inside[..., None]  # padded steps: logits 0
             return z.transpose(0, 1)
         active = inside.sum(1).tolist()  # one host sync
         erase, add = erase_add.chunk(2, dim=-1)
@@ -363,9 +362,7 @@ class DeepGPCM(nn.Module):
         # its logits land straight in [B,T] order, unsorted. Padded steps get logits 0.
         keep = inside.flatten().nonzero().squeeze(1)
         dest = (order[None, :] * T + steps[:, None]).flatten()[keep]
-        q_in, r_in = q_embeds.flatten(0, 1)[keep], reads.flatten(0, 1)[keep]
-        summary = torch.tanh(self.summary(torch.cat([r_in, q_in], dim=-1)))
-        z = self._gpcm_head(summary, q_in)
+        z = self._gpcm_head(reads.flatten(0, 1)[keep], q_embeds.flatten(0, 1)[keep])
         return z.new_zeros(B * T, self.n_cats).index_copy(0, dest, z).view(B, T, self.n_cats)
 
 

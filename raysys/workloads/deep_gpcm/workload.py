@@ -85,8 +85,8 @@ class ModelConfig:
     """Summary network width."""
     chunk: int = 8
     """optimized: memory states kept every `chunk` steps; the backward recomputes the rest. Speed is
-    flat from 8 to 32 on a CPU; on a GPU the kernels' backward keeps a chunk of states in cache, and 8
-    beat 16 on an H200 (docs/benchmarks.md)."""
+    flat from 8 to 32 on a CPU; on a GPU, where the kernels' backward recomputes a chunk into scratch
+    memory, 8 beat 16 on an H200 (docs/benchmarks.md)."""
     recurrence_threads: Optional[int] = None
     """optimized: torch threads for the memory loop only (1 is faster on a busy CPU); None leaves it."""
     recurrence: Literal["auto", "loop", "triton"] = "auto"

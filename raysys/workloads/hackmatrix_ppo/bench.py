@@ -223,9 +223,14 @@ def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunk
 
 
 def _print_split(p: dict) -> None:
-    print(f"[bench] one update at {p['num_envs']} envs x {p['num_steps']} steps ({p.get('precision', 'fp32')}): {p['update_s'] * 1e3:.1f} ms "
+    print(f"[bench] one update at {p['num_envs']} envs x {p['num_steps']} steps ({p['precision']}): {p['update_s'] * 1e3:.1f} ms "
           f"({p['env_steps_per_s']:.0f} env-steps/s): " + ", ".join(f"{k} {v:.0%}" for k, v in p["share"].items())
           + f"; one env step is {p['env_step_kernels']} kernels, {p['env_step_us_per_kernel']:.1f} us each", flush=True)
+
+
+def _width_key(num_envs: int, precision: str) -> str:
+    """The result's key of a wide run: ``envs_8192`` (fp32, as before bf16 was measured), ``envs_8192_bf16``."""
+    return f"envs_{num_envs}" + ("" if precision == "fp32" else f"_{precision}")
 
 
 def run_bench(quick: bool = False) -> dict:
@@ -263,12 +268,11 @@ def run_bench(quick: bool = False) -> dict:
         for n in (8192,) if quick else (8192, 32768):  # quick: the issue's width only (a short device lease)
             for prec in ("fp32", "bf16"):  # train.precision: bf16 matmuls, and a rollout half the bytes
                 r = fused_throughput(n, 128, chunks=chunks, updates_per_chunk=1, precision=prec)
-                name = f"envs_{n}" + ("" if prec == "fp32" else f"_{prec}")
-                res[name] = r
+                res[_width_key(n, prec)] = r
                 extra[f"fused PPO env-steps/s at {n} envs x 128 steps, {prec}"] = (
                     f"{r['env_steps_per_s']:.0f} (mean return {r['mean_return']})")
                 print(f"[bench] fused PPO {n}x128 {prec}: {r['env_steps_per_s']:.0f} env-steps/s", flush=True)
-        best = max(("fp32", "bf16"), key=lambda p: res["envs_8192" + ("" if p == "fp32" else f"_{p}")]["env_steps_per_s"])
+        best = max(("fp32", "bf16"), key=lambda p: res[_width_key(8192, p)]["env_steps_per_s"])
         res["profile_8192"] = split = profile_split(8192, 128, repeats=3, precision=best)
         _print_split(split)
         extra[f"one update at 8192 envs, {best}: time shares"] = ", ".join(f"{k} {v:.0%}" for k, v in split["share"].items())
