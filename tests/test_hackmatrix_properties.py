@@ -87,3 +87,21 @@ def test_jit_vmap_shapes():
     g2 = g.set(hp=1, board=g.board.set(pickup=False))
     assert (np.asarray(g2.hp) == 1).all() and not np.asarray(g2.board.pickup).any()
     assert (np.asarray(g2.credits) == np.asarray(g.credits)).all()
+
+
+def test_the_gpu_forms_of_the_step_give_the_cpus_results(monkeypatch):
+    """Where a GPU gets other code than a CPU (`lax.platform_dependent`: compares instead of
+    scatters, reductions instead of matmuls), those forms run here too and every step's obs,
+    rewards and state match the CPU forms' bit for bit."""
+    trace = lambda s, a, obs, nxt, r, d, info: (obs, nxt, r, info["reward_terms"])  # noqa: E731
+    # a fresh function each time: jit's cache would otherwise reuse the first trace
+    run = lambda: jax.device_get(jax.jit(lambda key: hm.random_rollout(key, 64, 120, RICH, trace))(  # noqa: E731
+        jax.random.PRNGKey(11)))
+    on_cpu = run()
+    chosen = []
+    monkeypatch.setattr(jax.lax, "platform_dependent",
+                        lambda *args, default, **_: chosen.append(default.__name__) or default(*args))
+    elsewhere = run()
+    assert {"_units_by_compare", "_prefix_by_reduce"} <= set(chosen), chosen
+    for a, b in zip(jax.tree.leaves(on_cpu), jax.tree.leaves(elsewhere)):
+        np.testing.assert_array_equal(a, b)

@@ -2,6 +2,7 @@
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from .board import BIG, CELLS, SLOTS, cell_of, first_min, occupancy, on_board, walls
 from .constants import (DAEMON, DATA_BLOCK, DIRECTIONS, GRID, LAST_STAGE, MAX_ATTACK, MAX_HP,
@@ -160,4 +161,5 @@ def base_mask(g: Game, undo_valid, sight: Sight):
 
 def with_forced_wait(mask):
     """If nothing is legal (e.g. walled in at a stage start), WAIT is: a free pass."""
-    return mask.at[5 + WAIT].set(mask[5 + WAIT] | ~mask.any())
+    # a select, not `.at[].set`: under vmap that is an update-slice plus a copy, two kernels on a GPU
+    return mask | ((np.arange(mask.shape[-1]) == 5 + WAIT) & ~mask.any(-1, keepdims=True))

@@ -50,8 +50,10 @@ def kernel_census(num_envs: int = 256, params: EnvParams | None = None) -> dict:
     keys, actions = jax.random.split(jax.random.PRNGKey(1), num_envs), jnp.zeros(num_envs, jnp.int32)
     text = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, None))).lower(keys, state, actions, params).compile().as_text()
     entry = re.search(r"^ENTRY [^\n]*\{\n(.*?)\n\}", text, re.S | re.M)
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"=\s*\S+\s+([a-z][a-z0-9\-]*)\(", entry.group(1) if entry else ""))
-    free = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}  # no kernel of their own
+    # an op's shape is one token or, for a multi-output op, a parenthesised tuple with spaces
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(",
+                                                              entry.group(1) if entry else ""))
+    free = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier"}  # no kernel of their own
     return {"backend": jax.default_backend(), "kernels": sum(v for k, v in ops.items() if k not in free),
             "by_op": dict(ops.most_common())}
 

@@ -10,8 +10,10 @@ import numpy as np
 
 from .constants import GRID, MAX_UNITS, N_CELLS
 
-CELLS = jnp.arange(N_CELLS)
-SLOTS = jnp.arange(MAX_UNITS)
+# NumPy, not jnp: what is computed from them alone (cell rows, tie-break tables) folds into
+# constants at trace time instead of running as tiny kernels inside every step's loop on a GPU.
+CELLS = np.arange(N_CELLS, dtype=np.int32)
+SLOTS = np.arange(MAX_UNITS, dtype=np.int32)
 BIG = 1 << 20
 
 
@@ -24,10 +26,25 @@ def on_board(row, col):
 
 
 def prefix_count(mask):
-    """Inclusive running count of a 1-d bool mask, as int32."""
-    n = mask.shape[-1]
-    upper = np.triu(np.ones((n, n), np.float32))
-    return (mask.astype(jnp.float32) @ upper).astype(jnp.int32)
+    """Inclusive running count of a 1-d bool mask, as int32.
+
+    On a CPU a matmul with a constant triangle (`cumsum` is slow there); elsewhere a masked
+    reduction over the same triangle, which a GPU fuses with what feeds it instead of
+    launching a matmul of its own.
+    """
+    return jax.lax.platform_dependent(mask, cpu=_prefix_by_matmul, default=_prefix_by_reduce)
+
+
+def _upper(n):
+    return np.triu(np.ones((n, n), bool))
+
+
+def _prefix_by_matmul(mask):
+    return (mask.astype(jnp.float32) @ _upper(mask.shape[-1]).astype(np.float32)).astype(jnp.int32)
+
+
+def _prefix_by_reduce(mask):
+    return (mask[..., :, None] & _upper(mask.shape[-1])).sum(-2, dtype=jnp.int32)
 
 
 def first_true(mask, axis=-1):

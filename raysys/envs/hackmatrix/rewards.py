@@ -10,7 +10,6 @@ REWARD_TERMS = (
     "step_penalty", "stage_completion", "score_gain", "kills", "data_siphon", "distance_shaping",
     "damage_penalty", "hp_recovery", "victory", "death_penalty", "siphon_death_penalty",
     "resource_gain", "resource_holding", "program_waste", "undo_rewind", "invalid_action")
-_UNDO_TERMS = tuple(REWARD_TERMS.index(k) for k in ("step_penalty", "undo_rewind", "resource_gain"))
 
 
 # Bitboards: the 36 cells as two 18-bit words, rows 0-2 and rows 3-5, bit 6*(row % 3) + col.
@@ -99,6 +98,7 @@ def reward_terms(params: EnvParams, *, before: Game, acted: Game, phased: Game, 
     # UNDO rewinds the game, so it rewinds the reward earned since the snapshot
     # instead of paying the raw differences (which would refund costs and make
     # SIPH+ or kills repeatable for profit); it still pays for its own credit.
-    undo = jnp.zeros(len(REWARD_TERMS), jnp.float32).at[jnp.array(_UNDO_TERMS)].set(jnp.stack([
-        f32(params.step_penalty), -f32(turn_reward), -params.resource_coef * f32(PROGRAM_CREDITS[UNDO])]))
+    rewound = dict(step_penalty=f32(params.step_penalty), undo_rewind=-f32(turn_reward),
+                   resource_gain=-params.resource_coef * f32(PROGRAM_CREDITS[UNDO]))
+    undo = jnp.stack([rewound.get(name, f32(0.0)) for name in REWARD_TERMS])   # a stack, not a scatter: no kernel of its own
     return jnp.where(is_undo, undo, terms)

@@ -237,22 +237,36 @@ def make_rollout(cfg):
     vstep = jax.vmap(hm.step, in_axes=(0, 0, 0, None))
 
     def env_step(carry, _):
-        params, env_state, obs, env_keys = carry
+        weights, env_state, obs, env_keys = carry
         ks = jax.vmap(lambda k: jax.random.split(k, 3))(env_keys)
         env_keys, k_act, k_env = ks[:, 0], ks[:, 1], ks[:, 2]
-        logits, value = forward(params, obs.features, obs.action_mask, dtype)
+        logits, value = forward(weights, obs.features, obs.action_mask, dtype)
         action = jax.vmap(jax.random.categorical)(k_act, logits)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
         next_obs, env_state, reward, done, info = vstep(k_env, env_state, action, env_params)
-        # Stored in the compute dtype, which is all the network reads of it: with bf16 the
-        # rollout's largest array (num_steps x num_envs x 1,545) and every epoch's shuffle of it
-        # move half the bytes, and the loss is the same.
-        t = Transition(obs.features.astype(dtype), obs.action_mask, action, logp, value, reward,
-                       done.astype(jnp.float32), info["episode_return"], info["episode_length"])
-        return (params, env_state, next_obs, env_keys), t
+        # The per-env numbers travel as one [envs, 7] float32 row: the scan writes each output
+        # into its [num_steps, ...] stack with a kernel of its own, so seven stacks cost seven
+        # kernels a step. Exact: actions and episode lengths are far below 2**24.
+        numbers = jnp.stack([action.astype(jnp.float32), logp, value, reward, done.astype(jnp.float32),
+                             info["episode_return"], info["episode_length"].astype(jnp.float32)], axis=-1)
+        return (weights, env_state, in_dtype(next_obs), env_keys), (obs.features, obs.action_mask, numbers)
+
+    # The network reads observations and weights only in the compute dtype, so the loop carries
+    # them so: in bf16 the step writes its 1,545 features once, at half the bytes, and the rollout's
+    # largest array (num_steps x num_envs x 1,545) and every epoch's shuffle of it move half the
+    # bytes; the weights are cast once per rollout, not once per step. The loss is the same.
+    in_dtype = lambda obs: obs._replace(features=obs.features.astype(dtype))  # noqa: E731
 
     def rollout(params, env_state, obs, env_keys):
-        return jax.lax.scan(env_step, (params, env_state, obs, env_keys), None, cfg.train.num_steps)
+        weights = jax.tree.map(lambda w: w.astype(dtype), params)
+        (_, env_state, last, env_keys), (features, mask, numbers) = jax.lax.scan(
+            env_step, (weights, env_state, in_dtype(obs), env_keys), None, cfg.train.num_steps)
+        action, logp, value, reward, done, ep_return, ep_length = jnp.moveaxis(numbers, -1, 0)
+        traj = Transition(features, mask, action.astype(jnp.int32), logp, value, reward, done, ep_return,
+                          ep_length.astype(jnp.int32))
+        # the runner keeps float32 features (exactly the compute dtype's values)
+        last = last._replace(features=last.features.astype(obs.features.dtype))
+        return (params, env_state, last, env_keys), traj
 
     return rollout
 
