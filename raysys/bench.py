@@ -15,6 +15,7 @@ import platform
 import sys
 from pathlib import Path
 
+from raysys import console
 from raysys import workload as registry
 from raysys.config import ConfigError, load_yaml, parse_set_args
 
@@ -47,7 +48,7 @@ def format_table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raysys.bench", description=__doc__,
+    p = console.ArgumentParser(prog="python -m raysys.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", help="a built-in or installed workload, or your own as module:attr or path/to/file.py:attr (see "
                                     "`python -m raysys list`)")
@@ -73,12 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("raysys.bench: --device cuda: no CUDA device is visible to torch", file=sys.stderr)
             return 2
-    from raysys import console
 
     console.setup_logging()
     try:
+        if args.json:  # before minutes of measuring, not after
+            from raysys.storage import check_local_folder
+
+            check_local_folder(Path(args.json).expanduser().resolve().parent, "--json folder")
         wl = registry.get(args.workload)
         overrides = (load_yaml(args.config) if args.config else {}) | parse_set_args(args.sets)
+        if wl.path_key and wl.path_key in overrides:
+            raise ConfigError(f"--set/--config {wl.path_key}: the bench measures both paths (naive and optimized) "
+                              f"itself; time one path with `python -m raysys train {args.workload} --set "
+                              f"{wl.path_key}=...` (its perf/ metrics)")
         if wl.bench is None:
             from raysys.bench_generic import generic_bench
 
@@ -103,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         res["device"] = device_name()
     print(format_table(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+        Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).expanduser().write_text(json.dumps(res, indent=2, default=float))
         print(f"wrote {args.json}")
     return 0
 

@@ -40,11 +40,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="default", help="named config preset of the workload (default: %(default)s)")
     p.add_argument("--config", metavar="YAML", help="YAML file of config keys, nested or dotted, applied after the preset")
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
-                   help="override one config key by dotted path, e.g. train.lr=3e-4 (repeatable; applied last)")
+                   help="override one config key by dotted path, e.g. optim.lr=3e-4 (repeatable; applied last)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m raysys", description=(
+    parser = console.ArgumentParser(prog="python -m raysys", description=(
         "raysys: run training workloads on Ray with their slow (naive) and fast (optimized) paths, "
         "tracked in MLflow. Every knob is a config key: see `show`."),
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print a workload's resolved config as YAML (or every key with its meaning)")
     _config_args(s)
     s.add_argument("--keys", action="store_true", help="list every config key with its value and what it does")
-    sub.add_parser("list", help="list the workloads (built-in and installed plug-ins) and their presets")
+    ls = sub.add_parser("list", help="list the workloads (built-in and installed plug-ins) and their presets")
+    ls.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                    help="only these, e.g. your own my_module:WORKLOAD or path/to/file.py:WORKLOAD")
     return parser
 
 
@@ -86,11 +88,13 @@ LAUNCH_FLAGS = {"workers": "workers", "gpus_per_worker": "gpus_per_worker", "add
 def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     wl = registry.get(args.workload)
     cfg = wl.config(args.preset)
-    if getattr(args, "resume", False):
-        cfg = _resumed_base(wl, cfg, args) or cfg
+    base = _resumed_base(wl, cfg, args) if getattr(args, "resume", False) else None
+    cfg = base or cfg
     if args.config:
         cfg = apply_overrides(cfg, load_yaml(args.config))
     cfg = apply_overrides(cfg, parse_set_args(args.sets))
+    if base is not None:
+        args.resume_changes = _changes(base, cfg)
     launch = {f"launch.{key}": getattr(args, flag) for flag, key in LAUNCH_FLAGS.items()
               if getattr(args, flag, None) is not None}
     if getattr(args, "resume", False):
@@ -100,6 +104,19 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
             raise ConfigError(f"--device: {wl.name} has no `device` key (its device follows --gpus-per-worker)")
         launch["device"] = args.device
     return wl, apply_overrides(cfg, launch)
+
+
+def _changes(before: Any, after: Any) -> str:
+    """``key: old -> new`` for every config key (but launch.*) that differs, '; '-separated."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    a, b = flat(to_dict(before)), flat(to_dict(after))
+    return "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                     if not k.startswith("launch.") and a.get(k) != b.get(k))
 
 
 def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> Any:
@@ -140,18 +157,22 @@ def _main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.command == "list":
             plugins = set(registry.plugins())
-            names = registry.available()
+            names = args.workloads or registry.available()
             w = max([16, *(len(n) for n in names)])
             for name in names:
                 try:
                     wl = registry.get(name)
                 except ConfigError as e:  # a broken plug-in does not hide the others
+                    if args.workloads:  # named on the command line: bad input
+                        raise
                     print(f"{name:{w}s} (plug-in failed to load: {e})")
                     continue
-                kind = "plug-in" if name in plugins else "built-in"
+                kind = "yours" if ":" in name else "plug-in" if name in plugins else "built-in"
                 vec = "; sweeps vectorize (--vectorize K)" if wl.population is not None else ""
                 print(f"{name:{w}s} {wl.description} [{kind}]\n{'':{w}s} presets: {', '.join(wl.presets)}{vec}")
-            print("\nYour own: python -m raysys train my_module:WORKLOAD (docs/your-workload.md)")
+            if not args.workloads:
+                print("\nYour own: python -m raysys train my_module:WORKLOAD (docs/your-workload.md); its presets: "
+                      "python -m raysys list my_module:WORKLOAD")
             return 0
         wl, cfg = build_config(args)
         if args.command == "show" and args.keys:
@@ -169,6 +190,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
         from raysys.tracking import command_line
 
         tags = {"raysys.preset": args.preset, "raysys.command": command_line(argv)[:5000]}  # how to run it again
+        if getattr(args, "resume_changes", ""):  # MLflow keeps a param's first value: the change goes in a tag
+            print(f"[raysys] resuming with changed config: {args.resume_changes}", flush=True)
+            tags["raysys.resume_changes"] = args.resume_changes[:5000]
         if getattr(args, "cv", False):
             from raysys.train.cv import run_cross_validation
 
@@ -198,6 +222,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # whoever read the output went away (`... | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
     except Exception as e:
         from raysys.checkpoint import CheckpointError, CheckpointWriteError
         from raysys.train.launcher import find_cause

@@ -13,6 +13,7 @@ minute, so the length of the output does not grow with the length of the run.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import os
@@ -66,6 +67,14 @@ def _quiet_teardown() -> None:
 
 
 atexit.register(_quiet_teardown)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with raysys's rule for bad input: one line naming the problem, exit 2 (argparse's
+    own error prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def setup_logging() -> None:

@@ -206,6 +206,19 @@ def push_tree(folder: Path) -> None:
             push_nested(p)
 
 
+def pull_tree(folder: Path) -> None:
+    """Fetch every file of one folder (not its subfolders) of a working copy from its storage."""
+    for parent in Path(folder).parents:
+        owner = remote_of(parent)
+        if owner is not None:
+            remote, name = owner
+            rel = Path(folder).relative_to(parent).as_posix()
+            for entry in remote.listdir(name, rel):
+                if remote.kind(name, rel, entry) == "file":
+                    remote.get(Path(folder) / entry, name, rel, entry)
+            return
+
+
 def push_nested(path: Path) -> None:
     """``push`` for a file at any depth below its working copy."""
     for parent in Path(path).parents:

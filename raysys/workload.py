@@ -249,6 +249,15 @@ def _import(module: str, spec: str):
         raise ConfigError(f"workload '{spec}': importing {module} failed: {e}") from None
     except ImportError as e:
         raise ConfigError(f"workload '{spec}': importing {module} failed: {e}") from None
+    except SyntaxError as e:
+        raise ConfigError(f"workload '{spec}': importing {module} failed: {type(e).__name__}: {e.msg} "
+                          f"({e.filename}, line {e.lineno})") from None
+    except Exception as e:  # the module's own code raised while it was imported
+        import traceback
+
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise ConfigError(f"workload '{spec}': importing {module} failed: {type(e).__name__}: {e} "
+                          f"({frame.filename}, line {frame.lineno})") from None
     return mod
 
 

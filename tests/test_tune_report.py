@@ -57,3 +57,44 @@ def test_table_csv_and_plot_mark_front_and_recommendation_in_one_order(tmp_path)
     assert [row.split(",")[1] for row in csv[1:]] == ["t2", "t1", "t3", "t4"]  # the table's order
     assert csv[1].startswith("1,t2,True,True,ok,") and csv[2].startswith("2,t1,True,False,ok,")
     assert csv[4].startswith("4,t4,False,False,unstable,non-finite loss (nan),2000.0,2000.0,,")  # own = pooled
+
+
+def test_every_report_is_kept_on_disk_and_becomes_one_point_per_step(tmp_path):
+    """ObjectiveLog appends each report as it arrives (a killed driver loses nothing written before
+    it), a resumed trial appends to the same file, and the history MLflow gets has one point per
+    training step: a report without a step of its own (the final one) counts at the step before it,
+    and a step reported again after a resume keeps its last value."""
+    from types import SimpleNamespace
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.progress import ObjectiveLog, objective_history
+    from raysys.tune.report import _objective_history
+
+    log, trial = ObjectiveLog(str(tmp_path / "objectives")), SimpleNamespace(trial_id="t1")
+    first = [(1, 50, 0.5), (2, 100, 0.6)]
+    after_resume = [(1, 100, 0.61), (2, 150, 0.7), (3, None, 0.7)]  # resumed at step 100; the final report has no step
+    for it, step, q in first + after_resume:
+        row = {"training_iteration": it, "timestamp": 1764000000 + it, obj.QUALITY: q, obj.THROUGHPUT: 9.0, "eval/x": 1.0}
+        log.on_trial_result(0, [], trial, row | ({"step": step} if step is not None else {}))
+    points = {(m.key, m.step): m.value for m in _objective_history(objective_history(log.folder, "t1"))}
+    assert {s for k, s in points if k == obj.QUALITY} == {50, 100, 150}
+    assert points[(obj.QUALITY, 100)] == 0.61 and points[(obj.QUALITY, 150)] == 0.7
+    assert objective_history(log.folder, "other") is None
+
+
+def test_a_trials_run_ends_with_the_same_status_however_it_ran():
+    from raysys.tune.pareto import ERROR, INCOMPLETE
+    from raysys.tune.report import _end_status
+
+    def rec(status, ran_to_end=False):
+        r = TrialRecord(trial_id="t", knobs={}, status=status)
+        r.extra["ran_to_end"] = ran_to_end
+        return r
+
+    assert _end_status(rec(OK), "FINISHED") == "FINISHED"
+    assert _end_status(rec(OK), "RUNNING") == "KILLED"
+    assert _end_status(rec(ERROR), "FINISHED") == "FAILED"
+    for before in ("FAILED", "RUNNING", "FINISHED"):  # a trial the stability rules or an interruption stopped
+        assert _end_status(rec(INCOMPLETE), before) == "KILLED"
+        assert _end_status(rec(UNSTABLE), before) == "KILLED"
+    assert _end_status(rec(UNSTABLE, ran_to_end=True), "FINISHED") == "FINISHED"

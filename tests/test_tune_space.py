@@ -149,7 +149,8 @@ def test_stability_rules_and_tracker():
     out = t.update({"train/loss": 0.9, "eval/qwk": 0.6, "done": 1.0})
     assert out[QUALITY] == 0.6 and out[FINAL] == 1.0 and "done" not in out
 
-    for bad, word in [({"train/loss": float("nan")}, "non-finite loss"), ({"stability/nonfinite_loss": 1}, "non-finite losses"),
+    for bad, word in [({"train/loss": float("nan")}, "non-finite loss"), ({"losses/value_loss": float("inf")}, "losses/value_loss"),
+                      ({"eval/loss": float("nan")}, "non-finite loss"), ({"stability/nonfinite_loss": 1}, "non-finite losses"),
                       ({"stability/loss_spikes": 2}, "loss spikes"), ({"train/loss": 11.0}, "ceiling"),
                       ({"charts/entropy": 0.01}, "floor"), ({"stability/diverged": 1.0}, "diverged")]:
         t = ObjectiveTracker("perf/tokens_per_s", "eval/qwk", rules, quality_penalty=-1.0)

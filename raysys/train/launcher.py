@@ -412,7 +412,11 @@ class OpenRun:
 
 
 def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:
-    cmd = f"python -m raysys train {registry.ref(wl)} --name {name} --resume"
+    """The line that continues this run, from any folder: the run folder, the default MLflow store and a
+    ``module:attr`` workload are all found relative to the folder the run started in."""
+    import shlex
+
+    cmd = f"cd {shlex.quote(os.getcwd())} && python -m raysys train {registry.ref(wl)} --name {name} --resume"
     if Path(launch.storage_path).resolve() != Path("raysys_runs").resolve():
         cmd += f" --storage-path {launch.storage_path}"
     return cmd
@@ -484,6 +488,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     logger = tracking.MLflowLogger(uri, run_id, buffer=run_dir / tracking.BUFFER_FILE)
+    if launch.resume and (tags or {}).get("raysys.resume_changes"):  # the run's params keep their first values
+        logger.set_tags({"raysys.resume_changes": tags["raysys.resume_changes"]})
     if launch.resume and logger.pending:
         sent = logger.pending
         if logger.flush():

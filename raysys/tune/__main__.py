@@ -25,7 +25,7 @@ tagged unstable and gets the space's quality penalty. See docs/tune.md and docs/
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m raysys.tune", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = console.ArgumentParser(prog="python -m raysys.tune", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Search a workload's speed knobs (batch size, accumulation, precision, "
                                             "compile, loader workers, naive vs optimized path, lr) for the Pareto "
                                             "front of throughput vs quality, and recommend a configuration.",
@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="also show Ray's, Tune's and MLflow's own INFO logs")
     p.add_argument("--space", required=True, metavar="YAML",
                    help="tune space file (tune_spaces/<workload>.yaml): workload, base preset, fixed overrides, knobs")
-    p.add_argument("--num-samples", type=int, default=8, metavar="N",
-                   help="trials to run in total (default: %(default)s); grid combinations are tried first")
+    p.add_argument("--num-samples", type=int, metavar="N",
+                   help="trials to run in total (default: 8; a resumed sweep keeps its own); grid combinations are "
+                        "tried first")
     p.add_argument("--max-concurrent", type=int, metavar="K",
                    help="trials at once; default and upper bound: as many as fit the cluster's CPUs/GPUs (each "
                         "trial's own CPU plus all its Train workers must fit at the same time)")
@@ -85,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ[console.VERBOSE_ENV] = "1"
     console.setup_logging()
     try:
-        if args.num_samples < 1 or (args.max_concurrent is not None and args.max_concurrent < 1):
+        if (args.num_samples is not None and args.num_samples < 1) or (args.max_concurrent is not None and args.max_concurrent < 1):
             raise ConfigError("--num-samples and --max-concurrent must be >= 1")
         if args.max_failures < 0:
             raise ConfigError(f"--max-failures must be >= 0, got {args.max_failures}")

@@ -71,9 +71,10 @@ class StabilityRules:
 
     def check(self, m: Mapping[str, Any], best: Mapping[str, float]) -> Optional[str]:
         """The reason this report makes the trial unstable, or None."""
-        loss = m.get("train/loss")
-        if _num(loss) and not math.isfinite(loss):
-            return f"non-finite loss ({loss})"
+        for key, loss in m.items():  # train/loss, CleanRL's losses/*, any metric named ...loss
+            if (key.startswith("losses/") or key.rsplit("/", 1)[-1].endswith("loss")) and _num(loss) \
+                    and not math.isfinite(loss):
+                return f"non-finite loss ({loss})" if key == "train/loss" else f"non-finite loss ({key} = {loss})"
         if _num(m.get("stability/diverged")) and m["stability/diverged"] >= 1:
             return "diverged (the run stopped itself after consecutive non-finite losses)"
         nonfinite = m.get("stability/nonfinite_loss")

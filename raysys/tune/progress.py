@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-
+import os
 import time
 from typing import Any
 
@@ -11,9 +11,10 @@ from ray.tune import Callback
 from ray.tune.stopper import Stopper
 
 from raysys.tune import objectives as obj
-from raysys.tune.population import POPULATION, member_ids, member_results
+from raysys.tune.population import POPULATION, PREFIX, member_ids, member_results
 
 PROGRESS_EVERY_S = 20.0
+OBJECTIVES_DIR = "objectives"  # in the sweep's folder: ObjectiveLog's files
 
 
 class StabilityStopper(Stopper):
@@ -45,6 +46,49 @@ def format_knobs(knobs: dict[str, Any]) -> str:
 
 def _fmt(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+class ObjectiveLog(Callback):
+    """Every report's objectives and step, appended to ``<folder>/<trial id>.jsonl`` as it arrives:
+    the history each trial's MLflow run gets at the end of the sweep. Tune's own per-trial files may
+    lose what came before a killed driver (they reach the sweep's folder only when Tune syncs them),
+    so a resumed trial's history would start where it resumed."""
+
+    KEYS = ("step", obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY)
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        import json
+
+        def kept(key: str) -> bool:  # a member's keys are members/<member id>/<key>
+            own = key.split("/", 2)[2] if key.startswith(f"{PREFIX}/") and key.count("/") >= 2 else key
+            return own in self.KEYS or key in ("training_iteration", "timestamp")
+
+        row = {k: v for k, v in result.items() if kept(k)}
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, f"{trial.trial_id}.jsonl"), "a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+
+
+def objective_history(folder, trial_id: str):
+    """What :class:`ObjectiveLog` wrote for a trial, as a dataframe (None if nothing)."""
+    import json
+
+    import pandas as pd
+
+    path = os.path.join(folder, f"{trial_id}.jsonl") if folder else None
+    if not path or not os.path.exists(path):
+        return None
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line the killed driver left half-written
+                pass
+    return pd.DataFrame(rows) if rows else None
 
 
 class Progress(Callback):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from raysys.tune import objectives as obj
-from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, best_of, pareto_front, recommend
+from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord, best_of, pareto_front, recommend
 
 JOB_ADDRESS = "http://127.0.0.1:8265"
 
@@ -160,21 +160,24 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
 
 
 def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialRecord], grid,
-                      verdict: Optional[Verdict] = None) -> None:
+                      verdict: Optional[Verdict] = None, objectives_dir: Optional[str] = None) -> None:
     """Record each trial's verdict on its MLflow child run (tags, description, both objectives with
     history) and close runs a stopped trial left RUNNING. Done here, on the driver, because a trial the
     stopper ended had no chance to do it. ``verdict``: the front and the recommendation, once the
-    sweep is complete."""
+    sweep is complete. ``objectives_dir``: where :class:`~raysys.tune.progress.ObjectiveLog` kept every
+    report (else Tune's own per-trial history, which a killed driver may have cut short)."""
     from mlflow.tracking import MlflowClient
 
     from raysys import tracking
     from raysys.tune.population import POPULATION, member_frame, member_ids
+    from raysys.tune.progress import objective_history
 
     client = MlflowClient(tracking_uri=uri)
     histories = {}
     for result in grid:
-        df = result.metrics_dataframe
         tid = (result.metrics or {}).get("trial_id") or Path(result.path).name
+        df = objective_history(objectives_dir, tid)
+        df = result.metrics_dataframe if df is None else df
         members = (result.config or {}).get(POPULATION)
         if members is None:
             histories[tid] = df
@@ -188,6 +191,8 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         tags = {"raysys.trial_status": r.status, "raysys.knobs": " ".join(f"{k}={v}" for k, v in sorted(r.knobs.items()))}
         if r.reason:
             tags["raysys.trial_reason"] = r.reason[:5000]
+        else:  # an earlier, interrupted session of the sweep may have left one
+            _delete_tag(client, run_id, "raysys.trial_reason")
         if r.status == UNSTABLE:
             tags["raysys.unstable"] = "true"
         if verdict is not None:
@@ -196,9 +201,29 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         tags[tracking.NOTE_TAG] = trial_note(r, setup, verdict)
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
-        client.log_batch(run_id, metrics=_objective_history(histories.get(r.trial_id)))
-        if client.get_run(run_id).info.status == "RUNNING":
-            client.set_terminated(run_id, status="KILLED")
+        points = _objective_history(histories.get(r.trial_id))
+        for i in range(0, len(points), 1000):  # MLflow takes at most 1,000 metrics a batch
+            client.log_batch(run_id, metrics=points[i:i + 1000])
+        status = client.get_run(run_id).info.status
+        if status != _end_status(r, status):
+            client.set_terminated(run_id, status=_end_status(r, status))
+
+
+def _end_status(r: TrialRecord, status: str) -> str:
+    """The MLflow status a trial's run ends with, the same however the trial ran (its own process,
+    a Ray Train run, a member of a vectorized program): an error FAILED; a trial that was stopped,
+    by an interruption, the budget or the stability rules, KILLED; one found unstable only after
+    it ran to its end keeps FINISHED. A run still RUNNING was stopped."""
+    if r.status == ERROR:
+        return "FAILED"
+    if r.status == INCOMPLETE or status == "RUNNING" or (r.status == UNSTABLE and not r.extra.get("ran_to_end")):
+        return "KILLED"
+    return status
+
+
+def _delete_tag(client, run_id: str, key: str) -> None:
+    if key in client.get_run(run_id).data.tags:
+        client.delete_tag(run_id, key)
 
 
 def _send_buffered(uri: str, run_id: str, setup, r: TrialRecord) -> None:
@@ -244,15 +269,20 @@ def _objective_history(df) -> list:
     if df is None or len(df) == 0:
         return []
     by_step: dict[tuple[int, str], Metric] = {}
-    for i, row in enumerate(df.to_dict("records")):
-        step = row.get("step")
-        step = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else int(row.get("training_iteration", i))
+    rows = df.to_dict("records")
+    stepped = lambda row: isinstance(row.get("step"), (int, float)) and math.isfinite(row["step"])  # noqa: E731
+    has_steps, step = any(stepped(row) for row in rows), 0
+    for i, row in enumerate(rows):
+        if not has_steps:
+            step = int(row.get("training_iteration", i))
+        elif stepped(row):  # a report without a step of its own (the final one) belongs to the step before it
+            step = int(row["step"])
         ts = int(1000 * float(row.get("timestamp", 0) or 0))
         for key in (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY):
             v = row.get(key)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 by_step[(step, key)] = Metric(key, sig(float(v)), ts, step)
-    return list(by_step.values())[-1000:]
+    return list(by_step.values())
 
 
 def sweep_view(name: str, knobs: Sequence[str]) -> dict:

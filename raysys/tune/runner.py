@@ -33,10 +33,14 @@ from raysys.tune.trial import error_summary
 STATE_FILE = "raysys_sweep.json"
 
 
+DEFAULT_SAMPLES = 8
+
+
 @dataclass
 class SweepOptions:
     space: str
-    num_samples: int = 8
+    num_samples: Optional[int] = None
+    """None: 8 for a new sweep, the stored count for a resumed one."""
     max_concurrent: Optional[int] = None
     budget_minutes: Optional[float] = None
     address: Optional[str] = None
@@ -203,7 +207,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     from raysys.tune import report
     from raysys.tune.population import run_population_trial
-    from raysys.tune.progress import Progress, StabilityStopper
+    from raysys.tune.progress import OBJECTIVES_DIR, ObjectiveLog, Progress, StabilityStopper
     from raysys.tune.trial import TrialSetup, run_trial
 
     sp = spaces.load(opts.space, preset=opts.preset, overrides=opts.sets)
@@ -223,6 +227,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
             raise ConfigError(f"--resume: this sweep ran with --vectorize {stored.get('vectorize', 1)}; resume it with the same")
         if opts.tracking_uri and tracking.resolve_tracking_uri(opts.tracking_uri) != stored["tracking_uri"]:
             raise ConfigError(f"--resume: this sweep tracks to {stored['tracking_uri']}, not {opts.tracking_uri}")
+        if opts.num_samples is not None and opts.num_samples != int(stored["num_samples"]):
+            raise ConfigError(f"--resume: this sweep has {stored['num_samples']} trials (Tune keeps a restored "
+                              "sweep's count); resume it without --num-samples, or start a new sweep")
+    opts.num_samples = int(stored["num_samples"]) if stored else opts.num_samples or DEFAULT_SAMPLES
     uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
     tracking.check_store(uri)
     tolerance = opts.tolerance if opts.tolerance is not None else float(sp.objectives.get("tolerance", obj.DEFAULT_TOLERANCE))
@@ -277,6 +285,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     started = time.monotonic()
     tune_path, tune_storage = _tune_storage(opts, sweep_dir)
     restore_fs = {k: v for k, v in tune_storage.items() if k == "storage_filesystem"}
+    if opts.resume:  # the objectives every earlier session of the sweep recorded
+        storage.pull_tree(sweep_dir / OBJECTIVES_DIR)
     if opts.resume and tune.Tuner.can_restore(tune_path, **restore_fs):
         print("[raysys.tune] resuming: finished trials are kept, unfinished ones continue from their checkpoints",
               flush=True)
@@ -288,7 +298,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                                name=name, **tune_storage, verbose=0, stop=StabilityStopper(),
                                callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric,
                                                    opts.max_failures),
-                                          *_result_loggers()],
+                                          ObjectiveLog(str(sweep_dir / OBJECTIVES_DIR)), *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
     with _sigterm_stops_like_ctrl_c() as signals:
         grid = tuner.fit()
@@ -301,9 +311,11 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     unfinished = [r for r in records if r.status == INCOMPLETE]
     interrupted = (bool(unfinished) or len(records) < _num_samples(stored, opts)) and not budget_hit
 
+    storage.push_tree(sweep_dir / OBJECTIVES_DIR)
     tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
     report.finalize_children(uri, experiment, setup, records, grid,
-                             None if interrupted else report.Verdict.of(records, tolerance))
+                             None if interrupted else report.Verdict.of(records, tolerance),
+                             objectives_dir=str(sweep_dir / OBJECTIVES_DIR))
     if interrupted:
         tracking.end_run(uri, parent, status="KILLED")
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
@@ -396,6 +408,7 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
         rec.status, rec.reason = ERROR, str(m[obj.FAILED])
     elif m.get(obj.UNSTABLE):
         rec.status, rec.reason = UNSTABLE, str(m.get(obj.REASON, "unstable"))
+        rec.extra["ran_to_end"] = bool(m.get(obj.FINAL))  # found unstable at its final report, not stopped
     elif m.get(obj.FINAL):
         rec.status = OK
     else:
