@@ -17,7 +17,8 @@
 #      On an H200 (2026-11-26) these took ~55, ~220, ~150 and ~140 s: all of them in one 10-minute call
 #      is tight, so name the steps a session needs (e.g. `all deep_gpcm tests`). Shorter steps for
 #      the figures alone: deep_gpcm_256 (~45 s), hackmatrix_8192 (fp32 and bf16, ~120 s),
-#      hackmatrix_8192_xla (bf16 under other XLA_FLAGS); GPU_TESTS_K="expr" runs some GPU tests only
+#      hackmatrix_8192_xla (bf16 under other XLA_FLAGS), hackmatrix_8192_nobarriers (bf16, the env's
+#      optimization barriers off on the GPU); GPU_TESTS_K="expr" runs some GPU tests only
 # Each step has its own time limit, so one slow step cannot use up a call; logs and JSON land in
 # $OUT (they come back). Then record the figures in docs/benchmarks.md with the device named.
 set -uo pipefail
@@ -88,6 +89,9 @@ case "${1:-a}" in
           step hackmatrix-8192-xla 150 env XLA_FLAGS="${HACKMATRIX_XLA_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL}" \
             python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision bf16
           continue ;;
+        hackmatrix_8192_nobarriers)  # bf16 without the env's optimization barriers on the GPU (90 kernels a rollout step, not 104)
+          step hackmatrix-8192-nobarriers 150 python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision bf16 --gpu-barriers off
+          continue ;;
         deep_gpcm_256)  # the step alone: B=256, T=399, every variant, and the profile (~1 minute)
           step deep_gpcm-256 120 python -m raysys.workloads.deep_gpcm.bench --batch 256
           continue ;;
@@ -96,7 +100,7 @@ case "${1:-a}" in
         mpn_dqn) limit=150 ;;
         pointer_generator|ad_transformer) limit=100 ;;
         *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer" \
-                "hackmatrix_8192 hackmatrix_8192_xla deep_gpcm_256)"; continue ;;
+                "hackmatrix_8192 hackmatrix_8192_xla hackmatrix_8192_nobarriers deep_gpcm_256)"; continue ;;
       esac
       step "bench-$s" "$limit" python -m raysys.bench "$s" --quick --device cuda --json "$OUT/bench_${s}_cuda.json"
     done

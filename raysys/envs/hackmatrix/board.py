@@ -81,7 +81,15 @@ def materialize(tree):
     producer chain gets recomputed per element. Barriers at phase boundaries
     cut the vmapped step's CPU time by ~30% (measured at 256 envs).
     """
-    return jax.lax.optimization_barrier(tree)
+    keep = jax.lax.optimization_barrier
+    return jax.lax.platform_dependent(tree, cpu=keep, default=keep if GPU_BARRIERS else lambda t: t)
+
+
+# Whether `materialize` cuts fusions on a GPU too. Without them an H100's rollout step is 90
+# kernels, not 104 (scripts/gpu_census.sh), but some producers are then computed more than once;
+# which is faster is for a GPU to say: `python -m raysys.workloads.hackmatrix_ppo.bench --profile
+# 8192 --gpu-barriers off` (read when a step is traced).
+GPU_BARRIERS = True
 
 
 def walls(board):

@@ -304,7 +304,12 @@ if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"], help="train.precision(s)")
     ap.add_argument("--population", type=int, metavar="K", help="instead: K members at 256 envs as one program vs "
                                                                   "one member alone (aggregate env-steps/s)")
+    ap.add_argument("--gpu-barriers", choices=["on", "off"], default="on",
+                    help="the env's optimization barriers on a GPU (raysys.envs.hackmatrix.board.GPU_BARRIERS)")
     a = ap.parse_args()
+    from raysys.envs.hackmatrix import board
+
+    board.GPU_BARRIERS = a.gpu_barriers == "on"
     if a.population:
         print(json.dumps(population_vs_alone(a.population, 256, a.steps, a.repeats)))
     else:
