@@ -2,7 +2,9 @@
 
 The seeds' speedups were mostly guesses. This runs both paths on the same data on this machine,
 prints the ratio, and writes the figures as JSON (``--json``) with at least: workload, device,
-naive.throughput, optimized.throughput, speedup, naive.quality, optimized.quality.
+naive.throughput, optimized.throughput, speedup, naive.quality, optimized.quality. A workload of
+yours without a ``path_key`` (no naive/optimized pair) gets its configured training step, as
+``configured.throughput``.
 """
 
 from __future__ import annotations

@@ -109,7 +109,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"raysys.tune: config error: {e}", file=sys.stderr)
         return 2
-    return 128 + outcome.signum if outcome.interrupted else 0  # 130 after Ctrl-C, 143 after SIGTERM
+    if outcome.interrupted:
+        return 128 + outcome.signum  # 130 after Ctrl-C, 143 after SIGTERM
+    missing = [r.reason for r in outcome.records if "never reported (an objective of the space)" in r.reason]
+    if outcome.records and len(missing) == len(outcome.records):  # the space names a metric no trial has
+        print(f"raysys.tune: config error: no trial reported an objective of the space: {missing[0]}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
