@@ -185,7 +185,11 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
     if both:
         raise ConfigError(f"{source}: {sorted(both)} are both fixed and searched; keep each in one place")
     try:
-        base = apply_overrides(wl.config(preset), fixed)
+        preset_cfg = wl.config(preset)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: preset: {e}") from None
+    try:
+        base = apply_overrides(preset_cfg, fixed)
     except ConfigError as e:
         raise ConfigError(f"{source}: fixed overrides: {e}") from None
     for key, d in knobs.items():
