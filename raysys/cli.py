@@ -15,7 +15,7 @@ import yaml
 
 from raysys import console
 from raysys import workload as registry
-from raysys.config import ConfigError, apply_overrides, load_yaml, parse_set_args, to_dict
+from raysys.config import ConfigError, apply_overrides, flatten, load_yaml, parse_set_args, to_dict
 
 EPILOG = """examples:
   python -m raysys train deep_gpcm                              # embedded defaults: local Ray, ./mlflow.db
@@ -108,13 +108,7 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
 
 def _changes(before: Any, after: Any) -> str:
     """``key: old -> new`` for every config key (but launch.*) that differs, '; '-separated."""
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-        return out
-
-    a, b = flat(to_dict(before)), flat(to_dict(after))
+    a, b = flatten(to_dict(before)), flatten(to_dict(after))
     return "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
                      if not k.startswith("launch.") and a.get(k) != b.get(k))
 

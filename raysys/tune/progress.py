@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -60,8 +61,6 @@ class ObjectiveLog(Callback):
         self.folder = folder
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        import json
-
         def kept(key: str) -> bool:  # a member's keys are members/<member id>/<key>
             own = key.split("/", 2)[2] if key.startswith(f"{PREFIX}/") and key.count("/") >= 2 else key
             return own in self.KEYS or key in ("training_iteration", "timestamp")
@@ -74,8 +73,6 @@ class ObjectiveLog(Callback):
 
 def objective_history(folder, trial_id: str):
     """What :class:`ObjectiveLog` wrote for a trial, as a dataframe (None if nothing)."""
-    import json
-
     import pandas as pd
 
     path = os.path.join(folder, f"{trial_id}.jsonl") if folder else None

@@ -205,8 +205,8 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         for i in range(0, len(points), 1000):  # MLflow takes at most 1,000 metrics a batch
             client.log_batch(run_id, metrics=points[i:i + 1000])
         status = client.get_run(run_id).info.status
-        if status != _end_status(r, status):
-            client.set_terminated(run_id, status=_end_status(r, status))
+        if (end := _end_status(r, status)) != status:
+            client.set_terminated(run_id, status=end)
 
 
 def _end_status(r: TrialRecord, status: str) -> str:

@@ -309,7 +309,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         pool_throughput(records, wl.population.member_knobs)
     budget_hit = opts.budget_minutes is not None and time.monotonic() - started >= 60 * opts.budget_minutes - 1
     unfinished = [r for r in records if r.status == INCOMPLETE]
-    interrupted = (bool(unfinished) or len(records) < _num_samples(stored, opts)) and not budget_hit
+    interrupted = (bool(unfinished) or len(records) < opts.num_samples) and not budget_hit
 
     storage.push_tree(sweep_dir / OBJECTIVES_DIR)
     tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
@@ -319,7 +319,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     if interrupted:
         tracking.end_run(uri, parent, status="KILLED")
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
-              f"{max(0, _num_samples(stored, opts) - len(records))} unstarted trials; continue it with:\n"
+              f"{max(0, opts.num_samples - len(records))} unstarted trials; continue it with:\n"
               f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
               + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
               + _extra_flags(opts), flush=True)
@@ -343,10 +343,6 @@ def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Opt
         parent = tracking.start_run(uri, experiment, name, tags={"raysys.workload": workload, "raysys.kind": "sweep",
                                                                  "raysys.sweep": name, **tags})
     return parent, tracking.MLflowLogger(uri, parent)
-
-
-def _num_samples(stored: Optional[dict], opts: SweepOptions) -> int:
-    return int(stored["num_samples"]) if stored else opts.num_samples
 
 
 def _extra_flags(opts: SweepOptions) -> str:
