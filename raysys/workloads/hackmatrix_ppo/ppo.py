@@ -281,9 +281,11 @@ def make_update(cfg, n_devices: int):
     steps_per_update = tc.num_envs * tc.num_steps
     rollout = make_rollout(cfg)
 
-    def sgd_step(carry, mb_data):
-        params, opt_state, hp = carry
-        mb, adv, targets = mb_data
+    def sgd_step(carry, rows):
+        params, opt_state, hp, flat = carry
+        # gather this minibatch's rows here: permuting the whole batch first wrote and read every
+        # epoch an extra copy of it (3.2 GB of bf16 observations at 8,192 envs x 128 steps)
+        mb, adv, targets = jax.tree.map(lambda x: x[rows], flat)
         loss_fn = partial(ppo_loss, cfg=SimpleNamespace(ppo=hp), dtype=dtype)
         optimizer = _optimizer(hp.lr, hp.max_grad_norm)
         # advantage normalisation with statistics over the whole minibatch across devices
@@ -295,15 +297,14 @@ def make_update(cfg, n_devices: int):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         aux = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads))
-        return (params, opt_state, hp), aux
+        return (params, opt_state, hp, flat), aux
 
     def epoch(carry, key):
         params, opt_state, hp, traj, adv, targets = carry
         n = tc.num_steps * local_envs
-        perm = jax.random.permutation(key, n)
-        flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:])[perm].reshape((nmb, n // nmb) + x.shape[2:]),
-                            (traj, adv, targets))
-        (params, opt_state, hp), aux = jax.lax.scan(sgd_step, (params, opt_state, hp), flat)
+        flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), (traj, adv, targets))
+        rows = jax.random.permutation(key, n).reshape(nmb, n // nmb)
+        (params, opt_state, hp, _), aux = jax.lax.scan(sgd_step, (params, opt_state, hp, flat), rows)
         return (params, opt_state, hp, traj, adv, targets), aux
 
     def update(runner: Runner, hp: HParams):
