@@ -189,18 +189,20 @@ def profile_split(num_envs: int, num_steps: int = 128, repeats: int = 3, precisi
             "share": {k: v / t_update for k, v in parts.items()}, "env_steps_per_s": full["env_steps_per_s"]}
 
 
-def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunks: int = 3) -> dict:
+def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunks: int = 3,
+                        precision: str = "fp32") -> dict:
     """Aggregate env-steps/s of K members of one shape trained as one population program (what
     ``--vectorize K`` runs) vs one member's program alone (what each separate trial runs), on this
-    machine's devices, compiles excluded (reported apart). Members differ in seed and learning rate."""
+    machine's devices, compiles excluded (reported apart). Members differ in seed and learning rate;
+    both sides train at ``precision`` (``train.precision``, a shape knob: one program per value)."""
     import dataclasses
 
     import jax
 
     from raysys.workloads.hackmatrix_ppo import ppo
 
-    cfg = _cfg(num_envs, num_steps, 1)
-    alone = fused_throughput(num_envs, num_steps, chunks=chunks, updates_per_chunk=1)
+    cfg = _cfg(num_envs, num_steps, 1, precision)
+    alone = fused_throughput(num_envs, num_steps, chunks=chunks, updates_per_chunk=1, precision=precision)
     cfgs = [dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr * (0.5 + i / k)),
                                 train=dataclasses.replace(cfg.train, seed=i)) for i in range(k)]
     mesh = ppo.make_mesh()
@@ -217,7 +219,8 @@ def population_vs_alone(k: int, num_envs: int = 256, num_steps: int = 128, chunk
         return stats
 
     together = k * num_envs * num_steps / _median_seconds(chunk, chunks)
-    return {"k": k, "num_envs": num_envs, "num_steps": num_steps, "population_env_steps_per_s": together,
+    return {"k": k, "num_envs": num_envs, "num_steps": num_steps, "precision": precision,
+            "population_env_steps_per_s": together,
             "alone_env_steps_per_s": alone["env_steps_per_s"], "ratio": together / alone["env_steps_per_s"],
             "population_compile_s": compile_s, "alone_compile_s": alone["compile_s"]}
 
@@ -276,10 +279,14 @@ def run_bench(quick: bool = False) -> dict:
         res["profile_8192"] = split = profile_split(8192, 128, repeats=3, precision=best)
         _print_split(split)
         extra[f"one update at 8192 envs, {best}: time shares"] = ", ".join(f"{k} {v:.0%}" for k, v in split["share"].items())
-        res["population_32"] = pop = population_vs_alone(32, 256, 128, chunks=chunks)
-        line = f"{pop['population_env_steps_per_s']:.0f} vs {pop['alone_env_steps_per_s']:.0f}: {pop['ratio']:.1f}x"
-        extra["population of 32 x 256 envs vs one member alone (aggregate env-steps/s)"] = line
-        print(f"[bench] population of 32 x 256 envs vs one member alone: {line}", flush=True)
+        # quick: fp32 only; else bf16 too where it ran the wide batch faster (train.precision is a shape
+        # knob, so a sweep over it is one program per value)
+        for prec in dict.fromkeys(("fp32",) if quick else ("fp32", best)):
+            pop = population_vs_alone(32, 256, 128, chunks=chunks, precision=prec)
+            res["population_32" + ("" if prec == "fp32" else f"_{prec}")] = pop
+            line = f"{pop['population_env_steps_per_s']:.0f} vs {pop['alone_env_steps_per_s']:.0f}: {pop['ratio']:.1f}x"
+            extra[f"population of 32 x 256 envs vs one member alone, {prec} (aggregate env-steps/s)"] = line
+            print(f"[bench] population of 32 x 256 envs vs one member alone, {prec}: {line}", flush=True)
     try:
         from raysys.workloads.hackmatrix_ppo.rllib_compare import measure_rllib_ppo
 
@@ -311,7 +318,8 @@ if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --
 
     board.GPU_BARRIERS = a.gpu_barriers == "on"
     if a.population:
-        print(json.dumps(population_vs_alone(a.population, 256, a.steps, a.repeats)))
+        for prec in a.precision:
+            print(json.dumps(population_vs_alone(a.population, 256, a.steps, a.repeats, precision=prec)))
     else:
         for n in a.profile:
             for prec in a.precision:
