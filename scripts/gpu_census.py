@@ -87,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--num-envs", type=int, default=8192)
     ap.add_argument("--num-steps", type=int, default=128)
     ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    ap.add_argument("--feature-align", type=int, default=1, help="model.feature_align")
     args = ap.parse_args(argv)
 
     import jax
@@ -95,8 +96,10 @@ def main(argv=None):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from raysys.workloads.hackmatrix_ppo import ppo
+    from raysys.workloads.hackmatrix_ppo import bench, ppo
     from raysys.workloads.hackmatrix_ppo.bench import _cfg
+
+    bench.FEATURE_ALIGN = args.feature_align
 
     try:
         topology = xla_bridge.make_pjrt_topology("cuda", "", target_config=H100, topology="1x1x1")

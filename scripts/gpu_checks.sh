@@ -18,7 +18,7 @@
 #      is tight, so name the steps a session needs (e.g. `all deep_gpcm tests`). Shorter steps for
 #      the issue's figures alone: deep_gpcm_256 (~45 s), hackmatrix_8192 (fp32 and bf16, ~120 s),
 #      hackmatrix_8192_xla (bf16 under other XLA_FLAGS), hackmatrix_8192_nobarriers (bf16, the env's
-#      optimization barriers off on the GPU), population_32 (#17: 32 members x 256 envs as one program
+#      optimization barriers off on the GPU), hackmatrix_8192_aligned (bf16, model.feature_align=16), population_32 (#17: 32 members x 256 envs as one program
 #      vs one alone, fp32 and bf16); GPU_TESTS_K="expr" runs some GPU tests only
 # Each step has its own time limit, so one slow step cannot use up a call; logs and JSON land in
 # $OUT (they come back). Then record the figures in docs/benchmarks.md with the device named.
@@ -93,6 +93,9 @@ case "${1:-a}" in
         hackmatrix_8192_nobarriers)  # bf16 without the env's optimization barriers on the GPU (90 kernels a rollout step, not 104)
           step hackmatrix-8192-nobarriers 150 python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision bf16 --gpu-barriers off
           continue ;;
+        hackmatrix_8192_aligned)  # bf16 with model.feature_align=16: 1,552-wide rows, 32-byte aligned, for the matmuls
+          step hackmatrix-8192-aligned 150 python -m raysys.workloads.hackmatrix_ppo.bench --profile 8192 --precision bf16 --feature-align 16
+          continue ;;
         population_32)  # #17's figure alone: 32 members x 256 envs as one program vs one member, fp32 and bf16 (~2.5 minutes)
           step population-32 220 python -m raysys.workloads.hackmatrix_ppo.bench --population 32 --precision fp32 bf16
           continue ;;
@@ -104,7 +107,7 @@ case "${1:-a}" in
         mpn_dqn) limit=150 ;;
         pointer_generator|ad_transformer) limit=100 ;;
         *) echo "unknown step $s (deep_gpcm hackmatrix_ppo mpn_dqn tests pointer_generator ad_transformer" \
-                "hackmatrix_8192 hackmatrix_8192_xla hackmatrix_8192_nobarriers population_32 deep_gpcm_256)"; continue ;;
+                "hackmatrix_8192 hackmatrix_8192_xla hackmatrix_8192_nobarriers hackmatrix_8192_aligned population_32 deep_gpcm_256)"; continue ;;
       esac
       step "bench-$s" "$limit" python -m raysys.bench "$s" --quick --device cuda --json "$OUT/bench_${s}_cuda.json"
     done

@@ -119,19 +119,35 @@ FOUR_DEVICES = textwrap.dedent("""
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("precision, dtype", [pytest.param("fp32", jnp.float32, marks=pytest.mark.slow), ("bf16", jnp.bfloat16)])
-def test_the_rollout_stores_observations_in_the_compute_dtype(precision, dtype):
-    """What the network reads: with bf16 the trajectory's largest array is half the bytes."""
+@pytest.mark.parametrize("precision, dtype, align", [pytest.param("fp32", jnp.float32, 1, marks=pytest.mark.slow),
+                                                     ("bf16", jnp.bfloat16, 16)])
+def test_the_rollout_stores_observations_in_the_compute_dtype_and_width(precision, dtype, align):
+    """What the network reads: with bf16 the trajectory's largest array is half the bytes; with
+    ``model.feature_align`` its rows are zero-padded to the matmul's width, and the loss and the
+    params' gradients are those of the unpadded features."""
     import dataclasses
 
     from raysys.workloads.hackmatrix_ppo.workload import quick
 
     cfg = quick()
     cfg.train = dataclasses.replace(cfg.train, num_envs=4, num_steps=3, precision=precision)
+    cfg.model = dataclasses.replace(cfg.model, feature_align=align)
     runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), ppo.make_mesh(jax.devices()[:1]))
-    _, traj = jax.jit(ppo.make_rollout(cfg))(runner.params, runner.env_state, runner.obs, runner.env_keys)
-    assert traj.obs.dtype == dtype and traj.obs.shape == (3, 4, runner.obs.features.shape[-1])
-    assert np.array_equal(np.asarray(traj.obs[0], np.float32), np.asarray(runner.obs.features.astype(dtype), np.float32))
+    (_, _, last, _), traj = jax.jit(ppo.make_rollout(cfg))(runner.params, runner.env_state, runner.obs, runner.env_keys)
+    n = runner.obs.features.shape[-1]
+    width = -(-n // align) * align
+    assert traj.obs.dtype == dtype and traj.obs.shape == (3, 4, width)
+    assert last.features.shape == runner.obs.features.shape and last.features.dtype == runner.obs.features.dtype
+    assert np.array_equal(np.asarray(traj.obs[0, :, :n], np.float32),
+                          np.asarray(runner.obs.features.astype(dtype), np.float32))
+    assert not np.asarray(traj.obs[..., n:], np.float32).any()
+    flat = jax.tree.map(lambda x: x.reshape((12,) + x.shape[2:]), traj)
+    adv, targets = jnp.linspace(-1.0, 1.0, 12), jnp.linspace(0.0, 0.5, 12)
+    grad = jax.jit(jax.grad(lambda p, mb: ppo.ppo_loss(p, mb, adv, targets, cfg, dtype)[0]))
+    padded, unpadded = grad(runner.params, flat), grad(runner.params, flat._replace(obs=flat.obs[:, :n]))
+    assert jax.tree.map(np.shape, padded) == jax.tree.map(np.shape, runner.params)
+    for a, b in zip(jax.tree.leaves(padded), jax.tree.leaves(unpadded)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2, atol=1e-5)
 
 
 @pytest.mark.slow  # compiles the whole step (~30 s here), for a diagnostic

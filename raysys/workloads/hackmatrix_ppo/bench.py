@@ -16,10 +16,14 @@ import time
 import numpy as np
 
 
+FEATURE_ALIGN = 1  # model.feature_align of every bench config (--feature-align)
+
+
 def _cfg(num_envs: int, num_steps: int, updates_per_chunk: int, precision: str = "fp32"):
     from raysys.workloads.hackmatrix_ppo.workload import default
 
     cfg = default()
+    cfg.model = dataclasses.replace(cfg.model, feature_align=FEATURE_ALIGN)
     cfg.train = dataclasses.replace(cfg.train, num_envs=num_envs, num_steps=num_steps, updates_per_chunk=updates_per_chunk,
                                     total_timesteps=10**9, precision=precision)
     return cfg
@@ -313,10 +317,13 @@ if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --
                                                                   "one member alone (aggregate env-steps/s)")
     ap.add_argument("--gpu-barriers", choices=["on", "off"], default="on",
                     help="the env's optimization barriers on a GPU (raysys.envs.hackmatrix.board.GPU_BARRIERS)")
+    ap.add_argument("--feature-align", type=int, default=1,
+                    help="model.feature_align: pad the network's input features to a multiple of this (16 on a GPU)")
     a = ap.parse_args()
     from raysys.envs.hackmatrix import board
 
     board.GPU_BARRIERS = a.gpu_barriers == "on"
+    FEATURE_ALIGN = a.feature_align
     if a.population:
         for prec in a.precision:
             print(json.dumps(population_vs_alone(a.population, 256, a.steps, a.repeats, precision=prec)))

@@ -55,10 +55,14 @@ def init_params(key, hidden: tuple[int, ...] = (256, 256), obs_dim: int = hm.OBS
 
 
 def forward(params, obs, mask, compute_dtype=jnp.float32):
-    """-> (masked logits f32 [..., A], value f32 [...]). bf16 compute keeps fp32 params outside."""
+    """-> (masked logits f32 [..., A], value f32 [...]). bf16 compute keeps fp32 params outside.
+    Features zero-padded past the first layer's inputs (``model.feature_align``) meet zero rows."""
     x = obs.astype(compute_dtype)
-    for layer in params["trunk"]:
-        x = jax.nn.relu(x @ layer["w"].astype(compute_dtype) + layer["b"].astype(compute_dtype))
+    for i, layer in enumerate(params["trunk"]):
+        w = layer["w"].astype(compute_dtype)
+        if i == 0 and x.shape[-1] > w.shape[0]:
+            w = jnp.pad(w, ((0, x.shape[-1] - w.shape[0]), (0, 0)))
+        x = jax.nn.relu(x @ w + layer["b"].astype(compute_dtype))
     logits = (x @ params["actor"]["w"].astype(compute_dtype) + params["actor"]["b"].astype(compute_dtype)).astype(jnp.float32)
     value = (x @ params["critic"]["w"].astype(compute_dtype) + params["critic"]["b"].astype(compute_dtype))[..., 0]
     return jnp.where(mask, logits, -1e9), value.astype(jnp.float32)
@@ -228,6 +232,12 @@ def ppo_loss(params, mb: Transition, adv, targets, cfg, dtype=jnp.float32):
     return total, dict(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
 
 
+def feature_width(cfg) -> int:
+    """The network's input width: the observation's features, padded to ``model.feature_align``."""
+    align = cfg.model.feature_align
+    return -(-hm.OBS_SIZE // align) * align
+
+
 def make_rollout(cfg):
     """``rollout(params, env_state, obs, env_keys) -> ((params, env_state, obs, env_keys), traj)``: the
     ``num_steps`` policy + env steps of one update as one ``lax.scan`` (the first half of
@@ -255,17 +265,24 @@ def make_rollout(cfg):
     # them so: in bf16 the step writes its 1,545 features once, at half the bytes, and the rollout's
     # largest array (num_steps x num_envs x 1,545) and every epoch's shuffle of it move half the
     # bytes; the weights are cast once per rollout, not once per step. The loss is the same.
-    in_dtype = lambda obs: obs._replace(features=obs.features.astype(dtype))  # noqa: E731
+    # model.feature_align > 1 pads them here too, so the stored rows are already the matmul's width.
+    width = feature_width(cfg)
+
+    def in_dtype(obs):
+        x = obs.features.astype(dtype)
+        return obs._replace(features=jnp.pad(x, ((0, 0), (0, width - x.shape[-1]))) if width > x.shape[-1] else x)
 
     def rollout(params, env_state, obs, env_keys):
         weights = jax.tree.map(lambda w: w.astype(dtype), params)
+        w0 = weights["trunk"][0]["w"]  # padded once here, not in every step's forward
+        weights["trunk"][0]["w"] = jnp.pad(w0, ((0, width - w0.shape[0]), (0, 0)))
         (_, env_state, last, env_keys), (features, mask, numbers) = jax.lax.scan(
             env_step, (weights, env_state, in_dtype(obs), env_keys), None, cfg.train.num_steps)
         action, logp, value, reward, done, ep_return, ep_length = jnp.moveaxis(numbers, -1, 0)
         traj = Transition(features, mask, action.astype(jnp.int32), logp, value, reward, done, ep_return,
                           ep_length.astype(jnp.int32))
-        # the runner keeps float32 features (exactly the compute dtype's values)
-        last = last._replace(features=last.features.astype(obs.features.dtype))
+        # the runner keeps float32 features (exactly the compute dtype's values), unpadded
+        last = last._replace(features=last.features[..., :obs.features.shape[-1]].astype(obs.features.dtype))
         return (params, env_state, last, env_keys), traj
 
     return rollout

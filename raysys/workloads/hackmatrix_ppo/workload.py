@@ -32,9 +32,14 @@ class EnvConfig:
 class ModelConfig:
     hidden: tuple[int, ...] = (256, 256)
     """Shared MLP trunk widths (ReLU), then a 28-logit actor head and a value head."""
+    feature_align: int = 1
+    """Zero-pad the network's input features to a multiple of this (16: 1,545 -> 1,552) in the
+    rollout's stored observations and the first layer's weights, so a row starts on a 32-byte
+    boundary for a GPU's matrix units. The same network and params (the padded rows are zeros, not
+    trained); sums may round differently. 1: no padding."""
 
     def validate(self) -> None:
-        at_least(self, "model.", 1, "hidden")
+        at_least(self, "model.", 1, "hidden", "feature_align")
 
 
 @dataclass
