@@ -205,6 +205,10 @@ def _main(argv: Optional[list[str]] = None) -> int:
             print(f"[raysys] {signal.Signals(result.stopped_by).name}: run '{result.name}' stopped with a checkpoint "
                   f"(MLflow: KILLED). Resume with:\n  {result.resume_command}", flush=True)
             return lifecycle.exit_code(result.stopped_by)
+        if getattr(result, "failure", ""):  # it diverged: the run is FAILED, its last checkpoint kept
+            print(f"[raysys] run '{result.name}' FAILED: {result.failure} (MLflow: FAILED, tag raysys.error)\n"
+                  f"  {result.run_dir}", flush=True)
+            return 1
         print(_summary(wl, result))
         return 0
     except ConfigError as e:
@@ -230,6 +234,13 @@ def _main(argv: Optional[list[str]] = None) -> int:
         line = _environment_error(find_cause(e, (CheckpointWriteError,)) or _service_error(e) or find_cause(e, (OSError,)))
         if line:  # a full disk, a lost tracking server: one line, the run resumable
             print(f"raysys: {line}; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
+            return 1
+        failed = getattr(e, "raysys_failure", None)
+        if failed:  # an error in the training code: its traceback, then where the run keeps it
+            import traceback
+
+            traceback.print_exc()
+            print(failed, file=sys.stderr)
             return 1
         raise
 

@@ -91,6 +91,9 @@ def setup_logging() -> None:
         # Tuner.restore line: raysys draws its progress and prints its own resume command
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
         logging.getLogger("ray.tune.tune").setLevel(logging.ERROR)
+        # "Trials did not complete: [...]": raysys's summary names each failed trial and its reason
+        logging.getLogger("ray.tune.tune").addFilter(
+            lambda record: not str(record.msg).startswith("Trials did not complete"))
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         # "Token authentication is enabled for this Ray cluster": the safe default, said at every start
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)

@@ -10,8 +10,9 @@ import math
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
+MAX_NONFINITE = 20  # consecutive non-finite losses after which the training loop declares a run diverged
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "other")
 
 
@@ -92,6 +93,23 @@ class PhaseTimer:
     def load_state_dict(self, d: dict) -> None:
         self.totals = defaultdict(float, d["totals"])
         self.steps = d["steps"]
+
+
+def is_loss(key: str) -> bool:
+    """train/loss, CleanRL's losses/*, any metric named ...loss: what stability rules watch."""
+    return key.startswith("losses/") or key.rsplit("/", 1)[-1].endswith("loss")
+
+
+def divergence(final: Mapping[str, Any]) -> Optional[str]:
+    """Why a run that ended without an error did not train, or None: the loop stopped itself after
+    consecutive non-finite losses, or a loss it reported last is not finite (any workload)."""
+    if isinstance(final.get("stability/diverged"), (int, float)) and final["stability/diverged"] >= 1:
+        return (f"diverged: {MAX_NONFINITE} non-finite losses in a row, the loop stopped itself at step "
+                f"{int(final.get('step', 0))}")
+    for key, v in final.items():
+        if is_loss(key) and isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):
+            return f"diverged: its last {key} is {v}"
+    return None
 
 
 class StabilityMonitor:

@@ -15,6 +15,7 @@ from raysys import storage
 from raysys.checkpoint import CheckpointStore
 from raysys.lifecycle import StopPoller, stop_requested
 from raysys.console import Sink
+from raysys.metrics import divergence
 from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run, recorded_final, set_threads
 
 
@@ -131,18 +132,19 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
         init_ray(run.cfg.launch.address)
     set_threads(run.cfg.launch)
     session = Session(run, report=report)
-    with run.tracked():
+    with run.tracked() as outcome:
         final = session.finish(wl.train_fn(run.cfg, session) or {})
-    return _result(run, final, session)
+        outcome.failure = divergence(final) or ""
+    return _result(run, final, session, outcome.failure)
 
 
-def _result(run: OpenRun, final: dict, session: Session) -> RunResult:
+def _result(run: OpenRun, final: dict, session: Session, failure: str = "") -> RunResult:
     """A closed run's result; its final metrics are written unless it was stopped (then it resumes) or
     it kept those it recorded before."""
     if stop_requested() is None and not session.kept_final:
         storage.write_text(run.run_dir / "final_metrics.json", json.dumps(final, indent=1, default=float))
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
-                     resume_command=run.resume_command())
+                     resume_command=run.resume_command(), failure=failure)
 
 
 def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Optional[list] = None,
@@ -162,8 +164,9 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
     set_threads(runs[0].cfg.launch)
     sessions = [Session(run, report=r) for run, r in zip(runs, reports)]
     with ExitStack() as stack:
-        for run in runs:
-            stack.enter_context(run.tracked())
+        outcomes = [stack.enter_context(run.tracked()) for run in runs]
         outs = wl.population.train_fn([run.cfg for run in runs], sessions)
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
-    return [_result(run, final, s) for run, final, s in zip(runs, finals, sessions)]
+        for outcome, final in zip(outcomes, finals):
+            outcome.failure = divergence(final) or ""
+    return [_result(run, final, s, o.failure) for run, final, s, o in zip(runs, finals, sessions, outcomes)]

@@ -151,6 +151,63 @@ def test_a_config_error_inside_a_ray_train_run_fails_once_with_its_message(proje
     assert attempts.read_text().count("attempt") == 1  # not retried by max_failures
 
 
+FAILING = '''
+import dataclasses
+
+import digits_mlp
+
+
+class FailingTask(digits_mlp.DigitsTask):
+    steps = 0
+
+    def loss(self, model, batch):  # a bug in the user's code, met from the 5th step on
+        FailingTask.steps += 1
+        if FailingTask.steps >= 5:
+            raise RuntimeError("loss exploded at the 5th step")
+        return super().loss(model, batch)
+
+
+class MisnamedTask(digits_mlp.DigitsTask):
+    quality_metric = "acc"  # evaluate() returns "accuracy"
+
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="failing", task=FailingTask())
+MISNAMED = dataclasses.replace(digits_mlp.WORKLOAD, name="misnamed", task=MisnamedTask())
+'''
+
+
+def test_an_error_in_the_users_training_code_is_kept_with_the_run(project):
+    """Retried as a crash is (launch.max_failures), each restart naming the error itself; then the
+    traceback, and a last line saying where the run keeps it: error.txt (also an MLflow artifact),
+    events.log, the MLflow tag raysys.error. Exit 1."""
+    from mlflow.tracking import MlflowClient
+
+    (project / "failing.py").write_text(FAILING)
+    proc = _run(["python", "-m", "raysys", "train", "failing:WORKLOAD", "--preset", "quick", "--workers", "0",
+                 "--name", "f", "--max-failures", "1"], project)
+    assert proc.returncode == 1
+    both = proc.stdout + proc.stderr
+    assert "training failed (RuntimeError: loss exploded at the 5th step); restarting from the last checkpoint (1/1" in both
+    assert "Traceback" in proc.stderr
+    run_dir = project / "raysys_runs" / "f"
+    assert proc.stderr.rstrip().splitlines()[-3:] == [
+        "[raysys] run 'f' failed: RuntimeError: loss exploded at the 5th step", f"  traceback: {run_dir / 'error.txt'}",
+        f"  resume from its last checkpoint: cd {project} && python -m raysys train failing:WORKLOAD --name f --resume"]
+    assert "RuntimeError: loss exploded at the 5th step" in (run_dir / "error.txt").read_text()
+    events = (run_dir / "events.log").read_text()
+    assert "restart 1/1 after: RuntimeError: loss exploded" in events and "failed: RuntimeError: loss exploded" in events
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-failing").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["raysys.error"] == "RuntimeError: loss exploded at the 5th step"
+    assert "error.txt" in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+    # a quality metric that evaluate() never returns: a config error at the first evaluation, not a NaN quality
+    proc = _run(["python", "-m", "raysys", "train", "failing:MISNAMED", "--preset", "quick", "--workers", "0"], project)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("raysys: config error: misnamed: its Task.quality_metric 'acc' is "
+                                                    "not among the metrics its evaluate() returned: accuracy")
+
+
 SOMETIMES_BROKEN = BROKEN.replace("    def build_model(self, cfg):  # runs inside each Ray Train worker\n",
                                    "    def build_model(self, cfg):  # runs inside each trial's training\n"
                                    "        if cfg.model.hidden != 128:\n            return super().build_model(cfg)\n")

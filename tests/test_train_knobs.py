@@ -25,11 +25,21 @@ def test_bf16_accumulation_adamw_warm_restarts_loader_workers(workdir):
     assert final["stability/nonfinite_loss"] == 0 and -1 <= final["eval/qwk"] <= 1  # barely trained: any finite kappa
 
 
-def test_absurd_lr_is_reported_diverged_not_crashed(workdir):
+def test_absurd_lr_is_reported_diverged_not_crashed(workdir, capsys):
+    """A run whose loss stops being finite ends FAILED with why, not "done": exit 1, one line, the
+    MLflow tag and events.log say it diverged; its final metrics are still written."""
+    from mlflow.tracking import MlflowClient
+
     assert main([*QUICK, "--name", "div", "--set", "optim.lr=1e12", "--set", "optim.clip_grad_norm=none",
-                 "--set", "train.epochs=8"]) == 0
+                 "--set", "train.epochs=8"]) == 1
+    out = capsys.readouterr().out
+    assert "[raysys] run 'div' FAILED: diverged: " in out and "[raysys] done" not in out
     final = _final(workdir, "div")
-    assert final["stability/nonfinite_loss"] > 0 or final["stability/loss_spikes"] > 0
+    assert final["stability/nonfinite_loss"] > 0
+    assert "failed: diverged: " in (workdir / "raysys_runs" / "div" / "events.log").read_text()
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-deep_gpcm").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["raysys.error"].startswith("diverged: ")
 
 
 @pytest.mark.slow

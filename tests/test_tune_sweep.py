@@ -53,7 +53,7 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
         assert chatter not in out + proc.stderr, chatter
     assert "Pareto front" in out and "| # | trial | front | recommended | status | perf/tokens_per_s | eval/qwk |" in out
     assert "Recommended: trial" in out
-    assert "python -m raysys train deep_gpcm --preset quick " in out
+    assert f"Train it (from any folder):\n\n    cd {workdir} && python -m raysys train deep_gpcm --preset quick " in out
     assert "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python -m raysys train deep_gpcm" in out
 
     client, runs, parent, children = _runs(mlflow_server)
@@ -162,7 +162,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
 
     returncode, out = interrupt_sweep(args, workdir, ready, group_sigterm=True)  # timeout, Slurm, systemd
     assert returncode == 143, out[-3000:]
-    assert "--resume" in out
+    assert f"cd {workdir} && python -m raysys.tune --space {SPACE} --name intr" in out  # works from any folder
     before = _events(sweep_dir)
     finished = {e[1] for e in before if e[0] == "end"}
     assert finished

@@ -25,6 +25,7 @@ from typing import Any, Optional
 from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import from_dict
+from raysys.metrics import divergence
 from raysys.session import Session
 from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, process_group_backend,
                                    ray_storage, set_threads, train_logging)
@@ -99,17 +100,18 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     # a restarted worker group resumes from the run's own checkpoints (Session.restore); restarts are
     # fit_with_restarts', which fails at once on errors a restart cannot fix
     failure = FailureConfig(max_failures=0)
-    with run.tracked(), console.live(remote=True) as sink:
+    with run.tracked() as outcome, console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
                    "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor()}
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure, backend),
                           launch.max_failures, run.run_dir, sink)
         lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
-    final_path = run.run_dir / "final_metrics.json"
-    final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
+        final_path = run.run_dir / "final_metrics.json"
+        final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
+        outcome.failure = divergence(final) or ""
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),
-                     resume_command=run.resume_command())
+                     resume_command=run.resume_command(), failure=outcome.failure)
 
 
 def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool, resources: dict, failure: Any,

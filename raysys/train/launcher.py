@@ -25,6 +25,7 @@ from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError
 from raysys.config import ConfigError, flatten, to_dict
+from raysys.metrics import divergence
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class RunResult:
     stopped_by: Optional[int] = None
     """The signal that stopped the run at a step boundary (its checkpoint saved), or None."""
     resume_command: str = ""
+    failure: str = ""
+    """Why a run that ended without an error did not train (it diverged): its MLflow run is FAILED."""
 
 
 def identity_of(wl: registry.Workload, cfg: Any) -> dict:
@@ -326,6 +329,23 @@ def find_cause(e: BaseException, types: tuple) -> Optional[BaseException]:
     return None
 
 
+def error_line(e: BaseException) -> str:
+    """``Type: message`` of the error a user should read: the first failed worker's own error, not
+    Ray's wrapper around it (whose first line names no error)."""
+    for _ in range(8):
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict) and failures:
+            e = failures[min(failures)]
+            continue
+        cause = getattr(e, "cause", None)  # a RayTaskError around the task's own exception
+        if isinstance(cause, BaseException) and cause is not e:
+            e = cause
+            continue
+        break
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
 def permanent_cause(e: BaseException) -> Optional[BaseException]:
     """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
     return find_cause(e, PERMANENT)
@@ -352,10 +372,10 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
             if attempt >= max_failures:
                 raise
             attempt += 1
-            line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            line = error_line(e)
             _event(run_dir, f"restart {attempt}/{max_failures} after: {line}")
-            (sink or console.Sink()).message(f"[raysys] workers failed ({line}); restarting from the last "
-                                             f"checkpoint ({attempt}/{max_failures})")
+            (sink or console.Sink()).message(f"[raysys] training failed ({line}); restarting from the last "
+                                             f"checkpoint ({attempt}/{max_failures}, launch.max_failures)")
 
 
 def _event(run_dir: Path, line: str) -> None:
@@ -397,18 +417,53 @@ class OpenRun:
     def resume_command(self) -> str:
         return _resume_command(self.wl, self.cfg.launch, self.name)
 
+    def record_failure(self, why: str | BaseException) -> str:
+        """Keep why the run failed where it outlives the console: ``events.log``, the MLflow tag
+        ``raysys.error``, and for an error its traceback in ``<run>/error.txt`` (also an artifact).
+        An error gets ``raysys_failure`` (the line), which the CLI prints after the traceback."""
+        line = why if isinstance(why, str) else error_line(why)
+        try:
+            _event(self.run_dir, f"failed: {line}")
+            if isinstance(why, BaseException):
+                import traceback
+
+                storage.write_text(self.run_dir / ERROR_FILE, "".join(traceback.format_exception(why)))
+                self.logger.log_artifact(self.run_dir / ERROR_FILE)
+            self.logger.set_tags({"raysys.error": line[:5000]})
+        except Exception as e:  # a full disk or a lost store must not hide the error itself
+            log.warning("could not record the failure of run %s: %s", self.name, e)
+        if isinstance(why, BaseException):
+            why.raysys_failure = (f"[raysys] run '{self.name}' failed: {line}\n  traceback: {self.run_dir / ERROR_FILE}"
+                                  f"\n  resume from its last checkpoint: {self.resume_command()}")
+        return line
+
     @contextlib.contextmanager
     def tracked(self):
-        """Close the MLflow run as FINISHED, KILLED (a signal, Ctrl-C) or FAILED, however the block ends."""
-        status = "FAILED"
+        """Close the MLflow run as FINISHED, KILLED (a signal, Ctrl-C) or FAILED, however the block ends.
+        The block may set ``.failure`` (a run that diverged): FAILED, recorded."""
+        status, outcome = "FAILED", _Outcome()
         try:
-            yield
+            yield outcome
             status = "KILLED" if lifecycle.stop_requested() is not None else "FINISHED"
+            if status == "FINISHED" and outcome.failure:
+                status = "FAILED"
+                self.record_failure(outcome.failure)
         except KeyboardInterrupt:
             status = "KILLED"
             raise
+        except Exception as e:
+            self.record_failure(e)
+            raise
         finally:
             self.finish(status)
+
+
+@dataclass
+class _Outcome:
+    failure: str = ""
+
+
+ERROR_FILE = "error.txt"
 
 
 def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:
@@ -550,20 +605,16 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
                                  checkpoint_config=CheckpointConfig(num_to_keep=1)),
         )
 
-    status = "FAILED"
-    try:
-        with console.live(remote=launch.workers > 0) as sink:
-            fit_with_restarts(make_trainer, launch.max_failures, run_dir, sink)
-        lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
-        status = "KILLED" if lifecycle.stop_requested() is not None else "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        final_path = run_dir / "final_metrics.json"
-        if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
-            logger.log_artifact(run_dir / "breakdown.md")
-        run.finish(status)
-    metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
+    final_path = run_dir / "final_metrics.json"
+    with run.tracked() as outcome:
+        try:
+            with console.live(remote=launch.workers > 0) as sink:
+                fit_with_restarts(make_trainer, launch.max_failures, run_dir, sink)
+            lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
+        finally:
+            if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
+                logger.log_artifact(run_dir / "breakdown.md")
+        metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
+        outcome.failure = divergence(metrics) or ""
     return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
-                     resume_command=run.resume_command())
+                     resume_command=run.resume_command(), failure=outcome.failure)

@@ -22,13 +22,11 @@ from raysys import storage
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointStore
 from raysys.console import Sink
-from raysys.config import from_dict
-from raysys.metrics import PhaseTimer, StabilityMonitor, Throughput
+from raysys.config import ConfigError, from_dict
+from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
 from raysys.train.data import ShardSampler, make_loader, to_device
 from raysys.train.optim import build_optimizer, build_scheduler
-
-MAX_NONFINITE = 20  # consecutive non-finite losses after which a run is declared diverged and stops
 
 
 def _ray_context() -> tuple[int, int]:
@@ -182,7 +180,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             metrics = task.evaluate(model, eval_loader_items)
         model.train()
         out = {f"eval/{k}": float(v) for k, v in metrics.items()}
-        out["eval/quality"] = out.get(f"eval/{task.quality_metric}", float("nan"))  # the workload-neutral name
+        if task.quality_metric not in metrics:  # a typo would leave every sweep of it without a quality
+            raise ConfigError(f"{wl.name}: its Task.quality_metric '{task.quality_metric}' is not among the metrics "
+                              f"its evaluate() returned: {', '.join(map(str, metrics)) or 'none'}")
+        out["eval/quality"] = out[f"eval/{task.quality_metric}"]  # the workload-neutral name
         return out
 
     last_ckpt_time = time.monotonic()

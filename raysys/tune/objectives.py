@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from raysys.metrics import is_loss
+
 THROUGHPUT = "objective/throughput"
 QUALITY = "objective/quality"
 MEASURED_THROUGHPUT = "objective/measured_throughput"
@@ -71,9 +73,8 @@ class StabilityRules:
 
     def check(self, m: Mapping[str, Any], best: Mapping[str, float]) -> Optional[str]:
         """The reason this report makes the trial unstable, or None."""
-        for key, loss in m.items():  # train/loss, CleanRL's losses/*, any metric named ...loss
-            if (key.startswith("losses/") or key.rsplit("/", 1)[-1].endswith("loss")) and _num(loss) \
-                    and not math.isfinite(loss):
+        for key, loss in m.items():
+            if is_loss(key) and _num(loss) and not math.isfinite(loss):
                 return f"non-finite loss ({loss})" if key == "train/loss" else f"non-finite loss ({key} = {loss})"
         if _num(m.get("stability/diverged")) and m["stability/diverged"] >= 1:
             return "diverged (the run stopped itself after consecutive non-finite losses)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,7 @@ def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecor
     train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs)
     return (f"Recommended: trial {rec.trial_id}, the fastest within {tolerance:g} of the best {quality_metric} "
             f"({best:.4g}{lower}): {throughput_metric} {rec.throughput:.4g}, {quality_metric} {rec.quality:.4g}.\n\n"
-            f"Train it:\n\n    {train}\n\nOn a Ray cluster (with token auth on a local cluster, prefix "
+            f"Train it (from any folder):\n\n    cd {shlex.quote(os.getcwd())} && {train}\n\nOn a Ray cluster (with token auth on a local cluster, prefix "
             f"RAY_AUTH_MODE=token):\n\n    {job}\n\n"
             "(The sweep's fixed overrides are included, e.g. fewer epochs: raise them for a full run.)\n")
 
@@ -217,6 +218,8 @@ def _end_status(r: TrialRecord, status: str) -> str:
     if r.status == ERROR:
         return "FAILED"
     if r.status == INCOMPLETE or status == "RUNNING" or (r.status == UNSTABLE and not r.extra.get("ran_to_end")):
+        return "KILLED"
+    if r.status == UNSTABLE and status == "FAILED":  # it diverged and stopped itself: a stability stop
         return "KILLED"
     return status
 

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import signal
 import threading
 import time
@@ -320,7 +321,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         tracking.end_run(uri, parent, status="KILLED")
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
               f"{max(0, opts.num_samples - len(records))} unstarted trials; continue it with:\n"
-              f"  python -m raysys.tune --space {sp.source} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
+              f"  cd {shlex.quote(os.getcwd())} && python -m raysys.tune --space {shlex.quote(str(sp.source))} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
               + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
               + _extra_flags(opts), flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", signal.SIGINT))
