@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--address", help="Ray cluster address, e.g. auto or ray://head:10001; default: $RAY_ADDRESS or "
                                      "a Ray instance started in this process (launch.address)")
     t.add_argument("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
-    t.add_argument("--experiment", help="MLflow experiment name (default raysys-<workload>)")
-    t.add_argument("--name", help="run name: folder under --storage-path and MLflow run name")
+    t.add_argument("--experiment", type=console.name_arg, help="MLflow experiment name (default raysys-<workload>)")
+    t.add_argument("--name", type=console.name_arg, help="run name: folder under --storage-path and MLflow run name")
     t.add_argument("--storage-path", help="folder for checkpoints and run state (shared by all nodes on a cluster)")
     t.add_argument("--resume", action="store_true", help="continue run --name (or the newest run of this workload) "
                                                           "from its last checkpoint, without repeating finished steps")

@@ -194,7 +194,7 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     """Parse a YAML file; a missing file or bad YAML is one ConfigError saying where."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{what} not found: {path}")
+        raise ConfigError(f"{what} not found: {path}" if not path.exists() else f"{what} {path} is not a file")
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

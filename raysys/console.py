@@ -69,6 +69,14 @@ def _quiet_teardown() -> None:
 atexit.register(_quiet_teardown)
 
 
+def name_arg(value: str) -> str:
+    """argparse type of ``--name``/``--experiment``: a given name may not be empty (omit the flag for
+    the default); a run or sweep name is checked as one (lifecycle.validate_name) where it is used."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty name; omit the flag for the default name")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with raysys's rule for bad input: one line naming the problem, exit 2 (argparse's
     own error prints the whole usage first)."""

@@ -337,6 +337,7 @@ class MLflowLogger:
         self.buffer = Path(buffer) if buffer is not None else None
         self._retry_at, self._backoff = 0.0, 30.0
         self._step, self._logged_at_step = None, set()
+        self._recorded: Optional[dict[str, int]] = None  # each metric's last step in MLflow before this process
         if self.buffer is not None:
             quick_failures()
 
@@ -443,16 +444,28 @@ class MLflowLogger:
     def log_params(self, params: Mapping[str, Any]) -> None:
         self._call({"kind": "params", "data": {k: str(v) for k, v in params.items()}})
 
+    def _recorded_steps(self) -> dict[str, int]:
+        """Each metric's latest step already in the run (from an earlier process of it), {} if none
+        or the store does not answer (its outage is the buffer's business)."""
+        try:
+            return {m.key: m.step for m in self.client.get_run(self.run_id).data.to_proto().metrics}
+        except Exception:
+            return {}
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """One value per metric and step: a later value for a step already logged (e.g. the run's
-        final summary after its last epoch report) is left out, so no chart jumps at one step."""
+        final summary after its last epoch report) is left out, so no chart jumps at one step. So is
+        a step an earlier process of the run logged after its last checkpoint and a resume trains
+        again (a run killed without a final checkpoint): the first value stays."""
         if step != self._step:
             self._step, self._logged_at_step = step, set()
+        if self._recorded is None:
+            self._recorded = self._recorded_steps()
         book = {k: v for k, v in metrics.items() if is_bookkeeping(k)}
         if book:
             self.set_tags({f"raysys.{k.rsplit('/', 1)[-1]}": v for k, v in book.items()})
         data = {k: float(v) for k, v in metrics.items()
-                if v is not None and k not in self._logged_at_step and k not in book}
+                if v is not None and k not in self._logged_at_step and k not in book and step > self._recorded.get(k, -1)}
         self._logged_at_step |= set(data)
         if not data:
             return

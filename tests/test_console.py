@@ -82,3 +82,16 @@ def test_piped_progress_is_plain_and_bounded_whatever_the_run_length():
         # a second run in the same process starts its own count
         con.progress("wl", 1, 10)
         assert out.getvalue().splitlines()[-1].startswith("[wl] 1/10")
+
+
+def test_an_empty_name_is_refused_not_replaced_by_the_default():
+    import argparse
+
+    import pytest
+
+    from raysys import console
+
+    assert console.name_arg("exp1") == "exp1"
+    for empty in ("", "  "):
+        with pytest.raises(argparse.ArgumentTypeError, match="an empty name"):
+            console.name_arg(empty)

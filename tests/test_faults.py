@@ -153,6 +153,7 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
 @pytest.mark.parametrize("args, needle", [
     (["--name", "../../x"], "not a valid run name"),
     (["--name", "/abs/path", "--resume"], "not a valid run name"),
+    (["--max-failures", "-2"], "launch.max_failures must be >= 0, got -2"),
     (["--set", "train.max_steps=0"], "train.max_steps must be >= 1"),
     (["--set", "model.memory_size=0"], "model.memory_size must be >= 1"),
     (["--set", "model.chunk=0"], "model.chunk must be >= 1"),

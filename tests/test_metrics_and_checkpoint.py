@@ -189,3 +189,27 @@ def test_a_state_with_tensors_stays_torch_and_a_corrupt_npz_is_refused(tmp_path)
     with pytest.raises(CheckpointError, match="corrupt"):
         s.load()
     assert (path / "state.npz").read_bytes() == before and (s.root / "step_000000001").is_dir()
+
+
+def test_a_resumed_runs_logger_keeps_the_values_an_earlier_process_logged(tmp_path):
+    """A run killed after logging past its last checkpoint trains those steps again on --resume:
+    MLflow keeps one value per metric and step, the first one."""
+    from mlflow.tracking import MlflowClient
+
+    from raysys.tracking import MLflowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    first = MLflowLogger(uri, run_id)
+    for step in range(1, 6):
+        first.log_metrics({"train/loss": float(step), "eval/acc": 0.5} if step == 3 else {"train/loss": float(step)}, step)
+    again = MLflowLogger(uri, run_id)  # the resumed process, from a checkpoint at step 2
+    for step in range(3, 8):
+        again.log_metrics({"train/loss": 10.0 + step, "eval/acc": 0.9}, step)
+    loss = {m.step: [] for m in client.get_metric_history(run_id, "train/loss")}
+    for m in client.get_metric_history(run_id, "train/loss"):
+        loss[m.step].append(m.value)
+    assert loss == {1: [1.0], 2: [2.0], 3: [3.0], 4: [4.0], 5: [5.0], 6: [16.0], 7: [17.0]}
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/acc")) == [
+        (3, 0.5), (4, 0.9), (5, 0.9), (6, 0.9), (7, 0.9)]

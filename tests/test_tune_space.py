@@ -201,13 +201,15 @@ def test_cli_refuses_a_bad_space_before_anything_starts(workdir, capsys):
     assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
 
 
-def test_cli_refuses_vectorize_without_a_population_program(workdir, capsys):
+def test_cli_refuses_vectorize_without_a_population_program_and_a_path_as_name(workdir, capsys):
     from raysys.tune.__main__ import main
 
     good = workdir / "good.yaml"
     good.write_text(yaml.safe_dump(_space(space={"train.batch_size": {"choice": [16, 32]}})))
     for args, words in ((["--vectorize", "4"], ("deep_gpcm", "no population program")),
-                        (["--vectorize", "0"], ("--vectorize", ">= 1"))):
+                        (["--vectorize", "0"], ("--vectorize", ">= 1")),
+                        (["--name", "a/b"], ("--name 'a/b' is not a valid run name",)),
+                        (["--name", "../up"], ("not a valid run name",))):
         assert main(["--space", str(good), "--num-samples", "2", *args]) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words) and err.count("\n") == 1, err

@@ -163,8 +163,7 @@ class LaunchConfig:
             raise ConfigError(f"launch.workers must be >= 0, got {self.workers}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"launch.threads must be >= 1, got {self.threads}")
-        if self.gpus_per_worker < 0 or self.max_failures < 0:
-            raise ConfigError("launch.gpus_per_worker and launch.max_failures must be >= 0")
+        at_least(self, "launch.", 0, "gpus_per_worker", "max_failures")
         require(self.cpus_per_worker > 0, f"launch.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
         if self.name is not None:
             from raysys.lifecycle import validate_name

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the sweep --name (or the newest sweep of this workload): finished trials are "
                         "kept, unfinished ones continue from their own checkpoints, the rest are run")
-    p.add_argument("--name", help="sweep name: its folder under --storage-path and its MLflow parent run name "
+    p.add_argument("--name", type=console.name_arg, help="sweep name: its folder under --storage-path and its MLflow parent run name "
                                   "(default: <workload>-sweep-<time>)")
     p.add_argument("--storage-path", default="raysys_runs/sweeps", metavar="DIR",
                    help="folder for the sweep's Tune state, trial runs, checkpoints and report (default: %(default)s; "
@@ -115,6 +115,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if outcome.records and len(missing) == len(outcome.records):  # the space names a metric no trial has
         print(f"raysys.tune: config error: no trial reported an objective of the space: {missing[0]}", file=sys.stderr)
         return 2
+    from raysys.tune.pareto import ERROR
+
+    failed = [r for r in outcome.records if r.status == ERROR]
+    if outcome.records and len(failed) == len(outcome.records):  # nothing trained: a script must see it
+        print(f"raysys.tune: every trial failed; the first: {failed[0].reason.splitlines()[0] if failed[0].reason else '?'}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

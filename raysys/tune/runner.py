@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from raysys import storage, tracking
+from raysys import lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
 from raysys.train.launcher import check_ray_address, storage_root
@@ -80,6 +80,11 @@ class SweepOutcome:
 # ---- sweep folder and MLflow parent ------------------------------------------------------------
 
 def resolve_sweep_dir(opts: SweepOptions, workload: str) -> tuple[str, Path]:
+    if opts.name:  # a name, not a path; its trials' runs are named <name>-<8-character trial id>
+        lifecycle.validate_name(opts.name, "--name")
+        if len(opts.name) > 119:
+            raise ConfigError(f"--name {opts.name[:20]}...: a sweep name has at most 119 characters (its trials' "
+                              "run names add 9)")
     if storage.is_remote(opts.storage_path):
         return _resolve_remote(opts, workload)
     root = storage_root(opts.storage_path)  # a file:// URI is a local folder
