@@ -4,8 +4,9 @@ Why a child process: Ray Train's local mode (``num_workers=0``) refuses ``ray.tr
 a Tune trial (it raises in a Tune session), and ignores Train callbacks, so the shared loop cannot
 run in the trial's own process. Here, outside any Tune session, it runs unchanged; each report it
 makes is also written as one JSON line to ``FD`` (a pipe), which the trial reads and forwards to
-Tune. If the trial goes away (stopped as unstable, sweep interrupted), the child stops like Ctrl-C,
-so its MLflow run ends as KILLED and its last checkpoint stays usable for a resume.
+Tune. If the trial stops it (unstable, ended by Tune) or goes away, the child stops like Ctrl-C: at
+the next step boundary with a checkpoint, its MLflow run KILLED. (Ray SIGKILLs a worker's children
+when it kills the worker itself: then the last periodic checkpoint is what a resume continues from.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from raysys import lifecycle
+
 
 def _relay_reports(out: IO[str]) -> None:
     """Also send every ``ray.train.report`` of local mode down the pipe."""
@@ -31,34 +34,45 @@ def _relay_reports(out: IO[str]) -> None:
 
     def report(self, metrics, *args, **kwargs):
         original(self, metrics, *args, **kwargs)
+        if out.closed:
+            return
         try:
             out.write(json.dumps(metrics, default=float) + "\n")
             out.flush()
-        except BrokenPipeError:  # nobody listens any more: stop as if interrupted
-            raise KeyboardInterrupt from None
+        except BrokenPipeError:  # nobody listens any more: stop at the next step, with a checkpoint
+            lifecycle.request_stop(signal.SIGTERM)
+            try:
+                out.close()
+            except OSError:
+                pass
 
     LocalTrainFnUtils.report = report
 
 
 def _watch_parent(parent: int) -> None:
-    """Interrupt training when the trial process that started us dies (it may be killed, not asked)."""
+    """Stop training when the trial process that started us dies (it may be killed, not asked): at
+    the next step boundary, with a checkpoint, as Ctrl-C stops a run; at once if that takes longer
+    than PARENT_GONE_GRACE_S (a step that never ends)."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
+        lifecycle.request_stop(signal.SIGTERM)
+        time.sleep(PARENT_GONE_GRACE_S)
         _thread.interrupt_main()
 
     threading.Thread(target=watch, daemon=True, name="raysys-parent-watch").start()
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+PARENT_GONE_GRACE_S = 60.0
 
 
 def main(argv: list[str]) -> int:
     payload = json.loads(Path(argv[0]).read_text())
     out = os.fdopen(int(argv[1]), "w", buffering=1)
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends the run cleanly too (status KILLED)
+    # SIGINT (the trial stopping an unstable run) and SIGTERM stop at the next step boundary with a
+    # checkpoint, as they stop `raysys train`; a second one stops at once. Either way the run is KILLED.
+    lifecycle.install_signal_handlers()
     _watch_parent(int(payload["parent_pid"]))
     _relay_reports(out)
 
@@ -69,7 +83,10 @@ def main(argv: list[str]) -> int:
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
     try:
-        run_training(payload["workload"], cfg, parent_run_id=payload["parent_run_id"], tags=payload["tags"])
+        result = run_training(payload["workload"], cfg, parent_run_id=payload["parent_run_id"], tags=payload["tags"])
+        if result.stopped_by is not None:
+            print("[raysys.tune] trial training stopped at a step boundary; checkpoint saved", flush=True)
+            return 130
     except KeyboardInterrupt:
         print("[raysys.tune] trial training interrupted", flush=True)
         return 130

@@ -341,7 +341,10 @@ def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags
                 if tracker.unstable:  # the stopper ends the trial too; stop the run cleanly first
                     break
     finally:
-        rc = _stop(proc) if tracker.unstable else proc.wait()
+        # Tune stopping this trial (an interrupted sweep) ends the loop above with an error: the child
+        # checkpoints at its next step, as Ctrl-C stops a run, before this process (and with it the
+        # child: Ray kills a worker's child processes) goes
+        rc = _stop(proc) if tracker.unstable or sys.exc_info()[0] is not None else proc.wait()
     if rc != 0 and not tracker.unstable:
         if permanent is not None:
             raise ChildFailed(permanent)
