@@ -6,7 +6,8 @@ run in the trial's own process. Here, outside any Tune session, it runs unchange
 makes is also written as one JSON line to ``FD`` (a pipe), which the trial reads and forwards to
 Tune. If the trial stops it (unstable, ended by Tune) or goes away, the child stops like Ctrl-C: at
 the next step boundary with a checkpoint, its MLflow run KILLED. (Ray SIGKILLs a worker's children
-when it kills the worker itself: then the last periodic checkpoint is what a resume continues from.)
+when it ends the worker: if that comes first, the last periodic checkpoint is what a resume
+continues from.)
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main(argv: list[str]) -> int:
     out = os.fdopen(int(argv[1]), "w", buffering=1)
     # SIGINT (the trial stopping an unstable run) and SIGTERM stop at the next step boundary with a
     # checkpoint, as they stop `raysys train`; a second one stops at once. Either way the run is KILLED.
+    # The trial's thread that started us had them blocked (Ray's worker threads do), and a child
+    # inherits its parent's signal mask: unblocked, or no signal would ever arrive.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     lifecycle.install_signal_handlers()
     _watch_parent(int(payload["parent_pid"]))
     _relay_reports(out)
