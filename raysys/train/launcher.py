@@ -433,8 +433,11 @@ class OpenRun:
         except Exception as e:  # a full disk or a lost store must not hide the error itself
             log.warning("could not record the failure of run %s: %s", self.name, e)
         if isinstance(why, BaseException):
-            why.raysys_failure = (f"[raysys] run '{self.name}' failed: {line}\n  traceback: {self.run_dir / ERROR_FILE}"
-                                  f"\n  resume from its last checkpoint: {self.resume_command()}")
+            try:
+                why.raysys_failure = (f"[raysys] run '{self.name}' failed: {line}\n  traceback: "
+                                      f"{self.run_dir / ERROR_FILE}\n  resume from its last checkpoint: {self.resume_command()}")
+            except AttributeError:  # an exception type without a __dict__: the plain traceback then
+                pass
         return line
 
     @contextlib.contextmanager
