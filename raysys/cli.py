@@ -205,7 +205,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
             print(f"[raysys] {signal.Signals(result.stopped_by).name}: run '{result.name}' stopped with a checkpoint "
                   f"(MLflow: KILLED). Resume with:\n  {result.resume_command}", flush=True)
             return lifecycle.exit_code(result.stopped_by)
-        if getattr(result, "failure", ""):  # it diverged: the run is FAILED, its last checkpoint kept
+        if getattr(result, "failure", ""):  # it ended without an error but diverged: the run is FAILED
             print(f"[raysys] run '{result.name}' FAILED: {result.failure} (MLflow: FAILED, tag raysys.error)\n"
                   f"  {result.run_dir}", flush=True)
             return 1

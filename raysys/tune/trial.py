@@ -341,9 +341,9 @@ def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags
                 if tracker.unstable:  # the stopper ends the trial too; stop the run cleanly first
                     break
     finally:
-        # Tune stopping this trial (an interrupted sweep) ends the loop above with an error: the child
-        # checkpoints at its next step, as Ctrl-C stops a run, before this process (and with it the
-        # child: Ray kills a worker's child processes) goes
+        # The loop above ended with an error (Tune ending the trial, say): ask the child to stop at its
+        # next step with a checkpoint, as Ctrl-C stops a run, rather than wait on a child nobody reads
+        # (Ray kills a worker's child processes with it, so this is a chance, not a promise)
         rc = _stop(proc) if tracker.unstable or sys.exc_info()[0] is not None else proc.wait()
     if rc != 0 and not tracker.unstable:
         if permanent is not None:
