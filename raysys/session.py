@@ -15,7 +15,6 @@ from raysys import storage
 from raysys.checkpoint import CheckpointStore
 from raysys.lifecycle import StopPoller, stop_requested
 from raysys.console import Sink
-from raysys.metrics import divergence
 from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run, recorded_final, set_threads
 
 
@@ -134,7 +133,7 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     session = Session(run, report=report)
     with run.tracked() as outcome:
         final = session.finish(wl.train_fn(run.cfg, session) or {})
-        outcome.failure = divergence(final) or ""
+        outcome.check(final)
     return _result(run, final, session, outcome.failure)
 
 
@@ -168,5 +167,5 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
         outs = wl.population.train_fn([run.cfg for run in runs], sessions)
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
         for outcome, final in zip(outcomes, finals):
-            outcome.failure = divergence(final) or ""
+            outcome.check(final)
     return [_result(run, final, s, o.failure) for run, final, s, o in zip(runs, finals, sessions, outcomes)]

@@ -25,7 +25,6 @@ from typing import Any, Optional
 from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import from_dict
-from raysys.metrics import divergence
 from raysys.session import Session
 from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, process_group_backend,
                                    ray_storage, set_threads, train_logging)
@@ -109,7 +108,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
         lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
         final_path = run.run_dir / "final_metrics.json"
         final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
-        outcome.failure = divergence(final) or ""
+        outcome.check(final)
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)
 

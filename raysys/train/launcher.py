@@ -465,6 +465,10 @@ class OpenRun:
 class _Outcome:
     failure: str = ""
 
+    def check(self, final: dict) -> None:
+        """The block's run ended with these final metrics: a diverged loss makes it FAILED."""
+        self.failure = divergence(final) or ""
+
 
 ERROR_FILE = "error.txt"
 
@@ -618,6 +622,6 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
             if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
                 logger.log_artifact(run_dir / "breakdown.md")
         metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
-        outcome.failure = divergence(metrics) or ""
+        outcome.check(metrics)
     return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)
