@@ -103,6 +103,9 @@ def setup_logging() -> None:
         logging.getLogger("ray.tune.tune").addFilter(
             lambda record: not str(record.msg).startswith("Trials did not complete"))
         logging.getLogger("mlflow").setLevel(logging.WARNING)
+        from raysys.tracking import calm_http_client
+
+        calm_http_client()
         # "Token authentication is enabled for this Ray cluster": the safe default, said at every start
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
         # "Running in local mode..." for every in-process (--workers 0) run

@@ -166,6 +166,15 @@ def quick_failures() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    calm_http_client()
+
+
+def calm_http_client() -> None:
+    """raysys names its runs' pages itself (``ui_lines``) and says once when it buffers through an
+    outage: MLflow's per-run "View run ... at" lines and urllib3's per-request retry warnings would
+    repeat both, once for every run and every failed call."""
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
 
 # MLflow 3's UI opens an experiment on its GenAI traces page unless the experiment says it holds

@@ -307,6 +307,8 @@ def test_tracking_outage_mid_run_loses_nothing(tmp_path):
         assert run.returncode == 0, err  # training never stopped for tracking
         buffer = tmp_path / "raysys_runs" / "outage" / "tracking-buffer.jsonl"
         assert buffer.is_file() and "records wait in" in out
+        # said once by raysys, not by urllib3 per failed request or by MLflow per run
+        assert "Retrying (Retry(" not in out + err and "View run" not in out + err
         final = json.loads((tmp_path / "raysys_runs" / "outage" / "final_metrics.json").read_text())
 
         server.start()  # back; resuming the finished run sends what waited

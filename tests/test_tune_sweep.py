@@ -49,7 +49,8 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     # a calm console: raysys's own lines, not Tune's experiment table or Optuna's study notices
-    for chatter in ("Configuration for experiment", "View detailed results here", "tensorboard", "A new study created"):
+    for chatter in ("Configuration for experiment", "View detailed results here", "tensorboard", "A new study created",
+                    "View run", "View experiment"):
         assert chatter not in out + proc.stderr, chatter
     assert "Pareto front" in out and "| # | trial | front | recommended | status | perf/tokens_per_s | eval/qwk |" in out
     assert "Recommended: trial" in out
