@@ -219,7 +219,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
-        return 130
+        return lifecycle.exit_code(lifecycle.stop_requested() or signal.SIGINT)
     except BrokenPipeError:  # whoever read the output went away (`... | head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1

@@ -23,6 +23,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -101,7 +102,7 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
-_stop: dict[str, Any] = {"signum": None, "installed": False, "actor": None, "job": None, "worker_watch": False,
+_stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor": None, "job": None, "worker_watch": False,
                         "event": threading.Event()}
 
 
@@ -116,7 +117,7 @@ def request_stop(signum: int = signal.SIGINT) -> None:
     the driver's ``ray.get`` can fail, and the workers would never hear of the stop); the relay thread
     of :func:`stop_flag_actor` passes it on."""
     if _stop["signum"] is None:
-        _stop["signum"] = signum
+        _stop["signum"], _stop["at"] = signum, time.monotonic()
     _stop["event"].set()
 
 
@@ -130,9 +131,22 @@ def _relay(actor: Any, event: threading.Event) -> None:
             pass
 
 
+# `timeout`, Slurm and `kill -- -PGID` signal the process and then its whole group: this process can get
+# one request twice, microseconds apart. A repeat of the same signal this soon is that echo, not a
+# person asking again.
+ECHO_S = 1.0
+
+
+def is_echo(signum: int) -> bool:
+    """Whether ``signum`` repeats, within ``ECHO_S``, the stop request this process already has."""
+    return _stop["signum"] == signum and time.monotonic() - _stop["at"] < ECHO_S
+
+
 def _handler(signum, frame) -> None:
-    if _stop["signum"] is not None:  # the second signal: stop now
-        raise KeyboardInterrupt
+    if _stop["signum"] is not None:
+        if is_echo(signum):
+            return
+        raise KeyboardInterrupt  # asked again: stop now (the CLI exits 128 + the first signal)
     request_stop(signum)
     from raysys import console
 
@@ -153,6 +167,8 @@ def install_signal_handlers() -> None:
 def restore_signal_handlers(handlers: dict) -> None:
     """Put back the handlers a caller had (``main`` called from Python, e.g. a notebook or a test)."""
     if threading.current_thread() is threading.main_thread() and _stop["installed"]:
+        if _stop["signum"] is not None:  # an echo still on its way must meet this handler, not the default
+            time.sleep(max(0.0, _stop["at"] + ECHO_S - time.monotonic()))
         for signum, h in handlers.items():
             signal.signal(signum, h if h is not None else signal.SIG_DFL)
         _stop["installed"] = False
@@ -192,13 +208,15 @@ def settle_stop() -> Optional[int]:
 
 def _worker_handler(signum, frame) -> None:
     loop = _stop["worker_watch"]
+    if is_echo(signum):
+        return
     if _stop["signum"] is not None or not (isinstance(loop, threading.Thread) and loop.is_alive()):
         # a second SIGTERM, or no loop left to stop (Ray shutting the worker down): exit now, as
         # Ray's own handler would
         raise SystemExit(1)
     # no Ray call here: submitting a task from a signal handler trips Ray's checks; the training
     # thread's StopPoller passes the request on to the StopFlag at its next step boundary
-    _stop["signum"] = signum
+    _stop["signum"], _stop["at"] = signum, time.monotonic()
 
 
 def watch_worker_sigterm(actor: Any) -> None:

@@ -556,3 +556,40 @@ def test_resuming_a_finished_run_keeps_what_it_recorded(tmp_path, args, experime
     (run,) = _mlflow_runs(uri, experiment)
     assert run.info.status == "FINISHED"
     assert all(m.value > 0 for m in _client(uri).get_metric_history(run.info.run_id, speed))
+
+
+def test_one_signal_sent_to_the_process_and_then_its_group_is_one_request():
+    """`timeout`, Slurm and `kill -- -PGID` deliver one stop request to the driver twice, microseconds
+    apart; taken as "sent again", it stopped the run at once without its checkpoint (and a SIGTERM
+    exited 130). The echo is ignored; a signal really sent again still stops at once."""
+    from raysys import lifecycle
+
+    lifecycle.reset()
+    try:
+        lifecycle._handler(signal.SIGTERM, None)
+        lifecycle._handler(signal.SIGTERM, None)  # the echo: still one request, to stop at a step boundary
+        assert lifecycle.stop_requested() == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            lifecycle._handler(signal.SIGINT, None)  # another signal: now
+        lifecycle._stop["at"] -= lifecycle.ECHO_S  # the same signal, a second later: a person asking again
+        with pytest.raises(KeyboardInterrupt):
+            lifecycle._handler(signal.SIGTERM, None)
+    finally:
+        lifecycle.reset()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_timeouts_double_delivery_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, sig):
+    """As `timeout` sends it: the signal to the driver, then at once to its whole group."""
+    args = [*QUICK, "--name", "twice", "--set", "train.epochs=50", "--set", "train.checkpoint_every_steps=5"]
+    run = _start(tmp_path, *args, start_new_session=True)
+    ckpts = tmp_path / "raysys_runs" / "twice" / "checkpoints"
+    _wait_for(ckpts, run, 5, timeout=300)
+    os.kill(run.pid, sig)
+    time.sleep(0.05)  # the driver's handler has run by now, mid-step: the echo cannot merge into the first signal
+    os.killpg(run.pid, sig)
+    out, err = run.communicate(timeout=300)
+    print(out[-3000:], err[-3000:])
+    assert run.returncode == 128 + sig and "--name twice --resume" in out, err
+    stopped_at = int(out.split("stopped at step ")[1].split("/")[0])
+    assert (ckpts / f"step_{stopped_at:09d}" / "meta.json").is_file()

@@ -109,6 +109,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"raysys.tune: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a signal sent again: stopped at once, with what Tune had saved
+        print("raysys.tune: stopped at once; the sweep keeps its saved state and its trials' checkpoints "
+              "(continue it with the same command and --resume)", file=sys.stderr)
+        return 130
     if outcome.interrupted:
         return 128 + outcome.signum  # 130 after Ctrl-C, 143 after SIGTERM
     missing = [r.reason for r in outcome.records if "never reported (an objective of the space)" in r.reason]

@@ -144,28 +144,42 @@ def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_stops_like_ctrl_c():
+def _signals_stop_like_ctrl_c():
     """Tune ends a sweep cleanly on SIGINT or SIGUSR1 (trials stopped, its state saved for --resume) but
-    dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends. Around ``fit``, SIGTERM
-    takes Tune's own SIGUSR1 path; the dict it yields records which signal came."""
+    dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends; and after one SIGINT it puts
+    back the handler it found, so the echo of one signal sent to the process and then its group
+    (``timeout``, Slurm) would stop it at once, mid-save. Around ``fit``, SIGINT and SIGTERM both take
+    Tune's own SIGUSR1 path, an echo is ignored, and a signal sent again stops at once. The dict it
+    yields records which signal came."""
     got: dict = {}
     if threading.current_thread() is not threading.main_thread():
         yield got
         return
 
-    def on_sigterm(signum, frame):
-        got["signum"] = signum
-        tune_stop = signal.getsignal(signal.SIGUSR1)  # installed by fit; a second signal stops at once
+    def on_signal(signum, frame):
+        if "signum" in got:
+            if got["signum"] == signum and time.monotonic() - got["at"] < lifecycle.ECHO_S:
+                return
+            raise KeyboardInterrupt
+        got["signum"], got["at"] = signum, time.monotonic()
+        tune_stop = signal.getsignal(signal.SIGUSR1)  # installed by fit
         if callable(tune_stop):
             tune_stop(signal.SIGUSR1, frame)
         else:
             raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    tune_sigint = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT stays with on_signal
     try:
         yield got
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        if tune_sigint is None:
+            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+        else:
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = tune_sigint
 
 
 def _init_ray(address: Optional[str]) -> None:
@@ -306,7 +320,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                                                    opts.max_failures),
                                           ObjectiveLog(str(sweep_dir / OBJECTIVES_DIR)), *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
-    with _sigterm_stops_like_ctrl_c() as signals:
+    with _signals_stop_like_ctrl_c() as signals:
         grid = tuner.fit()
     records = collect(grid, setup)
     if wl.population is not None:  # one speed per program, in both kinds of sweep (population.pool_throughput)
