@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any, Optional
 
@@ -129,8 +130,6 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import signal
-
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _main(argv)
@@ -200,8 +199,6 @@ def _main(argv: Optional[list[str]] = None) -> int:
 
             result = run_custom(wl, cfg, tags=tags)
         if getattr(result, "stopped_by", None) is not None:
-            import signal
-
             print(f"[raysys] {signal.Signals(result.stopped_by).name}: run '{result.name}' stopped with a checkpoint "
                   f"(MLflow: KILLED). Resume with:\n  {result.resume_command}", flush=True)
             return lifecycle.exit_code(result.stopped_by)
@@ -233,7 +230,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
             return 2
         line = _environment_error(find_cause(e, (CheckpointWriteError,)) or _service_error(e) or find_cause(e, (OSError,)))
         if line:  # a full disk, a lost tracking server: one line, the run resumable
-            print(f"raysys: {line}; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
+            resume = getattr(e, "raysys_resume", None)
+            print(f"raysys: {line}; the run keeps its last checkpoint, resume it with:\n  {resume}" if resume else
+                  f"raysys: {line}; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
             return 1
         failed = getattr(e, "raysys_failure", None)
         if failed:  # an error in the training code: its traceback, then where the run keeps it

@@ -287,6 +287,7 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
             "--set", "train.checkpoint_every_steps=2"]
     proc = _train(tmp_path, *args, preexec_fn=small_files)
     _one_line_error(proc, 1, "I/O error", "EFBIG")
+    assert "python -m raysys train deep_gpcm --name full --resume" in proc.stderr  # the whole command, to paste
     ckpts = tmp_path / "raysys_runs" / "full" / "checkpoints"
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]  # the half copy was removed
     runs = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")

@@ -422,20 +422,27 @@ class OpenRun:
         ``raysys.error``, and for an error its traceback in ``<run>/error.txt`` (also an artifact).
         An error gets ``raysys_failure`` (the line), which the CLI prints after the traceback."""
         line = why if isinstance(why, str) else error_line(why)
-        try:
-            _event(self.run_dir, f"failed: {line}")
-            if isinstance(why, BaseException):
-                import traceback
 
+        def keep(what: str, write) -> None:  # each record on its own: a lost storage must not cost the tag
+            try:
+                write()
+            except Exception as e:  # a full disk or a lost store must not hide the error itself
+                log.warning("could not record the failure of run %s in %s: %s", self.name, what, e)
+
+        keep("MLflow", lambda: self.logger.set_tags({"raysys.error": line[:5000]}))
+        keep("events.log", lambda: _event(self.run_dir, f"failed: {line}"))
+        if isinstance(why, BaseException):
+            import traceback
+
+            def error_file():
                 storage.write_text(self.run_dir / ERROR_FILE, "".join(traceback.format_exception(why)))
                 self.logger.log_artifact(self.run_dir / ERROR_FILE)
-            self.logger.set_tags({"raysys.error": line[:5000]})
-        except Exception as e:  # a full disk or a lost store must not hide the error itself
-            log.warning("could not record the failure of run %s: %s", self.name, e)
-        if isinstance(why, BaseException):
+
+            keep(ERROR_FILE, error_file)
             try:
+                why.raysys_resume = self.resume_command()
                 why.raysys_failure = (f"[raysys] run '{self.name}' failed: {line}\n  traceback: "
-                                      f"{self.run_dir / ERROR_FILE}\n  resume from its last checkpoint: {self.resume_command()}")
+                                      f"{self.run_dir / ERROR_FILE}\n  resume from its last checkpoint: {why.raysys_resume}")
             except AttributeError:  # an exception type without a __dict__: the plain traceback then
                 pass
         return line
@@ -478,9 +485,9 @@ def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:
     ``module:attr`` workload are all found relative to the folder the run started in."""
     import shlex
 
-    cmd = f"cd {shlex.quote(os.getcwd())} && python -m raysys train {registry.ref(wl)} --name {name} --resume"
+    cmd = f"cd {shlex.quote(os.getcwd())} && python -m raysys train {shlex.quote(registry.ref(wl))} --name {name} --resume"
     if Path(launch.storage_path).resolve() != Path("raysys_runs").resolve():
-        cmd += f" --storage-path {launch.storage_path}"
+        cmd += f" --storage-path {shlex.quote(launch.storage_path)}"  # an S3 URI's options hold '&'
     return cmd
 
 
@@ -492,7 +499,15 @@ def _lock_dir(launch: Any) -> Optional[Path]:
     import hashlib
     import tempfile
 
-    return Path(tempfile.gettempdir()) / "raysys-locks" / hashlib.sha256(launch.storage_path.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "raysys-locks" / hashlib.sha256(_same_place(launch.storage_path).encode()).hexdigest()[:16]
+
+
+def _same_place(uri: str) -> str:
+    """One spelling of a storage URI: its options in any order, a trailing slash or not, name one place."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    u = urlsplit(uri)
+    return f"{u.scheme.lower()}://{u.netloc}/{u.path.strip('/')}?{sorted(parse_qsl(u.query))}"
 
 
 def _prepare(prepare, cfg: Any) -> Any:
