@@ -57,6 +57,11 @@ def _encode(obj: Any, arrays: list) -> list:
     """A state of numpy arrays and plain values -> a JSON tree of tagged nodes (arrays by index)."""
     import numpy as np
 
+    if type(obj).__module__.split(".")[0] in ("jax", "jaxlib") and hasattr(obj, "__array__"):
+        try:
+            obj = np.asarray(obj)  # a jax.Array (on any device): its values, so a JAX process needs no torch
+        except TypeError:  # a typed PRNG key: jax.random.key_data(key) is its plain form
+            raise _NotPlain(f"a JAX {obj.dtype} array (save jax.random.key_data(key) instead)") from None
     if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype != object:
         a = np.asarray(obj)
         if a.dtype.kind == "V" and a.dtype.fields is None:  # bfloat16, float8 (ml_dtypes): npz keeps only bytes
@@ -68,9 +73,11 @@ def _encode(obj: Any, arrays: list) -> list:
         return ["v", obj]
     if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
         return ["d", {k: _encode(v, arrays) for k, v in obj.items()}]
+    if isinstance(obj, dict) and all(k is None or isinstance(k, (bool, int, float, str)) for k in obj):
+        return ["m", [[k, _encode(v, arrays)] for k, v in obj.items()]]  # e.g. int keys: JSON's are strings
     if isinstance(obj, (list, tuple)):
         return ["l" if isinstance(obj, list) else "t", [_encode(v, arrays) for v in obj]]
-    raise _NotPlain(type(obj).__name__)
+    raise _NotPlain(f"a {type(obj).__module__}.{type(obj).__qualname__}")
 
 
 def _decode(node: list, arrays) -> Any:
@@ -85,6 +92,8 @@ def _decode(node: list, arrays) -> Any:
         return value
     if tag == "d":
         return {k: _decode(v, arrays) for k, v in value.items()}
+    if tag == "m":
+        return {k: _decode(v, arrays) for k, v in value}
     items = [_decode(v, arrays) for v in value]
     return items if tag == "l" else tuple(items)
 
@@ -97,9 +106,20 @@ def _as_npz(state: dict) -> Optional[dict]:
     arrays: list = []
     try:
         tree = json.dumps(_encode(state, arrays))
-    except (_NotPlain, ValueError):
+    except (_NotPlain, ValueError) as e:
+        if not _holds_torch(state):  # torch would pickle it, and its safe loader would refuse it on resume
+            raise TypeError(f"a checkpoint state holds {e}: save numpy or torch arrays, plain values and "
+                            "dicts, lists or tuples of them") from None
         return None
     return {"__tree__": np.array(tree), **{f"a{i}": a for i, a in enumerate(arrays)}}
+
+
+def _holds_torch(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return any(_holds_torch(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_torch(v) for v in obj)
+    return type(obj).__module__.split(".")[0] == "torch"
 
 
 def read_state(path: Path) -> dict:

@@ -148,19 +148,22 @@ def test_checkpoint_refuses_pickled_objects(tmp_path):
 
 
 def test_a_numpy_state_is_saved_and_loaded_without_torch(tmp_path):
-    """A JAX workload's state (numpy arrays and plain values) is state.npz, written and read in a process
-    that never imports torch; dtypes (uint32, bool, bfloat16), nesting and Python values come back."""
+    """A JAX workload's state (numpy or JAX arrays and plain values) is state.npz, written and read in a
+    process that never imports torch; dtypes (uint32, bool, bfloat16), nesting, int keys and Python values
+    come back. A state no form could load back is refused at its first save, not on resume."""
     import subprocess
     import sys
 
     script = f"""
 import sys
 import ml_dtypes, numpy as np
+import jax, jax.numpy as jnp
 from raysys.checkpoint import CheckpointStore
 s = CheckpointStore({str(tmp_path)!r}, "w", {{"model": {{"h": 4}}}})
 state = {{"params": [np.arange(3, dtype=ml_dtypes.bfloat16), np.array([1, 2**32 - 1], np.uint32)],
           "flags": np.array([True, False]), "step": 7, "ratio": 0.5, "name": "run", "none": None,
-          "pair": (np.float32(1.5), [2, 3]), "nested": {{"empty": []}}}}
+          "pair": (np.float32(1.5), [2, 3]), "nested": {{"empty": []}}, "by_int": {{0: np.zeros(2), 1.5: None}},
+          "jax": [jnp.arange(3, dtype=jnp.bfloat16), jax.random.PRNGKey(3)]}}
 for step in (1, 2, 3):
     s.save(state, step)
 loaded, meta = s.load()
@@ -172,6 +175,15 @@ assert loaded["flags"].dtype == np.bool_ and loaded["flags"].tolist() == [True, 
 assert (loaded["step"], loaded["ratio"], loaded["name"], loaded["none"]) == (7, 0.5, "run", None)
 assert isinstance(loaded["pair"], tuple) and float(loaded["pair"][0]) == 1.5 and loaded["pair"][1] == [2, 3]
 assert loaded["nested"] == {{"empty": []}}
+assert loaded["by_int"][0].tolist() == [0, 0] and loaded["by_int"][1.5] is None
+assert loaded["jax"][0].dtype == ml_dtypes.bfloat16 and loaded["jax"][0].tolist() == [0, 1, 2]
+assert loaded["jax"][1].tolist() == np.asarray(jax.random.PRNGKey(3)).tolist()
+try:
+    s.save({{"key": jax.random.key(0)}}, 4)  # a typed key: no form raysys could load back
+    raise AssertionError("saved")
+except TypeError as e:
+    assert "jax.random.key_data" in str(e), e
+assert s.latest().name == "step_000000003"
 print("torch imported:", "torch" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
