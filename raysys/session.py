@@ -15,7 +15,8 @@ from raysys import storage
 from raysys.checkpoint import CheckpointStore
 from raysys.lifecycle import StopPoller, stop_requested
 from raysys.console import Sink
-from raysys.train.launcher import OpenRun, RunResult, init_ray, open_run, recorded_final, set_threads
+from raysys.train.launcher import OpenRun, RunResult, _event, init_ray, open_run, recorded_final, set_threads
+from raysys.workload import _FromTask
 
 
 class Session:
@@ -40,6 +41,9 @@ class Session:
         self.logged = False
         self.kept_final = False
         """True when ``finish`` kept the final metrics the run recorded before (resumed after its end)."""
+        self.resumed = False  # a checkpoint was restored: events.log has this resume
+        self.shapes: Optional[tuple[_SameShapes, int]] = None
+        """(the program's shape check, this member's index) for a member of a population."""
 
     def halt(self, reason: str) -> None:
         """Stop training this run only (a population masks it); ``should_stop`` stays for the whole program."""
@@ -98,14 +102,21 @@ class Session:
             self.sink.message(f"[{self.run.wl.name}] {text}")
 
     def checkpoint(self, state: dict, step: int) -> None:
+        if self.shapes is not None:
+            self.shapes[0].saw(self.shapes[1], state, step)
         if self.is_main:
             self.store.save(state, step)
 
     def restore(self) -> Optional[dict]:
-        """The latest checkpoint's state, or None for a fresh run."""
-        if self.store.latest() is None:
+        """The latest checkpoint's state, or None for a fresh run. The first restore of a run is its
+        resume: recorded in ``events.log``, as the shared loop records a task's."""
+        latest = self.store.latest()
+        if latest is None:
             return None
-        state, _ = self.store.load()
+        state, meta = self.store.load(latest)
+        if self.is_main and not self.resumed:
+            _event(self.run_dir, f"resumed step={meta.get('step')} from={latest.name}")
+        self.resumed = True
         return state
 
     def artifact_text(self, text: str, name: str) -> None:
@@ -133,8 +144,20 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     session = Session(run, report=report)
     with run.tracked() as outcome:
         final = session.finish(wl.train_fn(run.cfg, session) or {})
-        outcome.check(final)
+        _judge(outcome, final, session)
     return _result(run, final, session, outcome.failure)
+
+
+def _judge(outcome, final: dict, session: Session) -> None:
+    """A run that diverged, or ended without the quality its workload declares, is FAILED (``outcome``
+    of ``OpenRun.tracked``): a run that cannot be judged did not do what it was for. Inside a sweep
+    (``report``) the trial's own tracker marks it unstable instead, against the space's objectives."""
+    outcome.check(final)
+    metric = session.run.wl.quality_metric
+    declared = not isinstance(metric, _FromTask)  # raysys's default eval/quality binds no one outside a sweep
+    if declared and not outcome.failure and session._report is None and stop_requested() is None and metric not in final:
+        outcome.failure = (f"no quality: the run ended without {metric} (Workload.quality_metric), neither logged "
+                           "through its session nor in what train_fn returned")
 
 
 def _result(run: OpenRun, final: dict, session: Session, failure: str = "") -> RunResult:
@@ -152,6 +175,9 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
     config snapshot, checkpoints, MLflow run), exactly as ``run_custom`` would open it alone."""
     from contextlib import ExitStack
 
+    from raysys.train.population import members
+
+    wl.population.check(cfgs[0], wl.name)
     if len({wl.population.program_key(cfg) for cfg in cfgs}) > 1:
         from raysys.config import ConfigError
 
@@ -162,10 +188,34 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
     runs = [open_run(wl, cfg, prepare, parent_run_id, t) for cfg, t in zip(cfgs, tags)]
     set_threads(runs[0].cfg.launch)
     sessions = [Session(run, report=r) for run, r in zip(runs, reports)]
+    shapes = _SameShapes([run.cfg for run in runs], wl.population.member_knobs)
+    for i, s in enumerate(sessions):
+        s.shapes = (shapes, i)
     with ExitStack() as stack:
         outcomes = [stack.enter_context(run.tracked()) for run in runs]
-        outs = wl.population.train_fn([run.cfg for run in runs], sessions)
+        stack.enter_context(members(shapes.cfgs, shapes.knobs))  # the carriers' shape check names the knob
+        outs = wl.population.train_fn(shapes.cfgs, sessions)
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
-        for outcome, final in zip(outcomes, finals):
-            outcome.check(final)
+        for outcome, final, s in zip(outcomes, finals, sessions):
+            _judge(outcome, final, s)
     return [_result(run, final, s, o.failure) for run, final, s, o in zip(runs, finals, sessions, outcomes)]
+
+
+class _SameShapes:
+    """The states the members of one program checkpoint must share their shapes: raysys does not see
+    a population's initial states, only these. Each member's first checkpoint is compared with the
+    first of the others saved at the same step (a state may grow with its step: a replay buffer's
+    filled part)."""
+
+    def __init__(self, cfgs: list, member_knobs: tuple):
+        self.cfgs, self.knobs = cfgs, tuple(member_knobs)
+        self.first: dict[int, tuple[int, dict]] = {}  # member -> (step, leaf shapes)
+
+    def saw(self, i: int, state: Any, step: int) -> None:
+        if i in self.first:
+            return
+        from raysys.train.population import check_signatures, leaf_shapes
+
+        self.first[i] = (step, leaf_shapes(state))
+        peers = [j for j, (at, _) in self.first.items() if at == step]
+        check_signatures([self.first[j][1] for j in peers], [self.cfgs[j] for j in peers], self.knobs)

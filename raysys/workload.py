@@ -99,6 +99,21 @@ class Population:
 
         return program_key(flatten(to_dict(cfg)), self.member_knobs)
 
+    def check(self, cfg: Any, workload: str) -> None:
+        """Each member knob must be a key of ``cfg``: a misspelt one is no knob at all, and the workload
+        would train as if its intended key could differ inside one program while it never does."""
+        import difflib
+
+        from raysys.config import ConfigError, flatten, to_dict
+
+        keys = flatten(to_dict(cfg))
+        unknown = [k for k in self.member_knobs if k not in keys]
+        if unknown:
+            near = [m for k in unknown for m in difflib.get_close_matches(k, keys, n=1)]
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise ConfigError(f"workload {workload}: Population.member_knobs names {', '.join(unknown)}, not a key "
+                              f"of its config{hint}")
+
 
 def program_key(values: Mapping[str, Any], member_knobs: Iterable[str]) -> str:
     """Dotted config values (a whole flattened config, or a sweep's knobs over one base config) -> a key
@@ -193,8 +208,11 @@ _LOCAL_ROOTS: set[str] = set()      # files/folders of plug-ins imported from ou
 
 
 def register(workload: Workload, ref_: Optional[str] = None) -> Workload:
-    """Make ``workload`` findable in this process as ``ref_`` (default: its name)."""
+    """Make ``workload`` findable in this process as ``ref_`` (default: its name). A workload found the
+    first time is validated here, before any command creates anything (``Population.check``)."""
     key = ref_ or workload.name
+    if workload.population is not None and id(workload) not in _REFS:
+        workload.population.check(workload.config(), workload.name)
     _LOADED[key] = workload
     _REFS.setdefault(id(workload), key)
     return workload

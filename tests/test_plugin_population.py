@@ -37,6 +37,19 @@ def _cfg(mod, tmp_path, name, population, lr, wd, seed):
     return cfg
 
 
+def _tiny_cfgs(tmp_path, settings):
+    import tiny_workload as tiny
+
+    cfgs = []
+    for i, (width, lr) in enumerate(settings):
+        cfg = tiny.TinyConfig()
+        cfg.model.width, cfg.opt.lr = width, lr
+        cfg.launch.storage_path, cfg.launch.name = str(tmp_path / "runs"), f"m{i}"
+        cfg.launch.tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        cfgs.append(cfg)
+    return cfgs
+
+
 def _state(tmp_path, name):
     last = sorted((tmp_path / "runs" / name / "checkpoints").glob("step_*"))[-1]
     return read_state(last)["state"]
@@ -72,6 +85,67 @@ def test_each_member_of_a_users_population_ends_as_its_lone_run(tmp_path, popula
         assert together[i].metrics["eval/accuracy"] == pytest.approx(alone.metrics["eval/accuracy"], abs=1e-6)
         assert together[i].metrics["eval/accuracy"] > 0.9  # it learned
         assert together[i].metrics["perf/samples_per_s"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_lone_program_refuses_members_of_different_shapes_naming_the_knob(tmp_path):
+    """A workload that declares its width (``model.hidden``) a member knob: the in-turn carrier, given
+    members of two widths (and two learning rates across them), fails with a ConfigError naming the
+    width, not the learning rate, before a step runs with the wrong shapes."""
+    import dataclasses
+
+    from raysys.config import ConfigError
+    from raysys.session import run_population
+    from raysys.workload import Population
+
+    mod = _example()
+    wl = dataclasses.replace(mod.WORKLOAD, population=Population(mod.train_population,
+                                                                 (*mod.MEMBER_KNOBS, "model.hidden")))
+    cfgs = [_cfg(mod, tmp_path, f"w-{i}", "loop", lr, 1e-4, 0) for i, lr in enumerate([3e-3, 3e-3, 1e-2, 1e-2])]
+    for cfg, hidden in zip(cfgs, [16, 32, 16, 32]):
+        cfg.model.hidden = hidden
+    with pytest.raises(ConfigError) as e:
+        run_population(wl, cfgs)
+    msg = str(e.value)
+    assert "members of one program have states of different shapes" in msg
+    assert "model.hidden (16, 32) differs between them" in msg and "remove it from Population.member_knobs" in msg
+    assert "train.lr" not in msg
+    assert not list((tmp_path / "runs").glob("w-*/checkpoints/step_*"))
+
+
+def test_members_checkpointing_states_of_different_shapes_fail_naming_the_knob(tmp_path):
+    """A population whose own loop raysys never sees (numpy, members in turn) declares ``model.width`` a
+    member knob: the states its members checkpoint through their sessions differ in shape, and the
+    program fails with a ConfigError naming the width; each member's run is FAILED with it."""
+    import tiny_workload as tiny
+    from mlflow.tracking import MlflowClient
+
+    from raysys.config import ConfigError
+    from raysys.session import run_population
+
+    with pytest.raises(ConfigError, match=r"\['w'\]: float64\[4\] vs float64\[8\]") as e:
+        run_population(tiny.WIDTH_AS_MEMBER, _tiny_cfgs(tmp_path, [(4, 0.1), (8, 0.1), (4, 0.05)]))
+    assert "model.width (4, 8) differs between them" in str(e.value) and "opt.lr" not in str(e.value)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("raysys-tiny_width").experiment_id])
+    assert len(runs) == 3 and all(r.info.status == "FAILED" for r in runs)
+    assert all("model.width (4, 8)" in r.data.tags["raysys.error"] for r in runs)
+
+
+def test_a_member_knob_that_is_no_config_key_is_a_config_error_before_anything(workdir, capsys):
+    """``member_knobs`` naming ``opt.lrr`` (a typo of ``opt.lr``): one line, exit 2, nothing created."""
+    import yaml
+
+    from raysys.tune.__main__ import main
+
+    (workdir / "space.yaml").write_text(yaml.safe_dump({
+        "workload": f"{Path(__file__).parent / 'tiny_workload.py'}:TYPO",
+        "space": {"opt.lr": {"choice": [0.1, 0.05]}}}))
+    assert main(["--space", "space.yaml", "--vectorize", "2", "--num-samples", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["raysys.tune: config error: workload tiny_typo: Population.member_knobs names opt.lrr, not a key "
+                   "of its config (did you mean opt.lr?)"]
+    assert sorted(p.name for p in workdir.iterdir()) == ["space.yaml"]
 
 
 @pytest.mark.timeout(900)

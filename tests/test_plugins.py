@@ -420,3 +420,46 @@ def test_a_sweep_minimises_a_quality_where_lower_is_better(project):
     (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
     assert parent.data.params["sweep.quality_mode"] == "min"
     assert parent.data.metrics["sweep/best_quality"] == pytest.approx(float(good["quality"]), rel=1e-3)
+
+
+TINY = Path(__file__).resolve().parent / "tiny_workload.py"
+
+
+def _mlflow_run(store: Path, name: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    exp = client.get_experiment_by_name("raysys-tiny")
+    (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("raysys.run_name") == name]
+    return run
+
+
+def test_a_train_fn_run_without_its_quality_metric_fails(workdir, capsys):
+    """A ``train_fn`` that never reports ``eval/quality`` (its Workload.quality_metric) ends as a diverged
+    run does: FAILED in MLflow with the reason as ``raysys.error``, in events.log, exit 1."""
+    from raysys.cli import main
+
+    assert main(["train", f"{TINY}:WORKLOAD", "--name", "noq", "--set", "train.omit_quality=true"]) == 1
+    why = "no quality: the run ended without eval/quality (Workload.quality_metric)"
+    assert f"run 'noq' FAILED: {why}" in capsys.readouterr().out
+    assert why in (workdir / "raysys_runs" / "noq" / "events.log").read_text()
+    run = _mlflow_run(workdir / "mlflow.db", "noq")
+    assert run.info.status == "FAILED" and run.data.tags["raysys.error"].startswith(why)
+    # a workload that declares no quality metric is not held to raysys's default name for one
+    assert main(["train", f"{TINY}:UNDECLARED", "--name", "undeclared", "--set", "train.omit_quality=true"]) == 0
+
+
+def test_each_resume_of_a_train_fn_run_is_in_its_events_log(workdir):
+    """As a task run's: one ``resumed`` line per --resume that restored a checkpoint, none before."""
+    from raysys.cli import main
+
+    args = ["train", f"{TINY}:WORKLOAD", "--name", "r"]
+    assert main([*args, "--set", "train.steps=5"]) == 0
+    events = workdir / "raysys_runs" / "r" / "events.log"
+    assert not events.exists() or "resumed" not in events.read_text()
+    assert main([*args, "--set", "train.steps=10", "--resume"]) == 0
+    assert main([*args, "--set", "train.steps=15", "--resume"]) == 0
+    lines = [line.split(" ", 1)[1] for line in events.read_text().splitlines()]  # without the time
+    resumed = [line for line in lines if line.startswith("resumed")]
+    assert resumed == ["resumed step=5 from=step_000000005", "resumed step=10 from=step_000000010"]
+    assert _mlflow_run(workdir / "mlflow.db", "r").info.status == "FINISHED"

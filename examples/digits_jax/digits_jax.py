@@ -268,14 +268,14 @@ def _batched(chunk, states: list, hps: list, per_chunk: int):
     import jax
     import jax.numpy as jnp
 
-    from raysys.train.population import Batched, time_alone
+    from raysys.train.population import Batched, stack, time_alone
 
     def batched(states, hps, live):
         new, stats = jax.vmap(chunk)(states, hps)
         keep = lambda a, b: jnp.where(live.reshape(live.shape + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
         return jax.tree.map(keep, new, states), stats
 
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    stacked = stack(states)  # refuses members of different shapes, naming the knob
     hp_stack = HParams(*(jnp.asarray(v, jnp.float32) for v in zip(*hps)))
     t = time.perf_counter()
     step = jax.jit(batched).lower(stacked, hp_stack, np.ones(len(states), bool)).compile()

@@ -11,14 +11,25 @@ asks the carrier for a chunk of the live members, each member's speed and each m
 
 ``train.population = auto`` (:func:`population_mode`) is ``loop`` on a CPU, where a batch of members
 runs no faster than one, and ``vmap`` on a GPU or TPU, which one member leaves idle.
+
+Members of one program must have states of one shape: a ``member_knobs`` entry that changes a shape
+(a width, a batch size) is a workload's mistake that would otherwise run every member at one
+member's shapes. :func:`check_shapes` refuses it, naming the knob: the carriers check the states they
+are given (``InTurn``, and :func:`stack` for ``Batched``), and :func:`raysys.session.run_population`
+checks the states the members checkpoint through their sessions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+
+_MEMBERS: contextvars.ContextVar[Optional[tuple[list, tuple]]] = contextvars.ContextVar("raysys_members", default=None)
 
 
 def population_mode(setting: str) -> str:
@@ -28,6 +39,93 @@ def population_mode(setting: str) -> str:
     import jax
 
     return "loop" if jax.devices()[0].platform == "cpu" else "vmap"
+
+
+@contextlib.contextmanager
+def members(cfgs: list, member_knobs: Sequence[str]):
+    """The configurations of the program now training, for the carriers' shape check to name the knob
+    at fault (they are given states, not configurations)."""
+    token = _MEMBERS.set((list(cfgs), tuple(member_knobs)))
+    try:
+        yield
+    finally:
+        _MEMBERS.reset(token)
+
+
+def leaf_shapes(state: Any) -> dict[str, tuple]:
+    """{path: (shape, dtype)} of a state's array leaves (numpy, JAX, torch): what a compiled program's
+    shapes are made of. Python scalars are left out: they change no shape."""
+    if "jax" in sys.modules:  # any pytree, a JAX workload's NamedTuples and optax states included
+        jax = sys.modules["jax"]
+        pairs = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    else:
+        pairs = list(_walk(state, ""))
+    return {p: (tuple(x.shape), str(x.dtype)) for p, x in pairs if hasattr(x, "shape") and hasattr(x, "dtype")}
+
+
+def _walk(node: Any, path: str):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, f"{path}[{k!r}]")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, node
+
+
+def check_shapes(states: Sequence, cfgs: Optional[list] = None, member_knobs: Sequence[str] = ()) -> None:
+    """Raise a ConfigError when members' states differ in a shape or dtype. ``cfgs``/``member_knobs``
+    (default: those of :func:`members`) name the knob whose values split the members as their shapes do."""
+    check_signatures([leaf_shapes(s) for s in states], cfgs, member_knobs)
+
+
+def check_signatures(sigs: list[dict], cfgs: Optional[list] = None, member_knobs: Sequence[str] = ()) -> None:
+    """:func:`check_shapes` of states already reduced to their :func:`leaf_shapes`."""
+    odd = next((i for i, s in enumerate(sigs) if s != sigs[0]), None)
+    if odd is None:
+        return
+    from raysys.config import ConfigError
+
+    if cfgs is None and _MEMBERS.get() is not None:
+        cfgs, member_knobs = _MEMBERS.get()
+    knobs = _knobs_at_fault(sigs, cfgs, member_knobs) if cfgs is not None and len(cfgs) == len(sigs) else []
+    path = next((p for p in {**sigs[0], **sigs[odd]} if sigs[0].get(p) != sigs[odd].get(p)), "?")
+    seen = f"{path or 'state'}: {_fmt(sigs[0].get(path))} vs {_fmt(sigs[odd].get(path))}"
+    named = ", ".join(knobs) or "a knob of Population.member_knobs"
+    it, verb = ("them", "differ") if len(knobs) > 1 else ("it", "differs")
+    raise ConfigError(f"members of one program have states of different shapes ({seen}): {named} {verb} "
+                      f"between them, and a knob that changes a shape cannot differ inside one program; remove {it} "
+                      f"from Population.member_knobs (configurations that differ in {it} then train as separate programs)")
+
+
+def _fmt(sig: Optional[tuple]) -> str:
+    return "absent" if sig is None else f"{sig[1]}{list(sig[0])}"
+
+
+def _knobs_at_fault(sigs: list, cfgs: list, member_knobs: Sequence[str]) -> list[str]:
+    """The member knobs whose values differ between the members: those constant within each group of one
+    shape first (the width that splits them, not the learning rate that also differs), else all."""
+    from raysys.config import flatten, to_dict
+
+    values = [flatten(to_dict(c)) for c in cfgs]
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(sigs):
+        groups.setdefault(repr(sorted(s.items())), []).append(i)
+    differ = [k for k in member_knobs if len({repr(v.get(k)) for v in values}) > 1]
+    follow = [k for k in differ if all(len({repr(values[i].get(k)) for i in g}) == 1 for g in groups.values())]
+    named = follow or differ
+    return [f"{k} ({', '.join(dict.fromkeys(repr(v.get(k)) for v in values))})" for k in named]
+
+
+def stack(states: Sequence) -> Any:
+    """The members' states stacked on a new leading axis (a :class:`Batched` state), after
+    :func:`check_shapes`: a shape knob among the member knobs is named, not a broadcasting error."""
+    import jax
+    import jax.numpy as jnp
+
+    check_shapes(states)
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
 
 def time_alone(step: Callable, state: Any, *args, work: float, chunks: int = 2) -> float:
@@ -46,7 +144,8 @@ def time_alone(step: Callable, state: Any, *args, work: float, chunks: int = 2) 
 
 
 class Batched:
-    """``run(states, todo) -> (states, {member: host output})`` advances every member at once."""
+    """``run(states, todo) -> (states, {member: host output})`` advances every member at once; ``states``
+    stacked by :func:`stack`, which refuses members of different shapes."""
 
     what = "one batched program (train.population=vmap)"
 
@@ -77,6 +176,7 @@ class InTurn:
     alone_note = ""
 
     def __init__(self, states: list, run: Callable, compile_s: float):
+        check_shapes(states)  # the lone program compiled for member 0's shapes runs every member
         self.states, self.run, self.compile_s = list(states), run, compile_s
 
     def step(self, todo: np.ndarray) -> dict[int, tuple[Any, float]]:

@@ -1,0 +1,84 @@
+"""A tiny workload with its own loop (``train_fn=``) and a population, in numpy alone, for tests that
+need a real run in a second: least squares by gradient descent on a fixed random problem, whose
+weight vector has ``model.width`` entries (a shape). Members of a population train in turn, each
+from its own config, checkpointing through its own session."""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raysys.train.config import LaunchConfig
+from raysys.workload import Population, Workload
+
+
+@dataclass
+class ModelConfig:
+    width: int = 4
+    """Entries of the weight vector (changes an array's shape)."""
+
+
+@dataclass
+class OptConfig:
+    lr: float = 0.1
+    """Gradient descent's step size."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    """Gradient steps in all."""
+    checkpoint_every: int = 5
+    """Checkpoint every this many steps."""
+    omit_quality: bool = False
+    """Leave eval/quality (the workload's quality metric) out of what is reported."""
+
+
+@dataclass
+class TinyConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    opt: OptConfig = field(default_factory=OptConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=lambda: LaunchConfig(workers=0))
+
+
+def _member(cfg: TinyConfig, session) -> dict:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, cfg.model.width))
+    y = x @ np.linspace(-1.0, 1.0, cfg.model.width)
+    state = session.restore() or {"w": np.zeros(cfg.model.width), "step": 0}
+    w, step, final = np.asarray(state["w"]), int(state["step"]), {}
+    while step < cfg.train.steps and not session.should_stop():
+        w = w - cfg.opt.lr * 2 * x.T @ (x @ w - y) / len(y)
+        step += 1
+        loss = float(np.mean((x @ w - y) ** 2))
+        final = {"train/loss": loss, "perf/samples_per_s": 1.0}
+        if not cfg.train.omit_quality:
+            final["eval/quality"] = -loss
+        session.log(final, step)
+        if step % cfg.train.checkpoint_every == 0:
+            session.checkpoint({"w": w, "step": step}, step)
+    return final
+
+
+def train(cfg: TinyConfig, session) -> dict:
+    return _member(cfg, session)
+
+
+def train_population(cfgs: list, sessions: list) -> list:
+    return [_member(c, s) for c, s in zip(cfgs, sessions)]
+
+
+WORKLOAD = Workload(name="tiny", description="least squares in numpy (tests)", config_cls=TinyConfig,
+                    presets={"default": TinyConfig}, train_fn=train, quality_metric="eval/quality",
+                    population=Population(train_population, ("opt.lr",)))
+
+# The same, its quality metric left to raysys's default (it declares none).
+UNDECLARED = dataclasses.replace(WORKLOAD, name="tiny_undeclared", quality_metric=None)
+
+# A population that wrongly declares a shape knob as a member knob.
+WIDTH_AS_MEMBER = dataclasses.replace(WORKLOAD, name="tiny_width",
+                                      population=Population(train_population, ("opt.lr", "model.width")))
+
+# A member knob that is no key of the config.
+TYPO = dataclasses.replace(WORKLOAD, name="tiny_typo", population=Population(train_population, ("opt.lr", "opt.lrr")))
