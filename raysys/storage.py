@@ -18,6 +18,7 @@ import atexit
 import re
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlsplit
@@ -62,6 +63,22 @@ class Remote:
             raise ConfigError(f"storage path {uri!r}: {str(e).splitlines()[0]}") from None
         self.base = self.base.rstrip("/")
         self.display = urlsplit(uri)._replace(query="").geturl().rstrip("/")
+        if not self.base:
+            raise ConfigError(f"storage path {uri!r} names no bucket or folder (e.g. s3://bucket/runs)")
+
+    def check(self, what: str = "--storage-path") -> None:
+        """A ConfigError naming the storage unless a throwaway object can be written there and removed: a
+        missing bucket, refused credentials or an endpoint nothing answers at, said before anything exists."""
+        from raysys.config import ConfigError
+
+        probe = self.path(f".raysys-probe-{uuid.uuid4().hex[:12]}")
+        try:
+            with self.fs.open_output_stream(probe) as f:
+                f.write(b"raysys")
+            self.fs.delete_file(probe)
+        except Exception as e:  # pyarrow's OSError has no errno: its first line says what the service said
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError(f"{what} {self.display}: cannot write there ({reason})") from None
 
     def path(self, *parts: str) -> str:
         return "/".join([self.base, *[p.strip("/") for p in parts if p]])

@@ -1,6 +1,7 @@
 """Runs on storage every node can reach: a real S3-compatible server (moto's, on 127.0.0.1), runs
 that write to it and resume from it, and a multi-node local cluster losing the node of rank 0."""
 
+import json
 import os
 import subprocess
 import sys
@@ -141,16 +142,17 @@ def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
     args = ["--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"), "--num-samples", "3", "--max-concurrent", "1",
             "--preset", "quick", "--set", "train.epochs=3", "--set", "train.compile=false",
             "--set", "train.checkpoint_every_steps=2", "--storage-path", sweeps, "--name", "sw"]
-    def ready():  # one trial done, the next with a checkpoint in S3
+    def ready():  # one trial done, the next with a checkpoint in S3 past its first report (step 5)
         ev = _sweep_events(client, "sweeps/sw")
         ended = {e[1] for e in ev if e[0] == "end"}
         running = [e[1] for e in ev if e[0] == "start" and e[1] not in ended]
-        return bool(ended and running and any(k.endswith("/meta.json")
+        return bool(ended and running and any(k.endswith("/meta.json") and int(k.split("/step_")[1][:9]) >= 10
                                               for k in _keys(client, f"sweeps/sw/runs/sw-{running[0]}/")))
 
     returncode, out = interrupt_sweep(args, tmp_path, ready, env=_env(), poll_s=0.3)
     assert returncode == 130 and "--resume" in out
     finished = {e[1] for e in _sweep_events(client, "sweeps/sw") if e[0] == "end"}
+    cut_rows = {k: _text(client, k) for k in _keys(client, "sweeps/sw/objectives/")}
 
     resumed = subprocess.run([sys.executable, "-m", "raysys.tune", *args, "--resume"], cwd=tmp_path, env=_env(),
                              capture_output=True, text=True, timeout=600)
@@ -162,8 +164,23 @@ def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
             starts.setdefault(e[1], []).append(e)
     assert len(starts) == 3 and all(len(starts[t]) == 1 for t in finished)
     (again,) = [t for t, s in starts.items() if len(s) > 1]
-    assert "resumed step=" in _text(client, f"sweeps/sw/runs/sw-{again}/events.log")
+    resumed_at = int(_text(client, f"sweeps/sw/runs/sw-{again}/events.log").split("resumed step=")[1].split()[0])
     assert "sweeps/sw/report/pareto.md" in _keys(client, "sweeps/sw/report/")
+    # the trial cut and resumed keeps its whole objectives history: its child run has both past the
+    # resume, and its rows on S3 are those of before the cut, once, then the resumed session's (not
+    # left in the first session's temporary working copy)
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (child,) = [r for r in mlflow.search_runs([mlflow.get_experiment_by_name("raysys-deep_gpcm").experiment_id])
+                if r.data.tags.get("raysys.trial_id") == again]
+    for key in ("objective/throughput", "objective/quality"):
+        steps = [m.step for m in mlflow.get_metric_history(child.info.run_id, key)]
+        assert steps and max(steps) > resumed_at, (key, steps, resumed_at)
+    rows = _text(client, f"sweeps/sw/objectives/{again}.jsonl").splitlines()
+    cut = cut_rows.get(f"sweeps/sw/objectives/{again}.jsonl", "").splitlines()
+    assert cut and rows[:len(cut)] == cut and all(rows.count(row) == 1 for row in cut), (cut, rows)
+    assert any(json.loads(row).get("step", 0) > resumed_at for row in rows[len(cut):]), rows
     assert not (tmp_path / "raysys_runs").exists()  # everything went to the bucket
 
 
@@ -183,3 +200,26 @@ def test_a_storage_path_that_cannot_be_written_is_one_line_before_anything(tmp_p
         assert proc.returncode == 2, (cmd, path, proc.stderr[-2000:])
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "space.yaml"]
+
+
+def test_remote_storage_that_cannot_be_written_is_one_line_before_anything(tmp_path, s3):
+    """A missing bucket, an endpoint nothing answers at, no bucket at all (moto takes any credentials):
+    exit 2 and one line naming the storage, before a data folder, a store or an MLflow run exists.
+    (Before: tracebacks and exit 1 once training wrote its first file, a sweep's MLflow run left RUNNING.)"""
+    uri, client = s3
+    port = uri.split("127.0.0.1:")[1].split("&")[0]
+    dead = free_port()
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "space.yaml").write_text("workload: deep_gpcm\npreset: quick\nspace:\n  train.batch_size: {choice: [16, 32]}\n")
+    bad = [(uri.replace(BUCKET, "no-such-bucket"), {}, "cannot write there"),
+           (uri.replace(f"127.0.0.1:{port}", f"127.0.0.1:{dead}"), {}, "cannot write there"),
+           ("s3://", {}, "names no bucket")]
+    for cmd in (["raysys", "train", *QUICK], ["raysys.tune", "--space", "space.yaml"]):
+        for path, env, words in bad:
+            proc = subprocess.run([sys.executable, "-m", *cmd, "--storage-path", path], cwd=work,
+                                  env=_env(**env), capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 2, (cmd, path, proc.stderr[-2000:])
+            assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["space.yaml"]
+    assert not [k for k in _keys(client, "") if ".raysys-probe-" in k]  # the probe objects were removed

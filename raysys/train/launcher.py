@@ -64,7 +64,9 @@ def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
     process's working copy (raysys.storage), with the run's files pulled when resuming."""
     remote = storage.Remote(launch.storage_path) if storage.is_remote(launch.storage_path) else None
     root = remote.display if remote else storage_root(launch.storage_path)
-    if not remote:
+    if remote:
+        remote.check()
+    else:
         storage.check_local_folder(root, "--storage-path")
     name = launch.name
     if name is not None:

@@ -6,11 +6,13 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
 from ray.tune.stopper import Stopper
 
+from raysys import storage
 from raysys.tune import objectives as obj
 from raysys.tune.population import POPULATION, PREFIX, member_ids, member_results
 
@@ -59,6 +61,21 @@ class ObjectiveLog(Callback):
 
     def __init__(self, folder: str):
         self.folder = folder
+
+    # Tune pickles this callback with the sweep (tuner.pkl) and a resumed sweep unpickles it. A remote
+    # sweep's folder is in a temporary working copy of the session that started it (storage.working_copy),
+    # gone by then: the folder travels as (storage, sweep, subfolder) and is found again in this process's
+    # copy, the one the runner pulled the earlier rows into and pushes at the end.
+    def __getstate__(self):
+        folder = Path(self.folder)
+        owner = storage.remote_of(folder.parent)
+        return {**self.__dict__, "folder": (owner[0].uri, owner[1], folder.name) if owner else self.folder}
+
+    def __setstate__(self, state):
+        if isinstance(state["folder"], tuple):
+            uri, name, sub = state["folder"]
+            state = {**state, "folder": str(storage.working_copy(storage.Remote(uri), name) / sub)}
+        self.__dict__.update(state)
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         def kept(key: str) -> bool:  # a member's keys are members/<member id>/<key>

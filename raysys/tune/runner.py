@@ -109,6 +109,7 @@ def resolve_sweep_dir(opts: SweepOptions, workload: str) -> tuple[str, Path]:
 def _resolve_remote(opts: SweepOptions, workload: str) -> tuple[str, Path]:
     """A sweep on remote storage: a working copy here, its state file pulled when resuming."""
     remote = storage.Remote(opts.storage_path)
+    remote.check()
     name = opts.name
     if opts.resume and not name:  # <workload>-sweep-<time> names sort by time
         found = [n for n in remote.listdir() if n.startswith(f"{workload}-sweep-") and remote.kind(n, STATE_FILE)]
