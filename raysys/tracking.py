@@ -365,7 +365,15 @@ class MLflowLogger:
         elif kind == "metrics":
             self._log_metrics(rec["data"], rec["step"], rec.get("ts"))
         elif kind == "artifact":
-            self.client.log_artifact(self.run_id, rec["path"], artifact_path=rec.get("subdir"))
+            path = Path(rec["path"]) if "path" in rec else self.buffer.parent / rec["run_file"]
+            if "run_file" in rec and not path.is_file():
+                from raysys import storage
+
+                storage.pull(path)  # a file of a remote run, in this process's copy
+            if not path.is_file():  # gone for good: it must not hold back what waits behind it
+                log.warning("tracking: %s is gone; its artifact record is dropped", path)
+                return
+            self.client.log_artifact(self.run_id, str(path), artifact_path=rec.get("subdir"))
         elif kind == "text":
             self.client.log_text(self.run_id, rec["text"], rec["name"])
         elif kind == "tags":
@@ -481,7 +489,12 @@ class MLflowLogger:
         self._call({"kind": "metrics", "data": data, "step": int(step), "ts": int(time.time() * 1000)})
 
     def log_artifact(self, path: str | Path, subdir: Optional[str] = None) -> None:
-        self._call({"kind": "artifact", "path": str(Path(path).resolve()), "subdir": subdir})
+        path = Path(path).resolve()
+        run_dir = self.buffer.parent.resolve() if self.buffer is not None else None
+        if run_dir is not None and path.is_relative_to(run_dir):
+            # a buffered record may be sent by a later process, whose copy of a remote run is elsewhere
+            return self._call({"kind": "artifact", "run_file": str(path.relative_to(run_dir)), "subdir": subdir})
+        self._call({"kind": "artifact", "path": str(path), "subdir": subdir})
 
     def log_text(self, text: str, name: str) -> None:
         self._call({"kind": "text", "text": text, "name": name})

@@ -225,3 +225,37 @@ def test_a_resumed_runs_logger_keeps_the_values_an_earlier_process_logged(tmp_pa
     assert loss == {1: [1.0], 2: [2.0], 3: [3.0], 4: [4.0], 5: [5.0], 6: [16.0], 7: [17.0]}
     assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/acc")) == [
         (3, 0.5), (4, 0.9), (5, 0.9), (6, 0.9), (7, 0.9)]
+
+
+def test_buffered_artifacts_are_sent_from_the_run_folder_of_the_process_that_sends_them(tmp_path):
+    """A run on remote storage works in a temporary copy of its folder, gone when its process ends; the
+    records it buffered through an outage are sent by a later process from another copy. An artifact
+    record names its file within the run folder, so it is found there; a file gone for good is
+    dropped, and what waited behind it is still sent (before, it blocked the buffer for ever)."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from conftest import free_port
+    from raysys.tracking import MLflowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    first_copy = tmp_path / "copy-1"
+    first_copy.mkdir()
+    (first_copy / "breakdown.md").write_text("| phase |")
+    (first_copy / "gone.md").write_text("x")
+    down = MLflowLogger(f"http://127.0.0.1:{free_port()}", run_id, buffer=first_copy / "tracking-buffer.jsonl")
+    down.log_artifact(first_copy / "breakdown.md")  # the server is down: buffered
+    down.log_artifact(first_copy / "gone.md")
+    down.set_tags({"after": "yes"})
+    assert down.pending == 3
+    second_copy = tmp_path / "copy-2"
+    shutil.copytree(first_copy, second_copy)
+    shutil.rmtree(first_copy)  # the first process's copy is gone
+    (second_copy / "gone.md").unlink()
+    later = MLflowLogger(uri, run_id, buffer=second_copy / "tracking-buffer.jsonl")
+    assert later.flush() and later.pending == 0
+    assert [a.path for a in client.list_artifacts(run_id)] == ["breakdown.md"]
+    assert client.get_run(run_id).data.tags["after"] == "yes"
