@@ -413,8 +413,9 @@ class OpenRun:
     def finish(self, status: str) -> None:
         lifecycle.RunLock.release_dir(self.run_dir)
         if not self.logger.end(status):
-            console.Sink().message(f"[raysys] the tracking server is unreachable: {self.logger.pending} records wait in "
-                                   f"{self.logger.buffer}; they are sent on --resume of this run")
+            console.Sink().message(f"[raysys] the tracking store did not answer (a server away, a full disk): "
+                                   f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
+                                   f"{self.logger.buffer.name}; they are sent on --resume of this run")
 
     def resume_command(self) -> str:
         return _resume_command(self.wl, self.cfg.launch, self.name)
