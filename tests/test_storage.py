@@ -154,10 +154,12 @@ def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
     finished = {e[1] for e in _sweep_events(client, "sweeps/sw") if e[0] == "end"}
     cut_rows = {k: _text(client, k) for k in _keys(client, "sweeps/sw/objectives/")}
 
-    resumed = subprocess.run([sys.executable, "-m", "raysys.tune", *args, "--resume"], cwd=tmp_path, env=_env(),
+    line = out.split("continue it with:\n")[1].splitlines()[0].strip()  # pasted as printed, '&'s and all
+    resumed = subprocess.run(["bash", "-c", line.replace("python -m", f"{sys.executable} -m")], env=_env(),
                              capture_output=True, text=True, timeout=600)
     print(resumed.stdout[-4000:], resumed.stderr[-3000:])
     assert resumed.returncode == 0 and "Recommended: trial" in resumed.stdout
+    assert "up to 1 at once" in resumed.stdout  # its --max-concurrent, kept by the sweep
     starts: dict = {}
     for e in _sweep_events(client, "sweeps/sw"):
         if e[0] == "start":
@@ -223,3 +225,21 @@ def test_remote_storage_that_cannot_be_written_is_one_line_before_anything(tmp_p
             assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in work.iterdir()) == ["space.yaml"]
     assert not [k for k in _keys(client, "") if ".raysys-probe-" in k]  # the probe objects were removed
+
+
+def test_a_remote_runs_resume_line_pastes_and_its_lock_ignores_how_the_uri_is_spelt():
+    """An S3 URI's options hold '&': unquoted, a pasted resume line ran in the background without them.
+    Its options in another order named another lock, and two processes trained one run at once."""
+    import shlex
+    from types import SimpleNamespace
+
+    from raysys import workload as registry
+    from raysys.train.launcher import _lock_dir, _resume_command
+
+    uri = "s3://b/runs?endpoint_override=127.0.0.1:9000&scheme=http"
+    cmd = _resume_command(registry.get("deep_gpcm"), SimpleNamespace(storage_path=uri), "r1")
+    words = shlex.split(cmd.split(" && ", 1)[1])
+    assert words[words.index("--storage-path") + 1] == uri
+    same = ["s3://b/runs/?scheme=http&endpoint_override=127.0.0.1:9000", "S3://b/runs?scheme=http&endpoint_override=127.0.0.1:9000"]
+    assert {_lock_dir(SimpleNamespace(storage_path=u)) for u in [uri, *same]} == {_lock_dir(SimpleNamespace(storage_path=uri))}
+    assert _lock_dir(SimpleNamespace(storage_path=uri.replace("/runs", "/other"))) != _lock_dir(SimpleNamespace(storage_path=uri))

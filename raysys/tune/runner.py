@@ -252,6 +252,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
             raise ConfigError(f"--resume: this sweep has {stored['num_samples']} trials (Tune keeps a restored "
                               "sweep's count); resume it without --num-samples, or start a new sweep")
     opts.num_samples = int(stored["num_samples"]) if stored else opts.num_samples or DEFAULT_SAMPLES
+    if stored and opts.max_concurrent is None:  # the restored Tuner keeps the limit it started with
+        opts.max_concurrent = stored.get("max_concurrent")
     uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
     tracking.check_store(uri)
     tolerance = opts.tolerance if opts.tolerance is not None else float(sp.objectives.get("tolerance", obj.DEFAULT_TOLERANCE))
@@ -284,7 +286,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         storage.write_text(sweep_dir / STATE_FILE, json.dumps({
             "space": sp.to_dict(), "space_file": sp.source, "tracking_uri": uri, "experiment": experiment,
             "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance,
-            "vectorize": opts.vectorize}, indent=1, default=str))
+            "vectorize": opts.vectorize, "max_concurrent": opts.max_concurrent}, indent=1, default=str))
 
     remote = storage.remote_of(sweep_dir)
     runs_storage = storage.join(opts.storage_path, name, "runs") if remote else str(sweep_dir / "runs")
