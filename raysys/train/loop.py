@@ -148,7 +148,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         # the last step's loss: an epoch-end report right after the resume must not say NaN
         loss_val = float(state.get("loss", float("nan")))
         if rank == 0:
-            sink.message(f"[{wl.name}] resumed from {latest} (step {step}, epoch {epoch})")
+            sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, epoch {epoch})")
             _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
 
     if rank == 0 and world > 1:  # where rank 0 runs, for audits of restarts after a lost node
