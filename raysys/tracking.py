@@ -34,6 +34,7 @@ class Logger(Protocol):
     def log_artifact(self, path: str | Path, subdir: Optional[str] = None) -> None: ...
     def log_text(self, text: str, name: str) -> None: ...
     def set_tags(self, tags: Mapping[str, str]) -> None: ...
+    def delete_tag(self, key: str) -> None: ...
 
 
 class NullLogger:
@@ -44,6 +45,7 @@ class NullLogger:
     def log_artifact(self, path, subdir=None): pass
     def log_text(self, text, name): pass
     def set_tags(self, tags): pass
+    def delete_tag(self, key): pass
     def set_note(self, text): pass
 
 
@@ -379,6 +381,9 @@ class MLflowLogger:
         elif kind == "tags":
             for k, v in rec["data"].items():
                 self.client.set_tag(self.run_id, k, str(v))
+        elif kind == "untag":
+            if rec["key"] in self.client.get_run(self.run_id).data.tags:
+                self.client.delete_tag(self.run_id, rec["key"])
         elif kind == "end":
             self.client.set_terminated(self.run_id, status=rec["status"])
 
@@ -505,6 +510,9 @@ class MLflowLogger:
     def set_note(self, text: str) -> None:
         """The run's Description in the MLflow UI (markdown)."""
         self.set_tags({NOTE_TAG: text[:5000]})
+
+    def delete_tag(self, key: str) -> None:
+        self._call({"kind": "untag", "key": key})
 
     def end(self, status: str) -> bool:
         """Close the run; False when the close itself waits in the buffer (the server is down)."""

@@ -292,8 +292,12 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]  # the half copy was removed
     runs = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
     assert [r.info.status for r in runs] == ["FAILED"]
+    assert "EFBIG" in runs[0].data.tags["raysys.error"]
     again = _train(tmp_path, "deep_gpcm", "--name", "full", "--resume")
     assert again.returncode == 0 and "done: run 'full'" in again.stdout
+    (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
+    assert r.info.status == "FINISHED" and "raysys.error" not in r.data.tags  # the failure is history (events.log)
+    assert "failed: " in (tmp_path / "raysys_runs" / "full" / "events.log").read_text()
 
 
 def test_tracking_outage_mid_run_loses_nothing(tmp_path):

@@ -412,6 +412,8 @@ class OpenRun:
 
     def finish(self, status: str) -> None:
         lifecycle.RunLock.release_dir(self.run_dir)
+        if status == "FINISHED":  # an earlier session's failure is history now: events.log keeps it
+            self.logger.delete_tag("raysys.error")
         if not self.logger.end(status):
             console.Sink().message(f"[raysys] the tracking store did not answer (a server away, a full disk): "
                                    f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
