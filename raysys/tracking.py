@@ -169,6 +169,9 @@ def quick_failures() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     calm_http_client()
+    # a local store that fails (its disk full) logs its whole SQLAlchemy traceback at every retry; the
+    # buffer's own warning says it once, with the reason
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 def calm_http_client() -> None:
@@ -424,7 +427,9 @@ class MLflowLogger:
         try:
             self._send(rec)
         except Exception as e:
-            log.warning("tracking call failed (%s); buffering in %s", type(e).__name__, self.buffer)
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            log.warning("tracking call failed (%s%s); buffering in %s", type(e).__name__,
+                        f": {reason}" if reason else "", self.buffer)
             self._append(rec, now)
 
     def _append(self, rec: dict, now: float) -> None:
