@@ -150,8 +150,10 @@ class CheckpointStore:
         self.root = Path(run_dir) / "checkpoints"
         # a run on remote storage (raysys.storage): the folder here is a working copy, the storage the truth
         self.remote = storage.remote_of(Path(run_dir))
-        # through JSON once, so tuples compare equal to the lists a saved meta.json holds
-        self.workload, self.identity, self.keep = workload, json.loads(json.dumps(identity, default=str)), keep
+        # through JSON once, so tuples compare equal to the lists a saved meta.json holds; less the keys the
+        # workload declares machine-local (where its data is here), which are neither recorded nor compared
+        self.local = _local_keys(workload)
+        self.workload, self.identity, self.keep = workload, _without(identity, self.local), keep
 
     def complete(self) -> list[Path]:
         """Checkpoints raysys wrote completely, oldest first: ``step_<9 digits>`` folders whose
@@ -268,7 +270,7 @@ class CheckpointStore:
             raise CheckpointError(
                 f"checkpoint {path} belongs to workload '{meta.get('workload')}', not '{self.workload}'; "
                 "refusing to resume from it")
-        diff = _diff(meta.get("identity", {}), self.identity)
+        diff = _diff(_without(meta.get("identity", {}), self.local), self.identity)  # older ones recorded them
         if diff:
             raise CheckpointError(f"checkpoint {path} was written with a different config: {'; '.join(diff)}. "
                                   "Resume with the same settings, or start a new run (another --name).")
@@ -287,6 +289,35 @@ def _os_error(e: BaseException) -> Optional[OSError]:
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def _local_keys(workload: str) -> tuple[str, ...]:
+    """Dotted config keys the workload declares machine-local (``Workload.extra["local_keys"]``: where its
+    data is on this machine, not what the run is), so that a run resumes from another folder or machine."""
+    from raysys import workload as registry
+
+    # the workload in use is loaded in this process (under its name, or a plug-in's spec); else a built-in
+    # or installed one of that name is (other names, as tests' stores have, declare nothing)
+    wl = next((w for w in list(registry._LOADED.values()) if w.name == workload), None)
+    if wl is None and (workload in registry.BUILTIN or workload in registry.plugins()):
+        try:
+            wl = registry.get(workload)
+        except Exception:  # not importable here: it declares nothing this process could know
+            return ()
+    return tuple(wl.extra.get("local_keys", ())) if wl is not None else ()
+
+
+def _without(identity: dict, keys: tuple[str, ...]) -> dict:
+    """A JSON copy of ``identity`` less the dotted ``keys``."""
+    out = json.loads(json.dumps(identity, default=str))
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
 
 
 def _diff(saved: dict, current: dict) -> list[str]:

@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
-from raysys.workloads.deep_gpcm.data import (ReadOptions, SequenceData, SequenceDataset, collate_padded, generate_synthetic_oc,
-                                             gpcm_probs, kfold_indices, load_sequences, write_synthetic_oc)
+from raysys.workloads.deep_gpcm.data import (ReadOptions, SequenceData, SequenceDataset, collate_padded, digest,
+                                             generate_synthetic_oc, gpcm_probs, kfold_indices, load_sequences,
+                                             write_synthetic_oc)
 
 SMALL = dict(n_students=60, n_questions=25, n_cats=4, min_len=10, max_len=30, seed=3)
 
@@ -175,6 +176,20 @@ def test_every_layout_of_the_same_data_reads_the_same(tmp_path):
           SequenceData(ref.questions[:40], ref.responses[:40], ref.n_questions, ref.n_cats))
     (layouts / "dkvmn.csv").write_text(lines(rows).replace("\n", ",\n"))  # DKVMN's .csv: trailing commas
     _same(load_sequences(layouts / "dkvmn.csv"), ref)
+
+
+def test_the_digest_is_of_the_data_not_its_file(tmp_path):
+    """What a checkpoint records of a user's data: equal for the same sequences in any file or layout,
+    different for one changed response."""
+    ref = load_sequences(write_synthetic_oc(tmp_path / "oc", **SMALL))
+    df = pd.DataFrame({"questions": [q.tolist() for q in ref.questions], "responses": [r.tolist() for r in ref.responses]})
+    (tmp_path / "meta.json").write_text(json.dumps({"n_questions": ref.n_questions, "n_cats": ref.n_cats}))
+    df.to_json(tmp_path / "elsewhere.jsonl", orient="records", lines=True)
+    assert digest(load_sequences(tmp_path / "elsewhere.jsonl")) == digest(ref)
+    first = df.at[0, "responses"]
+    df.at[0, "responses"] = [(first[0] + 1) % 4, *first[1:]]
+    df.to_parquet(tmp_path / "fixed.parquet")
+    assert digest(load_sequences(tmp_path / "fixed.parquet")) != digest(ref)
 
 
 @pytest.mark.parametrize("text, fragment", [

@@ -85,13 +85,78 @@ def test_the_original_projects_data_folder_trains(workdir, capsys):
     assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "orig", "--set", "data.path=synthetic_OC"]) == 0
     assert "question ids start at 0" in capsys.readouterr().out
     client, run = _mlflow_run(workdir, "orig")
-    assert run.info.status == "FINISHED" and run.data.params["data.path"] == str(folder)
+    assert run.info.status == "FINISHED" and run.data.params["data.path"] == "synthetic_OC"
+    assert run.data.params["data.base_dir"] == str(workdir)  # where it was read from: the command's folder
     (ds,) = run.inputs.dataset_inputs
     assert ds.dataset.name == "synthetic_OC"
     # the same students as raysys's own parquet (ids 1..Q) train to the same numbers: nothing was misread
     df[["questions", "responses"]].to_parquet(workdir / "same.parquet")
     assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "same", "--set", "data.path=same.parquet"]) == 0
     assert _final(workdir, "orig")["eval/qwk"] == _final(workdir, "same")["eval/qwk"]
+
+
+def test_a_run_on_shared_storage_resumes_from_another_folder(workdir, monkeypatch, capsys):
+    """Where the data lives on this machine is not what the run is (audit s3): a run on shared or remote
+    storage resumes from another working directory, as on another machine after losing a node, with the
+    same relative data folder or a new one. Data that really differs is still refused."""
+    import shutil
+
+    import yaml
+
+    store, a, b, c = (workdir / d for d in ("store", "A", "B", "C"))
+    for d in (a, b, c):
+        d.mkdir()
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "r", "--storage-path", str(store),
+            "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
+    monkeypatch.chdir(a)
+    assert main([*args, "--set", "train.epochs=1"]) == 0
+    # the first folder's data is gone, and its path cannot be made here (another machine)
+    shutil.rmtree(a / "raysys_data")
+    (a / "raysys_data").write_text("")
+    monkeypatch.chdir(b)
+    assert main([*args, "--resume", "--set", "train.epochs=2"]) == 0, capsys.readouterr().err
+    assert (b / "raysys_data" / "synthetic_OC_quick" / "meta.json").is_file()  # made here, where it was asked for
+    monkeypatch.chdir(c)
+    assert main([*args, "--resume", "--set", "train.epochs=3", "--set", f"data.data_dir={c / 'elsewhere'}"]) == 0, \
+        capsys.readouterr().err
+    assert (c / "elsewhere" / "meta.json").is_file()
+    events = (store / "r" / "events.log").read_text()
+    assert "resumed step=6 " in events and "resumed step=12 " in events
+    final = json.loads((store / "r" / "final_metrics.json").read_text())
+    assert final["step"] == 18 and final["steps_this_session"] == 6
+    # the config snapshot keeps the folder as written: a later resume resolves it where it runs
+    assert yaml.safe_load((store / "r" / "config.yaml").read_text())["data"]["data_dir"] == "raysys_data/synthetic_OC_quick"
+    # other data is another run
+    capsys.readouterr()
+    assert main([*args, "--resume", "--set", "train.epochs=4", "--set", "data.seed=7"]) == 2
+    assert "different config: data.seed" in capsys.readouterr().err
+
+
+def test_a_run_on_your_data_resumes_from_a_copy_elsewhere_but_not_on_other_data(workdir, monkeypatch, capsys):
+    """data.path is where your file is, not what it holds: a copy of it in another folder resumes the run;
+    a file with other sequences (a fixed row) does not, whatever its path."""
+    from raysys.workloads.deep_gpcm.data import generate_synthetic_oc
+
+    df, _ = generate_synthetic_oc(n_students=40, n_questions=20, min_len=5, max_len=10, seed=3)
+    df = df[["questions", "responses"]]
+    a, b = workdir / "A", workdir / "B"
+    a.mkdir(), b.mkdir()
+    df.to_parquet(a / "mine.parquet")
+    df.to_parquet(b / "copy.parquet")
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "u", "--storage-path", str(workdir / "store"),
+            "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
+    monkeypatch.chdir(a)
+    assert main([*args, "--set", "data.path=mine.parquet", "--set", "train.epochs=1"]) == 0
+    monkeypatch.chdir(b)
+    assert main([*args, "--resume", "--set", "data.path=copy.parquet", "--set", "train.epochs=2"]) == 0, \
+        capsys.readouterr().err
+    assert "resumed step=" in (workdir / "store" / "u" / "events.log").read_text()
+    first = df.at[0, "responses"]
+    df.at[0, "responses"] = [(first[0] + 1) % 4, *first[1:]]  # one response fixed, the same path
+    df.to_parquet(b / "copy.parquet")
+    capsys.readouterr()
+    assert main([*args, "--resume", "--set", "train.epochs=3"]) == 2
+    assert "different config: data.digest" in capsys.readouterr().err
 
 
 def test_two_ddp_workers_match_one(workdir, ray_cluster):

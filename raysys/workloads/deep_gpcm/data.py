@@ -372,6 +372,18 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
     return SequenceData(np.split(q, cuts), np.split(r, cuts), n_questions, n_cats, tuple(notes))
 
 
+def digest(seqs: SequenceData) -> str:
+    """Short sha256 of the sequences as read (ids, responses, Q and K): equal for the same data wherever
+    its file is, so a checkpoint records what it trained on, not where that was."""
+    import hashlib
+
+    h = hashlib.sha256(json.dumps([seqs.n_questions, seqs.n_cats, len(seqs)]).encode())
+    h.update(np.array([len(q) for q in seqs.questions], "<i8").tobytes())
+    for part in (seqs.questions, seqs.responses):
+        h.update(np.concatenate(part).astype("<i8").tobytes())
+    return h.hexdigest()[:16]
+
+
 # ---- splits and batching --------------------------------------------------------------------------
 
 def kfold_indices(n: int, n_folds: int, fold: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

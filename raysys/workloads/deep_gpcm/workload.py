@@ -9,6 +9,7 @@ memory recurrence tightly, with predictions equal to the naive path's (a test ch
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Optional
@@ -27,7 +28,9 @@ class DataConfig:
     a row per student (list columns `questions`, `responses`) or a row per response (student, question
     and response columns); the original's three-line text file (.txt, or a .csv starting with a bare
     length); or a folder with sequences.parquet or the original's `<name>_train` / `<name>_test` files.
-    Responses are ordered categories 0..K-1; `meta.json`/`metadata.json` beside it may give Q and K."""
+    Responses are ordered categories 0..K-1; `meta.json`/`metadata.json` beside it may give Q and K.
+    A relative path is read from the working directory of the command (kept as written: a resume elsewhere
+    reads it there); a checkpoint records what the data holds (`digest`), not where it was."""
     student_column: Optional[str] = None
     """A row per response: the student column (None: student_id, user_id, student, user or learner_id)."""
     question_column: Optional[str] = None
@@ -41,7 +44,9 @@ class DataConfig:
     """Smallest question id in your data: 1, or 0 (the original's files; shifted to 1..Q, since 0 pads).
     None: 0 when some id is 0, else 1."""
     data_dir: str = "raysys_data/synthetic_OC"
-    """Where the synthetic dataset is written (once; reused when its generator settings match)."""
+    """Where the synthetic dataset is written (once; reused when its generator settings match). A relative
+    folder is in the working directory of the command, as for `path`; the generator settings below, not
+    the folder, are what a checkpoint records."""
     n_students: int = 800
     """synthetic_OC: number of students (sequences)."""
     n_questions: int = 400
@@ -58,6 +63,12 @@ class DataConfig:
     """k of k-fold cross-validation."""
     fold: int = 0
     """Which fold is held out for evaluation (0..n_folds-1)."""
+    base_dir: Optional[str] = None
+    """Set by raysys (a value given is replaced): the working directory relative `path` and `data_dir` are
+    read from, the command's, which Ray workers (in folders of their own) are handed."""
+    digest: Optional[str] = None
+    """Set by raysys for `path` (a value given is replaced): a short sha256 of the sequences as read. A
+    checkpoint records it, so a resume refuses other data wherever it is; Ray workers check their copy."""
 
     def validate(self) -> None:
         if not 0 <= self.fold < self.n_folds:
@@ -174,8 +185,23 @@ def _read_options(d: DataConfig):
     return ReadOptions(**{f.name: getattr(d, f.name) for f in fields(ReadOptions)})
 
 
+LOCAL_KEYS = ("data.path", "data.data_dir", "data.base_dir")
+"""Where the data is on this machine, not what the run is: left out of the checkpoint's identity (the data's
+generator settings, or its `digest`, stay in it), so a run resumes from another folder or machine."""
+
+
 def _data_source(cfg: DeepGPCMConfig) -> Path:
-    return Path(cfg.data.path) if cfg.data.path else Path(cfg.data.data_dir)
+    """The data's absolute location: `path` (or `data_dir`) from `base_dir`, else the working directory."""
+    d = cfg.data
+    return (Path(d.base_dir or Path.cwd()) / Path(d.path or d.data_dir).expanduser()).resolve()
+
+
+def _in_ray_worker() -> bool:
+    """A Ray worker (a Ray Train worker, a Tune trial) works in a folder of Ray's: it reads relative data
+    paths from the ``data.base_dir`` its driver hands it. The driver sets its own, also on a resume, whose
+    saved config holds the first command's."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
 class DeepGPCMTask:
@@ -186,16 +212,25 @@ class DeepGPCMTask:
         from raysys.workloads.deep_gpcm import data
 
         d = cfg.data
+        worker = d.base_dir is not None and _in_ray_worker()
+        if not worker:  # path and data_dir stay as written: the config snapshot names no folder of this machine
+            d.base_dir = str(Path.cwd())
         if d.path:
-            d.path = str(Path(d.path).resolve())
-            seqs = data.load_sequences(d.path, _read_options(d))  # fail now, with the column named, not in a worker
+            key = (str(_data_source(cfg)), _read_options(d))
+            seqs = data.load_sequences(*key)  # fail now, with the column named, not in a worker
+            self._cache = (key, seqs)  # read afresh (the file may have changed since), once
             for note in seqs.notes:
-                print(f"[deep_gpcm] {Path(d.path).name}: {note}", flush=True)
+                print(f"[deep_gpcm] {_data_source(cfg).name}: {note}", flush=True)
             data.kfold_indices(len(seqs.questions), d.n_folds, d.fold, d.seed)  # enough rows for the folds
-        else:
-            d.data_dir = str(Path(d.data_dir).resolve())
-            data.write_synthetic_oc(d.data_dir, n_students=d.n_students, n_questions=d.n_questions, n_cats=d.n_cats,
-                                    min_len=d.min_len, max_len=d.max_len, seed=d.seed)
+            digest = data.digest(seqs)
+            if worker and d.digest not in (None, digest):
+                raise ValueError(f"{_data_source(cfg)} holds other sequences here (digest {digest}) than the run's "
+                                 f"driver read (digest {d.digest}): every node needs the same data")
+            d.digest = digest
+        else:  # the generator settings (in the checkpoint) say what the data is
+            data.write_synthetic_oc(_data_source(cfg), n_students=d.n_students, n_questions=d.n_questions,
+                                    n_cats=d.n_cats, min_len=d.min_len, max_len=d.max_len, seed=d.seed)
+            d.digest = None
         return cfg
 
     def _data(self, cfg: DeepGPCMConfig):
@@ -257,7 +292,7 @@ def _bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
 
 def _dataset(cfg: DeepGPCMConfig) -> dict:
     d = cfg.data
-    name = Path(d.path).stem if d.path else Path(d.data_dir).name
+    name = _data_source(cfg).stem if d.path else _data_source(cfg).name
     profile = {"fold": d.fold, "n_folds": d.n_folds} | ({} if d.path else {
         "generator": "synthetic_OC", "students": d.n_students, "questions": d.n_questions, "categories": d.n_cats})
     return {"name": name, "source": str(_data_source(cfg)), "profile": profile}
@@ -272,5 +307,5 @@ WORKLOAD = Workload(
     bench=_bench,
     throughput_metric="perf/tokens_per_s",
     dataset=_dataset,
-    extra={"folds": ("data.n_folds", "data.fold")},
+    extra={"folds": ("data.n_folds", "data.fold"), "local_keys": LOCAL_KEYS},
 )
