@@ -143,8 +143,12 @@ class CheckpointWriteError(OSError):
 
 
 class CheckpointStore:
-    def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2):
-        """``identity``: the config subset a checkpoint must match to be resumed (model shape, data)."""
+    def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2,
+                 local_keys: tuple[str, ...] = ()):
+        """``identity``: the config subset a checkpoint must match to be resumed (model shape, data).
+        ``local_keys``: dotted keys of it the workload declares machine-local (``Workload.extra["local_keys"]``:
+        where its data is on this machine, not what the run is), so a run resumes from another folder or
+        machine."""
         from raysys import storage
 
         self.root = Path(run_dir) / "checkpoints"
@@ -152,7 +156,7 @@ class CheckpointStore:
         self.remote = storage.remote_of(Path(run_dir))
         # through JSON once, so tuples compare equal to the lists a saved meta.json holds; less the keys the
         # workload declares machine-local (where its data is here), which are neither recorded nor compared
-        self.local = _local_keys(workload)
+        self.local = tuple(local_keys)
         self.workload, self.identity, self.keep = workload, _without(identity, self.local), keep
 
     def complete(self) -> list[Path]:
@@ -289,22 +293,6 @@ def _os_error(e: BaseException) -> Optional[OSError]:
             return e
         e = e.__cause__ or e.__context__
     return None
-
-
-def _local_keys(workload: str) -> tuple[str, ...]:
-    """Dotted config keys the workload declares machine-local (``Workload.extra["local_keys"]``: where its
-    data is on this machine, not what the run is), so that a run resumes from another folder or machine."""
-    from raysys import workload as registry
-
-    # the workload in use is loaded in this process (under its name, or a plug-in's spec); else a built-in
-    # or installed one of that name is (other names, as tests' stores have, declare nothing)
-    wl = next((w for w in list(registry._LOADED.values()) if w.name == workload), None)
-    if wl is None and (workload in registry.BUILTIN or workload in registry.plugins()):
-        try:
-            wl = registry.get(workload)
-        except Exception:  # not importable here: it declares nothing this process could know
-            return ()
-    return tuple(wl.extra.get("local_keys", ())) if wl is not None else ()
 
 
 def _without(identity: dict, keys: tuple[str, ...]) -> dict:

@@ -42,7 +42,7 @@ class Session:
         self.kept_final = False
         """True when ``finish`` kept the final metrics the run recorded before (resumed after its end)."""
         self.resumed = False  # a checkpoint was restored: events.log has this resume
-        self.shapes: Optional[tuple[_SameShapes, int]] = None
+        self.shapes: Optional[tuple[Any, int]] = None
         """(the program's shape check, this member's index) for a member of a population."""
 
     def halt(self, reason: str) -> None:
@@ -149,15 +149,12 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
 
 
 def _judge(outcome, final: dict, session: Session) -> None:
-    """A run that diverged, or ended without the quality its workload declares, is FAILED (``outcome``
-    of ``OpenRun.tracked``): a run that cannot be judged did not do what it was for. Inside a sweep
-    (``report``) the trial's own tracker marks it unstable instead, against the space's objectives."""
-    outcome.check(final)
+    """Diverged, or without the quality its workload declares: FAILED (``_Outcome.check``). raysys's default
+    ``eval/quality`` binds no one outside a sweep; inside one (``report``) the trial's own tracker marks the
+    run unstable instead, against the space's objectives."""
     metric = session.run.wl.quality_metric
-    declared = not isinstance(metric, _FromTask)  # raysys's default eval/quality binds no one outside a sweep
-    if declared and not outcome.failure and session._report is None and stop_requested() is None and metric not in final:
-        outcome.failure = (f"no quality: the run ended without {metric} (Workload.quality_metric), neither logged "
-                           "through its session nor in what train_fn returned")
+    declared = not isinstance(metric, _FromTask) and session._report is None
+    outcome.check(final, quality=metric if declared else None)
 
 
 def _result(run: OpenRun, final: dict, session: Session, failure: str = "") -> RunResult:
@@ -175,9 +172,8 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
     config snapshot, checkpoints, MLflow run), exactly as ``run_custom`` would open it alone."""
     from contextlib import ExitStack
 
-    from raysys.train.population import members
+    from raysys.train.population import SameShapes
 
-    wl.population.check(cfgs[0], wl.name)
     if len({wl.population.program_key(cfg) for cfg in cfgs}) > 1:
         from raysys.config import ConfigError
 
@@ -188,34 +184,14 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
     runs = [open_run(wl, cfg, prepare, parent_run_id, t) for cfg, t in zip(cfgs, tags)]
     set_threads(runs[0].cfg.launch)
     sessions = [Session(run, report=r) for run, r in zip(runs, reports)]
-    shapes = _SameShapes([run.cfg for run in runs], wl.population.member_knobs)
+    shapes = SameShapes([run.cfg for run in runs], wl.population.member_knobs)
     for i, s in enumerate(sessions):
         s.shapes = (shapes, i)
     with ExitStack() as stack:
         outcomes = [stack.enter_context(run.tracked()) for run in runs]
-        stack.enter_context(members(shapes.cfgs, shapes.knobs))  # the carriers' shape check names the knob
+        stack.enter_context(shapes.active())  # the carriers' shape check names the knob
         outs = wl.population.train_fn(shapes.cfgs, sessions)
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
         for outcome, final, s in zip(outcomes, finals, sessions):
             _judge(outcome, final, s)
     return [_result(run, final, s, o.failure) for run, final, s, o in zip(runs, finals, sessions, outcomes)]
-
-
-class _SameShapes:
-    """The states the members of one program checkpoint must share their shapes: raysys does not see
-    a population's initial states, only these. Each member's first checkpoint is compared with the
-    first of the others saved at the same step (a state may grow with its step: a replay buffer's
-    filled part)."""
-
-    def __init__(self, cfgs: list, member_knobs: tuple):
-        self.cfgs, self.knobs = cfgs, tuple(member_knobs)
-        self.first: dict[int, tuple[int, dict]] = {}  # member -> (step, leaf shapes)
-
-    def saw(self, i: int, state: Any, step: int) -> None:
-        if i in self.first:
-            return
-        from raysys.train.population import check_signatures, leaf_shapes
-
-        self.first[i] = (step, leaf_shapes(state))
-        peers = [j for j, (at, _) in self.first.items() if at == step]
-        check_signatures([self.first[j][1] for j in peers], [self.cfgs[j] for j in peers], self.knobs)

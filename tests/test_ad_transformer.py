@@ -168,6 +168,30 @@ def test_resume_continues_at_the_exact_batch(tmp_path, data_dir):
     assert len(losses["whole"]) == 12 and losses["whole"] == losses["cut"]
 
 
+def test_a_run_resumes_from_another_folder_on_a_copy_of_its_histories_but_not_on_others(tmp_path, data_dir):
+    """Where the histories lie is not what the run is (a lost node: resume elsewhere from shared storage):
+    the copy in another folder resumes the run; the same path holding other histories does not."""
+    import shutil
+
+    (made,) = (m.parent for m in data_dir.glob("histories-*/manifest.json"))
+    a, b = tmp_path / "A", tmp_path / "B"
+    for d in (a, b):
+        shutil.copytree(made, d / "hist")
+    common = ["ad_transformer", "--preset", "quick", "--workers", "0", "--name", "r", "--storage-path",
+              str(tmp_path / "store"), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--set",
+              "data.histories=hist", "--set", "eval.episodes=2", "--set", "eval.last_episodes=1"]
+    assert _train(a, *common, "--set", "train.max_steps=3").returncode == 0
+    assert _train(b, *common, "--resume", "--set", "train.max_steps=6").returncode == 0
+    assert "resumed step=3 " in (tmp_path / "store" / "r" / "events.log").read_text()
+    shard = sorted((b / "hist").glob("shard_*.npz"))[0]
+    with np.load(shard) as z:
+        arrays = dict(z)
+    arrays["actions"][0, 0, 0] = (arrays["actions"][0, 0, 0] + 1) % 5  # one action of one history
+    np.savez(shard, **arrays)
+    proc = _train(b, *common, "--resume", "--set", "train.max_steps=9")
+    assert proc.returncode == 2 and "different config: data.digest" in proc.stderr
+
+
 @pytest.mark.slow  # ~2 min: two Ray Train workers
 def test_two_ddp_workers_match_one_on_the_same_global_batches(tmp_path, data_dir):
     common = ["ad_transformer", "--preset", "quick", "--set", f"data.data_dir={data_dir}", "--set", "model.dropout=0",

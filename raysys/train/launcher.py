@@ -408,7 +408,8 @@ class OpenRun:
     logger: tracking.MLflowLogger
 
     def store(self, keep: int = 2) -> CheckpointStore:
-        return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep)
+        return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep,
+                               local_keys=self.wl.extra.get("local_keys", ()))
 
     def finish(self, status: str) -> None:
         lifecycle.RunLock.release_dir(self.run_dir)
@@ -477,9 +478,14 @@ class OpenRun:
 class _Outcome:
     failure: str = ""
 
-    def check(self, final: dict) -> None:
-        """The block's run ended with these final metrics: a diverged loss makes it FAILED."""
+    def check(self, final: dict, quality: Optional[str] = None) -> None:
+        """The block's run ended with these final metrics: a diverged loss makes it FAILED, and so does
+        ending without ``quality`` (a metric its workload declares), unless it was asked to stop: a run
+        that cannot be judged did not do what it was for."""
         self.failure = divergence(final) or ""
+        if quality and not self.failure and lifecycle.stop_requested() is None and quality not in final:
+            self.failure = (f"no quality: the run ended without {quality} (Workload.quality_metric), neither "
+                            "logged through its session nor in what train_fn returned")
 
 
 ERROR_FILE = "error.txt"
@@ -547,7 +553,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         lifecycle.RunLock.acquire(run_dir, name, lock_dir=_lock_dir(launch))
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     identity = identity_of(wl, cfg)
-    store = CheckpointStore(run_dir, wl.name, identity)
+    store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
     if launch.resume:
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
             _event(run_dir, f"checkpoint cleanup: {line}")

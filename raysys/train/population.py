@@ -15,8 +15,8 @@ runs no faster than one, and ``vmap`` on a GPU or TPU, which one member leaves i
 Members of one program must have states of one shape: a ``member_knobs`` entry that changes a shape
 (a width, a batch size) is a workload's mistake that would otherwise run every member at one
 member's shapes. :func:`check_shapes` refuses it, naming the knob: the carriers check the states they
-are given (``InTurn``, and :func:`stack` for ``Batched``), and :func:`raysys.session.run_population`
-checks the states the members checkpoint through their sessions.
+are given (``InTurn``, and :func:`stack` for ``Batched``) and the states the members checkpoint through
+their sessions, one :class:`SameShapes` per program (:func:`raysys.session.run_population`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-_MEMBERS: contextvars.ContextVar[Optional[tuple[list, tuple]]] = contextvars.ContextVar("raysys_members", default=None)
+_MEMBERS: contextvars.ContextVar[Optional["SameShapes"]] = contextvars.ContextVar("raysys_members", default=None)
 
 
 def population_mode(setting: str) -> str:
@@ -41,15 +41,31 @@ def population_mode(setting: str) -> str:
     return "loop" if jax.devices()[0].platform == "cpu" else "vmap"
 
 
-@contextlib.contextmanager
-def members(cfgs: list, member_knobs: Sequence[str]):
-    """The configurations of the program now training, for the carriers' shape check to name the knob
-    at fault (they are given states, not configurations)."""
-    token = _MEMBERS.set((list(cfgs), tuple(member_knobs)))
-    try:
-        yield
-    finally:
-        _MEMBERS.reset(token)
+class SameShapes:
+    """The one shape check of a program's members, from its configurations (to name the knob at fault):
+    :meth:`active` makes it the check of the carriers (given states, not configurations), and
+    :meth:`saw` checks the states the members checkpoint. raysys does not see a population's initial
+    states; each member's first checkpoint is compared with the first of the others saved at the same
+    step (a state may grow with its step: a replay buffer's filled part)."""
+
+    def __init__(self, cfgs: list, member_knobs: Sequence[str]):
+        self.cfgs, self.knobs = list(cfgs), tuple(member_knobs)
+        self.first: dict[int, tuple[int, dict]] = {}  # member -> (step, leaf shapes)
+
+    @contextlib.contextmanager
+    def active(self):
+        token = _MEMBERS.set(self)
+        try:
+            yield self
+        finally:
+            _MEMBERS.reset(token)
+
+    def saw(self, i: int, state: Any, step: int) -> None:
+        if i in self.first:
+            return
+        self.first[i] = (step, leaf_shapes(state))
+        peers = [j for j, (at, _) in self.first.items() if at == step]
+        check_signatures([self.first[j][1] for j in peers], [self.cfgs[j] for j in peers], self.knobs)
 
 
 def leaf_shapes(state: Any) -> dict[str, tuple]:
@@ -76,7 +92,7 @@ def _walk(node: Any, path: str):
 
 def check_shapes(states: Sequence, cfgs: Optional[list] = None, member_knobs: Sequence[str] = ()) -> None:
     """Raise a ConfigError when members' states differ in a shape or dtype. ``cfgs``/``member_knobs``
-    (default: those of :func:`members`) name the knob whose values split the members as their shapes do."""
+    (default: those of the active :class:`SameShapes`) name the knob whose values split the members as their shapes do."""
     check_signatures([leaf_shapes(s) for s in states], cfgs, member_knobs)
 
 
@@ -88,7 +104,7 @@ def check_signatures(sigs: list[dict], cfgs: Optional[list] = None, member_knobs
     from raysys.config import ConfigError
 
     if cfgs is None and _MEMBERS.get() is not None:
-        cfgs, member_knobs = _MEMBERS.get()
+        cfgs, member_knobs = _MEMBERS.get().cfgs, _MEMBERS.get().knobs
     knobs = _knobs_at_fault(sigs, cfgs, member_knobs) if cfgs is not None and len(cfgs) == len(sigs) else []
     path = next((p for p in {**sigs[0], **sigs[odd]} if sigs[0].get(p) != sigs[odd].get(p)), "?")
     seen = f"{path or 'state'}: {_fmt(sigs[0].get(path))} vs {_fmt(sigs[odd].get(path))}"

@@ -123,6 +123,20 @@ def manifest(folder: Path) -> dict:
     return m
 
 
+def digest(folder: Path) -> str:
+    """What a history folder holds, not where or when it was made: the sha256 of its manifest (less its
+    timings) and of each shard's bytes."""
+    import hashlib
+
+    m = {k: v for k, v in manifest(folder).items() if k not in ("created", "wall_s")}
+    h = hashlib.sha256(json.dumps(m, sort_keys=True).encode())
+    for s in m["shards"]:
+        with open(Path(folder) / s["file"], "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
 def load(folder: Path, goals: Optional[Sequence[int]] = None) -> Histories:
     """-> the Histories of ``goals`` (default: all) from the shards that hold them, in that order. Reads
     numpy only: a PyTorch reader never starts JAX."""

@@ -47,7 +47,10 @@ class DataConfig:
     split_seed: int = 0
     """Seed of the fixed 73 / 8 split of goals (darkroom.goal_split)."""
     prepared_dir: Optional[str] = None
-    """Set by raysys: the histories folder this run uses."""
+    """Set by raysys: the histories folder this run uses, on this machine."""
+    digest: Optional[str] = None
+    """Set by raysys: the sha256 of ``histories`` (its manifest and shards), what the run learns from
+    wherever the folder lies (generated histories are named by their ``source`` settings instead)."""
 
     def validate(self) -> None:
         at_least(self, "data.", 1, "region", "train_goals", "streams")
@@ -189,6 +192,11 @@ PRESETS = {"default": default, "original": original, "fast": fast, "learn": lear
 
 # ---- data -------------------------------------------------------------------------------------------
 
+LOCAL_KEYS = ("data.histories", "data.data_dir", "data.prepared_dir")
+"""Where the histories are on this machine, not what the run is: left out of the checkpoint's identity (the
+``source`` settings, or ``data.digest``, stay in it), so a run resumes from another folder or machine."""
+
+
 def histories_dir(cfg: ADConfig) -> Path:
     """The folder of ``cfg``'s histories: the user's, or the generated one of this source setting."""
     if cfg.data.histories:
@@ -234,7 +242,11 @@ class DistillationTask:
         self._baselines: Optional[dict] = None
 
     def prepare(self, cfg: ADConfig) -> ADConfig:
-        cfg.data.prepared_dir = str(ensure_histories(cfg))
+        from raysys.workloads.ad_transformer import histories
+
+        folder = ensure_histories(cfg)
+        cfg.data.prepared_dir = str(folder)
+        cfg.data.digest = histories.digest(folder) if cfg.data.histories else None
         return cfg
 
     def goals(self, cfg: ADConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -330,5 +342,5 @@ WORKLOAD = Workload(
     task=DistillationTask(),
     path_key="model.path",
     dataset=_dataset,
-    extra={"identity_sections": ("model", "data", "source")},
+    extra={"identity_sections": ("model", "data", "source"), "local_keys": LOCAL_KEYS},
 )
