@@ -52,6 +52,8 @@ class RunLock:
             lock_dir.mkdir(parents=True, exist_ok=True)
         self.path = (lock_dir / f"{name}.lock") if lock_dir is not None else Path(run_dir) / LOCK_FILE
         self.fd: Optional[int] = None
+        self.lease = None
+        """The run's ``storage.Lease`` when it lives on remote storage: the lock other machines see."""
 
     @classmethod
     def acquire(cls, run_dir: Path, name: str, lock_dir: Optional[Path] = None) -> "RunLock":
@@ -75,6 +77,9 @@ class RunLock:
         return lock
 
     def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self.fd is not None:
             self._held.pop(self.key, None)
             os.close(self.fd)  # closing drops the flock

@@ -252,3 +252,123 @@ def remove(path: Path) -> None:
     owner = remote_of(path.parent)
     if owner is not None and owner[0].kind(owner[1], path.name) == "file":
         owner[0].fs.delete_file(owner[0].path(owner[1], path.name))
+
+
+# ---- one holder of a remote run, across machines -----------------------------------------------------
+
+LEASES = ".raysys-leases"
+"""Folder of the storage root holding a lease object per remote run in use (run names start with a letter
+or digit, so no run is called this)."""
+
+
+def beat_s() -> float:
+    """Seconds between a lease's renewals (``RAYSYS_LEASE_BEAT_S``, default 5). A holder is taken for
+    gone once its lease went unrenewed for 4 beats."""
+    import os
+
+    return float(os.environ.get("RAYSYS_LEASE_BEAT_S", "5"))
+
+
+class Lease:
+    """The run lock of a run on remote storage, where two machines cannot see each other's lock files and
+    object stores have no locks: ``<root>/.raysys-leases/<run>`` names its holder and a beat count that a
+    thread of the holder raises every :func:`beat_s` seconds. A newcomer that finds a lease watches it for
+    4 beats and, if the count moved, is refused; if it did not, the holder is gone (a killed process, a lost
+    node) and the newcomer takes over. No clock is compared: only whether the object changes.
+
+    Two newcomers at the same instant are told apart by writing, waiting one second and reading back
+    (object stores are read-after-write consistent): the one that reads another's lease steps back. A
+    newcomer that read no lease and wrote its own more than a second later may still share the run."""
+
+    def __init__(self, storage: Remote, name: str):
+        import os
+        import socket
+
+        self.storage, self.name = storage, name
+        self.holder = f"process {os.getpid()} on {socket.gethostname()}"
+        self.token = uuid.uuid4().hex
+        self.beats = 0
+        self._stop = None
+        self._writing = None  # a beat's write and the release never overlap (a late beat would revive it)
+
+    def _read(self) -> Optional[dict]:
+        import json
+
+        try:
+            with self.storage.fs.open_input_stream(self.storage.path(LEASES, self.name)) as f:
+                return json.loads(f.read().decode())
+        except (FileNotFoundError, ValueError):
+            return None
+        except OSError as e:  # pyarrow's "not found" of some stores carries no errno
+            if "not found" in str(e).lower() or "nosuchkey" in str(e).lower() or "does not exist" in str(e).lower():
+                return None
+            raise
+
+    def _write(self) -> None:
+        import json
+
+        body = json.dumps({"holder": self.holder, "token": self.token, "beats": self.beats}).encode()
+        with self.storage.fs.open_output_stream(self.storage.path(LEASES, self.name)) as f:
+            f.write(body)
+
+    def acquire(self, say=lambda line: print(line, flush=True)) -> "Lease":
+        """Hold the run, or raise a ConfigError naming its live holder; ``say`` tells of a wait."""
+        import time
+
+        from raysys.config import ConfigError
+
+        seen = self._read()
+        if seen is not None and seen.get("token") != self.token:
+            wait = 4 * beat_s()
+            say(f"[raysys] run '{self.name}' on {self.storage.display} was last held by {seen.get('holder')}; "
+                f"watching its lease for {wait:.0f} s to see whether it is still running")
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                time.sleep(min(1.0, beat_s() / 2))
+                now = self._read()
+                if now is None:  # released meanwhile: a clean finish
+                    break
+                if now != seen:
+                    raise ConfigError(f"run '{self.name}' is in use by {now.get('holder')} (its lease on "
+                                      f"{self.storage.display} is being renewed); wait for it to finish, or choose "
+                                      "another --name (nothing was changed)")
+        self._write()
+        time.sleep(1.0)
+        now = self._read()
+        if now is None or now.get("token") != self.token:
+            raise ConfigError(f"run '{self.name}' was taken at this moment by "
+                              f"{(now or {}).get('holder', 'another process')}; choose another --name (nothing was changed)")
+        self._renew()
+        return self
+
+    def _renew(self) -> None:
+        import atexit
+        import threading
+
+        self._stop, self._writing = threading.Event(), threading.Lock()
+
+        def beat():
+            while not self._stop.wait(beat_s()):
+                with self._writing:
+                    if self._stop.is_set():
+                        return
+                    self.beats += 1
+                    try:
+                        self._write()
+                    except Exception:  # storage away for a while: the run's own pushes say so; keep beating
+                        pass
+
+        threading.Thread(target=beat, name=f"raysys-lease-{self.name}", daemon=True).start()
+        atexit.register(self.release)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease if it is still this process's."""
+        if self._stop is None or self._stop.is_set():
+            return
+        with self._writing:
+            self._stop.set()
+        try:
+            if (self._read() or {}).get("token") == self.token:
+                self.storage.fs.delete_file(self.storage.path(LEASES, self.name))
+        except Exception:  # storage away: the lease expires by itself (its beats stop)
+            pass

@@ -89,6 +89,45 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     assert twice.returncode == 2 and "already exists" in twice.stderr
 
 
+def test_two_machines_never_train_one_remote_run_and_a_killed_holder_is_taken_over(tmp_path, s3):
+    """Lock files are per machine: a process with another temp folder stands for another machine. While a
+    run on S3 trains, a resume from there is refused (the run's lease is being renewed); once its holder
+    is SIGKILLed (a lost node), the lease stops moving and the resume takes the run over."""
+    import signal
+
+    uri, client = s3
+    args = [*QUICK, "--storage-path", uri, "--name", "shared"]
+    env = {**_env(), "RAYSYS_LEASE_BEAT_S": "1"}
+    (tmp_path / "A").mkdir(), (tmp_path / "B").mkdir()
+    first = subprocess.Popen([sys.executable, "-m", "raysys", "train", *args, "--set", "train.epochs=1000"], cwd=tmp_path,
+                             env={**env, "TMPDIR": str(tmp_path / "A")}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not [k for k in _keys(client, "runs/shared/checkpoints/") if k.endswith("/meta.json")]:
+            assert first.poll() is None and time.time() < deadline, first.stdout.read() if first.poll() is not None else ""
+            time.sleep(0.5)
+        assert "runs/.raysys-leases/shared" in _keys(client, "runs/.raysys-leases/")
+
+        def resume(epochs: int):
+            proc = subprocess.run([sys.executable, "-m", "raysys", "train", *args, "--resume", "--set",
+                                   f"train.epochs={epochs}"], cwd=tmp_path, env={**env, "TMPDIR": str(tmp_path / "B")},
+                                  capture_output=True, text=True, timeout=600)
+            print(proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+            return proc
+
+        busy = resume(2000)
+        assert busy.returncode == 2 and f"is in use by process {first.pid} on" in busy.stderr
+        assert first.poll() is None  # the holder trains on, untouched
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    took = resume(1)  # at or past its end already: nothing left to train, a clean finish
+    assert took.returncode == 0 and f"was last held by process {first.pid}" in took.stdout
+    assert "resumed step=" in _text(client, "runs/shared/events.log")
+    assert not [k for k in _keys(client, "runs/.raysys-leases/") if not k.endswith("/")]  # released at the end
+
+
 @pytest.mark.slow  # ~1 min: two JAX compiles; test_a_run_lives_on_s3_and_resumes_from_it covers S3 resume by default
 def test_a_jax_run_on_s3_resumes_from_its_numpy_checkpoint(tmp_path, s3):
     """A JAX workload's checkpoint is state.npz (written without torch): it is uploaded, a new process pulls

@@ -503,14 +503,29 @@ def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:
 
 
 def _lock_dir(launch: Any) -> Optional[Path]:
-    """Where a remote run's lock lives: object stores have no locks, so runs of one machine share a lock
-    folder (two machines resuming one remote run at once are not detected)."""
+    """Where a remote run's lock file lives: runs of one machine share a lock folder (other machines are
+    kept out by the run's lease on the storage, ``_hold``)."""
     if not storage.is_remote(launch.storage_path):
         return None
     import hashlib
     import tempfile
 
     return Path(tempfile.gettempdir()) / "raysys-locks" / hashlib.sha256(_same_place(launch.storage_path).encode()).hexdigest()[:16]
+
+
+def _hold(run_dir: Path, name: str, launch: Any, create: bool) -> lifecycle.RunLock:
+    """Lock the run folder (making it when ``create``); a run on remote storage is also leased there, so a
+    process on another machine is refused too (``storage.Lease``)."""
+    get = lifecycle.create_run_dir if create else lifecycle.RunLock.acquire
+    lock = get(run_dir, name, lock_dir=_lock_dir(launch))
+    owner = storage.remote_of(run_dir)
+    if owner is not None and lock.lease is None:
+        try:
+            lock.lease = storage.Lease(*owner).acquire()
+        except BaseException:
+            lock.release()
+            raise
+    return lock
 
 
 def _same_place(uri: str) -> str:
@@ -550,7 +565,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         check_ray_address(getattr(launch, "address", None))
         check_local_resources(launch)
     if launch.resume:
-        lifecycle.RunLock.acquire(run_dir, name, lock_dir=_lock_dir(launch))
+        _hold(run_dir, name, launch, create=False)
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
@@ -561,7 +576,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
             store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
     created = not launch.resume
     if created:
-        lifecycle.create_run_dir(run_dir, name, lock_dir=_lock_dir(launch))
+        _hold(run_dir, name, launch, create=True)
     try:
         cfg_dict = to_dict(cfg)
         cfg_file = _next_snapshot(run_dir, launch.resume)
