@@ -15,6 +15,8 @@ URI query parameters go to the filesystem, e.g.
 from __future__ import annotations
 
 import atexit
+import fcntl
+import os
 import re
 import shutil
 import tempfile
@@ -120,14 +122,54 @@ _runs: dict[str, tuple[Remote, str]] = {}  # working copy -> (storage, run name)
 
 
 def working_copy(storage: Remote, name: str) -> Path:
-    """A fresh private folder standing for run ``name`` in this process."""
+    """A fresh private folder standing for run ``name`` in this process, removed when the process ends.
+    A process killed outright cannot remove its own: each copy has a ``<copy>.alive`` file its process
+    keeps locked, and the copies whose lock nobody holds are removed by the next process that makes one."""
     for local, (s, n) in _runs.items():
         if s.uri == storage.uri and n == name:
             return Path(local)
-    root = Path(tempfile.mkdtemp(prefix=f"raysys-{name}-"))
-    atexit.register(shutil.rmtree, root, True)
+    _remove_orphans()
+    # the lock first, then the folder: a sweeper that finds the lock free before it is taken removes
+    # nothing of ours (the folder does not exist yet, and the unlinked lock file is never looked at again)
+    fd, alive = tempfile.mkstemp(prefix=f"raysys-{name}-", suffix=ALIVE)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    root = Path(alive[: -len(ALIVE)])
+    root.mkdir()
+    atexit.register(_drop_copy, root, fd)
     _runs[str(root)] = (storage, name)
     return root
+
+
+ALIVE = ".alive"
+_swept = False
+
+
+def _drop_copy(root: Path, fd: int) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    Path(f"{root}{ALIVE}").unlink(missing_ok=True)
+    os.close(fd)
+
+
+def _remove_orphans() -> None:
+    """Remove the working copies of processes that ended without removing them (SIGKILL, a crash), once
+    per process: a copy's ``.alive`` lock is free exactly when its process is gone."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    for alive in Path(tempfile.gettempdir()).glob(f"raysys-*{ALIVE}"):
+        try:
+            fd = os.open(alive, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its process is alive
+            os.close(fd)
+            continue
+        shutil.rmtree(str(alive)[: -len(ALIVE)], ignore_errors=True)
+        alive.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def register(local: Path, uri: str, name: str) -> None:
@@ -264,8 +306,6 @@ or digit, so no run is called this)."""
 def beat_s() -> float:
     """Seconds between a lease's renewals (``RAYSYS_LEASE_BEAT_S``, default 5). A holder is taken for
     gone once its lease went unrenewed for 4 beats."""
-    import os
-
     return float(os.environ.get("RAYSYS_LEASE_BEAT_S", "5"))
 
 
@@ -281,7 +321,6 @@ class Lease:
     newcomer that read no lease and wrote its own more than a second later may still share the run."""
 
     def __init__(self, storage: Remote, name: str):
-        import os
         import socket
 
         self.storage, self.name = storage, name

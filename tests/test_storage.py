@@ -282,3 +282,34 @@ def test_a_remote_runs_resume_line_pastes_and_its_lock_ignores_how_the_uri_is_sp
     same = ["s3://b/runs/?scheme=http&endpoint_override=127.0.0.1:9000", "S3://b/runs?scheme=http&endpoint_override=127.0.0.1:9000"]
     assert {_lock_dir(SimpleNamespace(storage_path=u)) for u in [uri, *same]} == {_lock_dir(SimpleNamespace(storage_path=uri))}
     assert _lock_dir(SimpleNamespace(storage_path=uri.replace("/runs", "/other"))) != _lock_dir(SimpleNamespace(storage_path=uri))
+
+
+def test_working_copies_of_killed_processes_are_removed_by_the_next_one(tmp_path):
+    """A remote run's working copy lives in the temp folder; a SIGKILLed process cannot remove its own.
+    The next process that makes one removes those whose process is gone, never a live process's."""
+    make = ("import os, signal, sys, time\nfrom raysys import storage\n"
+            "root = storage.working_copy(storage.Remote(sys.argv[1]), sys.argv[2])\n"
+            "(root / 'state.pt').write_bytes(b'x' * 1000)\nprint(root, flush=True)\n"
+            "if sys.argv[3] == 'kill': os.kill(os.getpid(), signal.SIGKILL)\n"
+            "if sys.argv[3] == 'live': time.sleep(600)\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    uri = f"file://{tmp_path / 'store'}"
+
+    def run(name, how):
+        return subprocess.run([sys.executable, "-c", make, uri, name, how], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    killed = Path(run("killed", "kill").stdout.strip())
+    assert killed.is_dir()
+    live = subprocess.Popen([sys.executable, "-c", make, uri, "live", "live"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        live_copy = Path(live.stdout.readline().strip())
+        done = run("next", "exit")
+        assert done.returncode == 0, done.stderr
+        assert not killed.exists() and not Path(f"{killed}.alive").exists()
+        assert not Path(done.stdout.strip()).exists()  # its own, at its exit
+        assert (live_copy / "state.pt").is_file()  # a live process's copy is kept
+    finally:
+        live.kill()
+        live.wait()
