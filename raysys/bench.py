@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).expanduser().write_text(json.dumps(res, indent=2, default=float))
         print(f"wrote {args.json}")
-    return 0
+    for problem in res.get("problems", []):
+        print(f"raysys.bench: {problem}", file=sys.stderr)
+    return 1 if res.get("problems") else 0
 
 
 if __name__ == "__main__":

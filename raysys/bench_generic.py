@@ -82,6 +82,8 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     label = {p: p or "configured" for p in paths}
 
     train_ds, eval_ds = task.datasets(cfg)
+    if len(train_ds) == 0:
+        raise ConfigError(f"{wl.name}: its training set is empty (Task.datasets gave 0 items): nothing to time")
     bs = cfg.train.batch_size
     n_batches = max(1, min(len(train_ds) // bs, 4 if quick else 8))
     g = torch.Generator().manual_seed(0)
@@ -110,10 +112,13 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         a.train(), b.train()
         parity = abs(la - lb)
 
+    losses = {p: [] for p in paths}  # read once the timing is over: a read is a device sync
+
     def step(p: str, batch_items: list) -> tuple[int, int]:
         batch = to_device(task.collate(batch_items), device)
         opts[p].zero_grad(set_to_none=True)
         loss, stats = task.loss(models[p], batch)
+        losses[p].append(loss.detach())
         loss.backward()
         clip = cfg.optim.clip_grad_norm
         if clip:
@@ -152,6 +157,17 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         samples, tokens = counts[p]
         res[label[p]] = {"step_s": med / n_batches, "throughput": samples / med, "tokens_per_s": tokens / med,
                          "quality": ev.get(task.quality_metric), "eval": ev}
+    # a speed of a step that learns nothing, or of a model that cannot be judged, is no result: said, exit 1
+    problems = []
+    for p in paths:
+        bad = sum(not torch.isfinite(x).all() for x in losses[p])
+        if bad:
+            problems.append(f"{label[p]}: {bad} of {len(losses[p])} timed losses are not finite")
+        if eval_batches and res[label[p]]["quality"] is None:
+            problems.append(f"{label[p]}: evaluate() returned no {task.quality_metric} (Task.quality_metric); "
+                            f"it returned {', '.join(map(str, res[label[p]]['eval'])) or 'nothing'}")
+    if problems:
+        res["problems"] = problems
     if len(paths) == 2:
         res["speedup"] = res["naive"]["step_s"] / res["optimized"]["step_s"]
         res["loss_abs_diff_same_weights"] = parity

@@ -235,13 +235,32 @@ def _main(argv: Optional[list[str]] = None) -> int:
                   f"raysys: {line}; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
             return 1
         failed = getattr(e, "raysys_failure", None)
-        if failed:  # an error in the training code: its traceback, then where the run keeps it
-            import traceback
-
-            traceback.print_exc()
+        if failed:  # an error in the training code: where it was raised, then where the run keeps it all
+            print(_traceback_tail(e), file=sys.stderr)
             print(failed, file=sys.stderr)
             return 1
         raise
+
+
+def _traceback_tail(e: BaseException, frames: int = 3) -> str:
+    """Where the training code raised an error: its last ``frames`` frames outside installed packages and
+    raysys, and the error, not the frames of Ray's and torch's wrappers around it (all of it: ``-v``, and
+    the run's error.txt)."""
+    import traceback
+
+    text = "".join(traceback.format_exception(e)).rstrip()
+    if console.verbose():
+        return text
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not starts:
+        return text
+    end = next((i for i in range(starts[-1] + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+    groups = [lines[i:j] for i, j in zip(starts, starts[1:] + [end])]
+    own = [g for g in groups if "site-packages" not in g[0] and f"{os.sep}raysys{os.sep}" not in g[0]]
+    shown = (own or groups)[-frames:]
+    return "\n".join(["Traceback (its last frames; -v or the run's error.txt for all of it):",
+                      *[line for g in shown for line in g], *lines[end:]])
 
 
 def _service_error(e: BaseException) -> Optional[BaseException]:

@@ -185,11 +185,17 @@ class Workload:
             raise ConfigError(f"workload {self.name}: quality_mode must be 'max' or 'min', got {self.quality_mode!r}")
 
     def config(self, preset: str = "default") -> Any:
-        if preset not in self.presets:
-            from raysys.config import ConfigError
+        from raysys.config import ConfigError
 
+        if preset not in self.presets:
             raise ConfigError(f"unknown preset '{preset}' for {self.name}; available: {', '.join(sorted(self.presets))}")
-        return self.presets[preset]()
+        try:
+            return self.presets[preset]()
+        except ConfigError:
+            raise
+        except Exception as e:  # a config field without a default, a preset's own bug: the workload's, said once
+            raise ConfigError(f"workload {self.name}: its preset '{preset}' cannot be built: {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
 
 
 # Built-in workloads: imported lazily so `python -m raysys --help` stays fast.
@@ -209,10 +215,13 @@ _LOCAL_ROOTS: set[str] = set()      # files/folders of plug-ins imported from ou
 
 def register(workload: Workload, ref_: Optional[str] = None) -> Workload:
     """Make ``workload`` findable in this process as ``ref_`` (default: its name). A workload found the
-    first time is validated here, before any command creates anything (``Population.check``)."""
+    first time is validated here, before any command creates anything (its default config is built;
+    ``Population.check``)."""
     key = ref_ or workload.name
-    if workload.population is not None and id(workload) not in _REFS:
-        workload.population.check(workload.config(), workload.name)
+    if id(workload) not in _REFS:
+        default = workload.config()  # a config class that cannot be built is the workload's error, said here
+        if workload.population is not None:
+            workload.population.check(default, workload.name)
     _LOADED[key] = workload
     _REFS.setdefault(id(workload), key)
     return workload

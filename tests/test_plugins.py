@@ -192,7 +192,8 @@ def test_an_error_in_the_users_training_code_is_kept_with_the_run(project):
     run_dir = project / "raysys_runs" / "f"
     assert proc.stderr.rstrip().splitlines()[-3:] == [
         "[raysys] run 'f' failed: RuntimeError: loss exploded at the 5th step", f"  traceback: {run_dir / 'error.txt'}",
-        f"  resume from its last checkpoint: cd {project} && python -m raysys train failing:WORKLOAD --name f --resume"]
+        f"  no checkpoint yet; start it again from step 0: cd {project} && python -m raysys train failing:WORKLOAD "
+        "--name f --resume"]  # it failed at its 5th step, before its first checkpoint
     assert "RuntimeError: loss exploded at the 5th step" in (run_dir / "error.txt").read_text()
     events = (run_dir / "events.log").read_text()
     assert "restart 1/1 after: RuntimeError: loss exploded" in events and "failed: RuntimeError: loss exploded" in events
@@ -463,3 +464,86 @@ def test_each_resume_of_a_train_fn_run_is_in_its_events_log(workdir):
     resumed = [line for line in lines if line.startswith("resumed")]
     assert resumed == ["resumed step=5 from=step_000000005", "resumed step=10 from=step_000000010"]
     assert _mlflow_run(workdir / "mlflow.db", "r").info.status == "FINISHED"
+
+
+MISTAKES = '''
+import dataclasses
+
+import digits_mlp
+
+
+class EmptyTask(digits_mlp.DigitsTask):
+    def datasets(self, cfg):
+        return [], super().datasets(cfg)[1]  # a filter that kept nothing
+
+
+class NanTask(digits_mlp.DigitsTask):
+    def loss(self, model, batch):
+        loss, stats = super().loss(model, batch)
+        return loss * float("nan"), stats
+
+
+@dataclasses.dataclass
+class Needs:
+    fraction: float  # no default: the config class cannot be built
+
+
+@dataclasses.dataclass
+class NoDefaultConfig(digits_mlp.DigitsConfig):
+    needs: Needs = dataclasses.field(default_factory=Needs)
+
+
+W = digits_mlp.WORKLOAD
+EMPTY = dataclasses.replace(W, name="empty", task=EmptyTask())
+NAN = dataclasses.replace(W, name="nan", task=NanTask())
+NODEFAULT = dataclasses.replace(W, name="nodefault", config_cls=NoDefaultConfig, presets={"default": NoDefaultConfig})
+NET = dataclasses.replace(W, name="net", extra={"identity_sections": ("data",)})  # its model section unchecked
+'''
+
+
+def test_a_users_mistakes_are_said_plainly(project):
+    """An empty training set fails (not a 0-step run that 'finishes' with an untrained model); non-finite
+    losses stop the run at the 20th in a row, not at the epoch's end, and leave no checkpoint of it; a
+    config class that cannot be built is one line, exit 2, when the workload loads; the bench exits 1
+    on a step that learns nothing."""
+    (project / "mistakes.py").write_text(MISTAKES)
+    args = ["--preset", "quick", "--workers", "0"]
+    proc = _run(["python", "-m", "raysys", "train", "mistakes:EMPTY", *args, "--name", "e"], project)
+    assert proc.returncode == 2 and "empty: its training set is empty (Task.datasets gave 0 items)" in proc.stderr
+
+    proc = _run(["python", "-m", "raysys", "train", "mistakes:NAN", *args, "--name", "r"], project)
+    assert proc.returncode == 1 and "20 non-finite losses in a row, the loop stopped itself at step 20" in proc.stdout
+    assert "lr_scheduler" not in proc.stdout + proc.stderr  # torch's warning about the skipped steps
+    assert not list((project / "raysys_runs" / "r").glob("checkpoints/step_*"))
+
+    for cmd in (["train", "mistakes:NODEFAULT", *args, "--name", "d"], ["list", "mistakes:NODEFAULT"]):
+        proc = _run(["python", "-m", "raysys", *cmd], project)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            "raysys: config error: workload nodefault: its preset 'default' cannot be built: TypeError: "
+            "Needs.__init__() missing 1 required positional argument: 'fraction'"]
+
+    proc = _run(["python", "-m", "raysys.bench", "mistakes:NAN", "--quick"], project)
+    assert proc.returncode == 1 and "raysys.bench: optimized: " in proc.stderr and "losses are not finite" in proc.stderr
+
+
+def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anything(project):
+    """A workload whose checkpoints compare only its data section (identity_sections): a resume that
+    changes a shape in another section is still refused, in one line, before anything is written (the
+    printed resume command then still works); one that changes no shape goes on."""
+    from mlflow.tracking import MlflowClient
+
+    (project / "mistakes.py").write_text(MISTAKES)
+    args = ["python", "-m", "raysys", "train", "mistakes:NET", "--preset", "quick", "--workers", "0", "--name", "n"]
+    assert _run([*args, "--set", "train.epochs=1"], project).returncode == 0
+    run_dir = project / "raysys_runs" / "n"
+    before = sorted(p.name for p in run_dir.iterdir())
+    proc = _run([*args, "--resume", "--set", "model.hidden=32"], project)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "does not fit the model this config builds (net.0.bias: checkpoint [128], now [32])" in proc.stderr
+    assert "model.hidden: 128 -> 32" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-net").experiment_id])
+    assert run.info.status == "FINISHED"
+    proc = _run([*args, "--resume", "--set", "model.dropout=0.2", "--set", "train.epochs=2"], project)
+    assert proc.returncode == 0 and "resumed step=" in (run_dir / "events.log").read_text()

@@ -358,7 +358,7 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
     ``max_failures`` times. Ray's own FailureConfig would retry every error alike; here a config error,
     an unknown workload or bad data fails at once with its own message (the trainers are built with
     ``max_failures=0``; node preemptions keep Ray's separate budget)."""
-    attempt = 0
+    attempt, last = 0, None
     while True:
         try:
             trainer = make_trainer()
@@ -371,13 +371,28 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
             cause = permanent_cause(e)
             if cause is not None:
                 raise cause from None
+            line = error_line(e)
+            at = _latest_step(run_dir)
             if attempt >= max_failures:
                 raise
+            if last == (line, at):  # the same error again from the same checkpoint: the code's, not a node's
+                (sink or console.Sink()).message(f"[raysys] the same error again from the same checkpoint: not "
+                                                 "restarted further (an error of the training code, not of a worker)")
+                raise
+            last = (line, at)
             attempt += 1
-            line = error_line(e)
             _event(run_dir, f"restart {attempt}/{max_failures} after: {line}")
             (sink or console.Sink()).message(f"[raysys] training failed ({line}); restarting from the last "
                                              f"checkpoint ({attempt}/{max_failures}, launch.max_failures)")
+
+
+def _latest_step(run_dir: Path) -> Optional[str]:
+    """The name of the run's newest complete checkpoint, or None."""
+    try:
+        latest = CheckpointStore(run_dir, "", {}).latest()
+    except Exception:
+        return None
+    return latest.name if latest is not None else None
 
 
 def _event(run_dir: Path, line: str) -> None:
@@ -406,6 +421,8 @@ class OpenRun:
     tracking_uri: str
     run_id: str
     logger: tracking.MLflowLogger
+    snapshot: Optional[Path] = None
+    """This session's config snapshot (``config.yaml`` or ``config.resume-N.yaml``)."""
 
     def store(self, keep: int = 2) -> CheckpointStore:
         return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep,
@@ -446,9 +463,14 @@ class OpenRun:
 
             keep(ERROR_FILE, error_file)
             try:
+                try:
+                    saved = self.store().latest() is not None
+                except Exception:  # storage away: say what usually holds
+                    saved = True
+                how = "resume from its last checkpoint" if saved else "no checkpoint yet; start it again from step 0"
                 why.raysys_resume = self.resume_command()
                 why.raysys_failure = (f"[raysys] run '{self.name}' failed: {line}\n  traceback: "
-                                      f"{self.run_dir / ERROR_FILE}\n  resume from its last checkpoint: {why.raysys_resume}")
+                                      f"{self.run_dir / ERROR_FILE}\n  {how}: {why.raysys_resume}")
             except AttributeError:  # an exception type without a __dict__: the plain traceback then
                 pass
         return line
@@ -468,6 +490,10 @@ class OpenRun:
             status = "KILLED"
             raise
         except Exception as e:
+            if isinstance(e, CheckpointError) and self.cfg.launch.resume and self.snapshot is not None:
+                # a resume its checkpoint refused trained nothing: its snapshot must not become the config
+                # the next --resume starts from (it would be refused again, for ever)
+                storage.remove(self.snapshot)
             self.record_failure(e)
             raise
         finally:
@@ -551,9 +577,11 @@ def _prepare(prepare, cfg: Any) -> Any:
 
 
 def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optional[str] = None,
-             tags: Optional[dict] = None) -> OpenRun:
+             tags: Optional[dict] = None, fits: Optional[Callable[[Any, dict], None]] = None) -> OpenRun:
     """Validate everything, then create: the run folder (locked), the config snapshot and the MLflow run
-    (reopened when resuming). Any problem found before the folder exists leaves nothing behind."""
+    (reopened when resuming). Any problem found before the folder exists leaves nothing behind.
+    ``fits(cfg, state)``: raises a CheckpointError when a resume's changed config cannot take the
+    checkpoint's state (a shape outside the checkpoint's identity)."""
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
@@ -573,7 +601,9 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
             _event(run_dir, f"checkpoint cleanup: {line}")
         if store.latest() is not None:
-            store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
+            state, _ = store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
+            if fits is not None and (tags or {}).get("raysys.resume_changes"):  # the same config fits by itself
+                fits(cfg, state)
     created = not launch.resume
     if created:
         _hold(run_dir, name, launch, create=True)
@@ -606,7 +636,38 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                         f"Run again: `{tags['raysys.command']}`\n\nResume if interrupted: `{_resume_command(wl, launch, name)}`\n")
     link = tracking.ui_link(uri, tracking.experiment_of(uri, run_id), run_id)
     print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
-    return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger)
+    return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file)
+
+
+def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:
+    """A resume's check that the model its config builds takes the checkpoint's weights: a setting that
+    changes a shape may lie outside the sections a checkpoint compares (``identity_sections``). The model
+    is built as a worker builds it (data first), on torch's meta device: shapes, no memory."""
+
+    def fits(cfg: Any, state: dict) -> None:
+        import torch
+
+        saved = state.get("model") if isinstance(state, dict) else None
+        if not isinstance(saved, dict):
+            return
+        try:
+            task.datasets(cfg)  # a model may take a size from its data (a vocabulary)
+            with torch.device("meta"):
+                model = task.build_model(cfg)
+            want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        except Exception:  # not buildable here: the workers build it, and a mismatch fails there in one line
+            return
+        have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}
+        odd = next((k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)), None)
+        if odd is None:
+            return
+        seen = (f"{odd}: checkpoint {list(have[odd]) if odd in have else 'none'}, "
+                f"now {list(want[odd]) if odd in want else 'none'}")
+        changed = (tags or {}).get("raysys.resume_changes", "")
+        raise CheckpointError(f"the checkpoint does not fit the model this config builds ({seen}); changed on this "
+                              f"resume: {changed}. Resume with the run's settings, or start a new run (another --name)")
+
+    return fits
 
 
 def _log_dataset(wl: registry.Workload, cfg: Any, uri: str, run_id: str) -> None:
@@ -626,7 +687,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     wl = registry.get(wl_name)
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
-    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags)
+    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl.task, tags))
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
 

@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     from raysys.lifecycle import StopPoller
     from raysys.train.launcher import _event, recorded_final, set_threads
 
+    # the schedule counts optimizer steps taken or skipped (a non-finite loss, fp16's scaler): torch's
+    # warning about a skipped first step says nothing the run's stability metrics do not
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+
     wl = registry.get(payload["workload"])
     task = wl.task
     cfg = from_dict(wl.config_cls, payload["config"])
@@ -119,6 +124,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
     sampler = ShardSampler(len(train_ds), rank, world, seed=tc.seed, lengths=getattr(train_ds, "lengths", None),
                            bucket=cfg.loader.bucket_batches * tc.batch_size)
+    if len(train_ds) == 0 or len(sampler) == 0:  # else a run of 0 steps "finishes" with an untrained model
+        from raysys.train.launcher import DataError
+
+        raise DataError(f"{wl.name}: its training set is empty (Task.datasets gave {len(train_ds)} items"
+                        + (f" for {world} workers)" if len(train_ds) else ")"))
     micro_per_epoch = math.ceil(len(sampler) / tc.batch_size)
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
     total_steps = steps_per_epoch * tc.epochs if tc.max_steps is None else min(tc.max_steps, steps_per_epoch * tc.epochs)
@@ -138,8 +148,15 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     latest = store.latest()
     if latest is not None:
         state, meta = store.load(latest)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        try:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:  # a setting outside the checkpoint's identity changed
+            from raysys.checkpoint import CheckpointError  # (a shape, the optimizer): no restart fixes it
+
+            raise CheckpointError(f"checkpoint {latest.name} does not fit the model or optimizer this config builds: "
+                                  f"{_first_mismatch(str(e))}. Resume with the run's settings, or start a new run "
+                                  "(another --name)") from None
         sched.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         timer.load_state_dict(state["timer"])
@@ -148,8 +165,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         step, epoch, micro_done = state["step"], state["epoch"], state["micro_in_epoch"]
         # the last step's loss: an epoch-end report right after the resume must not say NaN
         loss_val = float(state.get("loss", float("nan")))
-        if rank == 0:
-            sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, epoch {epoch})")
+        if rank == 0:  # the epoch as the progress bar counts it (from 1), and where in it the run is
+            where = f"epoch {min(epoch + 1, tc.epochs)}/{tc.epochs}" if epoch < tc.epochs else f"{epoch} epochs done"
+            sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, {where})")
             _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
 
     if rank == 0 and world > 1:  # where rank 0 runs, for audits of restarts after a lost node
@@ -198,7 +216,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         it = iter(make_loader(train_ds, tc.batch_size, sampler, task.collate, cfg.loader, device,
                               seed=tc.seed * 100_003 + epoch))
         exhausted = False
-        while not exhausted and step < total_steps:
+        while not exhausted and step < total_steps and not diverged:
             timer.start_step(step)
             t0 = time.perf_counter()
             losses, samples, tokens, n_micro = [], 0, 0, 0
@@ -268,10 +286,11 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
         if stopped and not exhausted:
             break
-        if exhausted:  # epoch finished: evaluate, report, checkpoint at the boundary
+        if exhausted and not diverged:  # epoch finished: evaluate, report, checkpoint at the boundary
             epoch += 1
             micro_done = 0
-            metrics = {"train/loss": loss_val, "train/epoch": float(epoch), **speed.rates(world), **monitor.metrics()}
+            metrics = {"train/loss": loss_val, "train/lr": sched.get_last_lr()[0], "train/epoch": float(epoch),
+                       **speed.rates(world), **monitor.metrics()}
             if rank == 0 and (epoch % tc.eval_every_epochs == 0 or epoch == tc.epochs):
                 last_eval = evaluate()
                 metrics.update(last_eval)
@@ -318,6 +337,13 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         storage.write_text(run_dir / "final_metrics.json", json.dumps(final, indent=1))
         sink.message(f"[{wl.name}] step-time breakdown (measured):\n{breakdown}")
     ray.train.report({**final, "done": 1.0})
+
+
+def _first_mismatch(text: str) -> str:
+    """The first informative line of torch's load_state_dict error (its first line names no parameter)."""
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    detail = next((l for l in lines[1:] if "size mismatch" in l or "Missing key" in l or "Unexpected key" in l), None)
+    return (detail or (lines[0] if lines else "state_dict mismatch"))[:300]
 
 
 def _progress_text(epoch: int, epochs: int, m: dict, token_name: str) -> str:
