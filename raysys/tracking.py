@@ -125,7 +125,20 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
                           f"sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set "
                           "MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway (nothing was created)")
     if uri.startswith("sqlite:///"):
-        storage.check_local_folder(Path(uri[len("sqlite:///"):]).parent, f"--tracking-uri {uri}:")
+        db = Path(uri[len("sqlite:///"):])
+        storage.check_local_folder(db.parent, f"--tracking-uri {uri}:")
+        if db.is_dir():
+            raise ConfigError(f"--tracking-uri {uri}: {db} is a folder, not a database file (nothing was created)")
+        try:
+            with open(db, "rb") as f:
+                head = f.read(16)
+        except FileNotFoundError:
+            head = b""
+        except OSError as e:
+            raise ConfigError(f"--tracking-uri {uri}: cannot read {db} ({e.strerror})") from None
+        if head and head != b"SQLite format 3\x00":  # an empty file is a new database to sqlite
+            raise ConfigError(f"--tracking-uri {uri}: {db} is not an SQLite database; name a new file (e.g. "
+                              f"sqlite:///{db.parent / 'mlflow.db'}) or an existing MLflow database (nothing was created)")
     if not is_server(uri):
         return
     import requests

@@ -161,13 +161,18 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--set", "optim.betas=[0.9]"], "optim.betas must be two values"),
     (["--storage-path", "nosuchfs://bucket/runs"], "storage path"),  # s3:// itself: tests/test_storage.py
     (["--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
+    (["--tracking-uri", "sqlite:///notes.txt"], "notes.txt is not an SQLite database"),
+    (["--tracking-uri", "sqlite:///a_folder"], "a_folder is a folder, not a database file"),
     (["--workers", "1", "--address", "127.0.0.1:9"], "no Ray cluster answers at 127.0.0.1:9"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
+    (tmp_path / "notes.txt").write_text("my notes\n")  # what a mistyped --tracking-uri may name
+    (tmp_path / "a_folder").mkdir()
     proc = _train(tmp_path, *QUICK, *args, timeout=120)  # a hang guard: MLflow's retries would take minutes
     _one_line_error(proc, 2, needle)
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
     assert not list(tmp_path.glob("s3*")) and not (tmp_path.parent.parent / "x").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "notes.txt"]
 
 
 @pytest.mark.parametrize("task, needle", [
