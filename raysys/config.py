@@ -190,13 +190,27 @@ def at_least(section: Any, prefix: str, minimum: float, *names: str) -> None:
             raise ConfigError(f"{prefix}{name} must be >= {minimum:g}, got {v!r}")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last, silently: a knob
+    listed twice in a space would sweep only its second domain)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """Parse a YAML file; a missing file or bad YAML is one ConfigError saying where."""
+    """Parse a YAML file; a missing file, bad YAML or a key given twice is one ConfigError saying where."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} not found: {path}" if not path.exists() else f"{what} {path} is not a file")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_StrictLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -112,6 +112,10 @@ def is_server(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
+STORE_SCHEMES = {"sqlite", "http", "https", "file", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc"}
+"""The tracking URIs MLflow resolves to a store (SQLAlchemy's dialects with a driver, +pymysql etc., too)."""
+
+
 def check_store(uri: str, timeout: float = 5.0) -> None:
     """A ConfigError, before anything is created, when the store cannot be used: an HTTP tracking server
     that does not answer (in seconds, not after minutes of retries), a local database whose folder
@@ -124,6 +128,10 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
         raise ConfigError(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; pass "
                           f"sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set "
                           "MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway (nothing was created)")
+    scheme = urlparse(uri).scheme.lower().split("+")[0]  # postgresql+psycopg2: a dialect and its driver
+    if scheme and scheme not in STORE_SCHEMES:
+        raise ConfigError(f"--tracking-uri {uri}: MLflow has no tracking store for '{scheme}://' (use "
+                          "sqlite:///path/mlflow.db, http(s)://server:port or a database URL; nothing was created)")
     if uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///"):])
         storage.check_local_folder(db.parent, f"--tracking-uri {uri}:")

@@ -119,9 +119,39 @@ def test_a_tracking_store_that_cannot_be_made_is_one_line_before_anything(tmp_pa
     for cmd, uri, words in [(train, "./store", "MLflow no longer writes its folder (file) store; pass sqlite:///"),
                             (tune, "./store", "MLflow no longer writes its folder (file) store; pass sqlite:///"),
                             (train, "sqlite:///afile/mlflow.db", "afile is a file, not a folder"),
-                            (tune, "sqlite:////proc/raysys/mlflow.db", "cannot write in /proc")]:
+                            (tune, "sqlite:////proc/raysys/mlflow.db", "cannot write in /proc"),
+                            (tune, "foo://bar", "MLflow has no tracking store for 'foo://'"),
+                            (tune, "sqlite:///space.yaml", "space.yaml is not an SQLite database")]:
         proc = subprocess.run([sys.executable, "-m", *cmd, "--tracking-uri", uri], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (cmd, uri, proc.stderr[-2000:])
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "space.yaml"]
+
+
+def test_a_sweeps_other_bad_input_is_one_line_before_anything(tmp_path):
+    """Said where it was written (a flag, --set, the space file), before any data, store or folder exists:
+    a knob listed twice, an empty space, a bad --set, a bad count, missing data, a trial bigger than this
+    machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    head = "workload: deep_gpcm\npreset: quick\n"
+    (tmp_path / "twice.yaml").write_text(head + "space:\n  train.batch_size: {choice: [16]}\n  train.batch_size: {choice: [32]}\n")
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "big.yaml").write_text(head + "fixed: {launch.workers: 64}\nspace:\n  train.batch_size: {choice: [16, 32]}\n")
+    (tmp_path / "ok.yaml").write_text(head + "space:\n  train.batch_size: {choice: [16, 32]}\n")
+    made = sorted(p.name for p in tmp_path.iterdir())
+    for args, words in [(["--space", "twice.yaml"], "bad YAML in twice.yaml at line 5, column 3: duplicate key 'train.batch_size'"),
+                        (["--space", "empty.yaml"], "empty.yaml: the file is empty"),
+                        (["--space", "ok.yaml", "--set", "train.nosuch=1"], "config error: --set: unknown config key 'train.nosuch'"),
+                        (["--space", "ok.yaml", "--max-concurrent", "0"], "--max-concurrent must be >= 1, got 0"),
+                        (["--space", "ok.yaml", "--set", "data.path=nosuch.csv"], "raysys.tune: data error: data: no sequences file"),
+                        (["--space", "big.yaml"], "one trial needs 64.5 CPU")]:
+        proc = subprocess.run([sys.executable, "-m", "raysys.tune", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            (args, proc.stderr[-2000:])
+        assert sorted(p.name for p in tmp_path.iterdir()) == made, args

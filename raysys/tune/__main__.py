@@ -86,8 +86,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ[console.VERBOSE_ENV] = "1"
     console.setup_logging()
     try:
-        if (args.num_samples is not None and args.num_samples < 1) or (args.max_concurrent is not None and args.max_concurrent < 1):
-            raise ConfigError("--num-samples and --max-concurrent must be >= 1")
+        for flag in ("num_samples", "max_concurrent"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         if args.max_failures < 0:
             raise ConfigError(f"--max-failures must be >= 0, got {args.max_failures}")
         if args.vectorize < 1:
@@ -107,7 +108,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             reuse_processes=not args.fresh_processes,
             command=tracking.command_line(argv, module="raysys.tune")))
     except ConfigError as e:
-        print(f"raysys.tune: config error: {e}", file=sys.stderr)
+        from raysys.train.launcher import DataError
+
+        print(f"raysys.tune: {'data error' if isinstance(e, DataError) else 'config error'}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a signal sent again: stopped at once, with what Tune had saved
         print("raysys.tune: stopped at once; the sweep keeps its saved state and its trials' checkpoints "

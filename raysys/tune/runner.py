@@ -208,9 +208,25 @@ def _init_ray(address: Optional[str]) -> None:
 
 
 def _prepare(wl: registry.Workload, cfg: Any) -> Any:
-    """Make or check the data once, on the driver, before trials start (and race to write it)."""
-    prepare = wl.task.prepare if wl.task is not None else wl.extra.get("prepare")
-    return (prepare(cfg) or cfg) if prepare is not None else cfg
+    """Make or check the data once, on the driver, before trials start (and race to write it); a data
+    problem is one line (DataError), as ``raysys train`` says it."""
+    from raysys.train import launcher
+
+    return launcher._prepare(wl.task.prepare if wl.task is not None else wl.extra.get("prepare"), cfg)
+
+
+def _check_local_cluster(sp: spaces.SweepSpace, opts: SweepOptions) -> None:
+    """A Ray started here has this machine's CPUs and GPUs: a trial that cannot fit them is said before the
+    data or the tracking store are made (a cluster's resources are known once Ray is up)."""
+    import sys
+
+    if opts.address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
+        return
+    from raysys.train.launcher import local_gpus
+
+    need_cpu, need_gpu = footprint(sp, sp.base_config())
+    gpus = local_gpus() if need_gpu > 0 else 0
+    max_concurrent({"CPU": os.cpu_count() or 1, "GPU": gpus}, need_cpu, need_gpu, 1)
 
 
 def _result_loggers() -> list:
@@ -256,6 +272,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         opts.max_concurrent = stored.get("max_concurrent")
     uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
     tracking.check_store(uri)
+    _check_local_cluster(sp, opts)
     tolerance = opts.tolerance if opts.tolerance is not None else float(sp.objectives.get("tolerance", obj.DEFAULT_TOLERANCE))
     throughput_metric = sp.objectives.get("throughput", wl.throughput_metric)
     quality_metric = str(sp.objectives.get("quality", wl.quality_metric))

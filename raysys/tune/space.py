@@ -158,7 +158,8 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
     """Parse and validate a space (the YAML's top-level mapping). ``preset`` replaces the file's base
     preset; ``overrides`` are extra fixed settings, and pin a knob they name (it leaves the space)."""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{source}: the file is empty" if data is None else
+                          f"{source}: the top level must be a mapping, got {type(data).__name__}")
     unknown = set(data) - TOP_KEYS
     if unknown:
         raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
@@ -188,10 +189,14 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
         preset_cfg = wl.config(preset)
     except ConfigError as e:
         raise ConfigError(f"{source}: preset: {e}") from None
-    try:
-        base = apply_overrides(preset_cfg, fixed)
+    try:  # the file's fixed settings, then --set's: each error blamed on where it was written
+        base = apply_overrides(preset_cfg, {k: v for k, v in fixed.items() if k not in (overrides or {})})
     except ConfigError as e:
         raise ConfigError(f"{source}: fixed overrides: {e}") from None
+    try:
+        base = apply_overrides(base, dict(overrides or {}))
+    except ConfigError as e:
+        raise ConfigError(f"--set: {e}") from None
     for key, d in knobs.items():
         for value in d.candidates():
             try:
