@@ -111,6 +111,7 @@ class Progress(Callback):
     def __init__(self, total: int, throughput_metric: str, quality_metric: str, max_failures: int = 0):
         self.total, self.tm, self.qm, self.max_failures = total, throughput_metric, quality_metric, max_failures
         self.last_line: dict[str, float] = {}
+        self.spike_hint = False  # the hint on loss spikes, said once per sweep
 
     def _print(self, msg: str) -> None:
         print(f"[raysys.tune {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -133,7 +134,13 @@ class Progress(Callback):
         if result.get(obj.FAILED):  # on_trial_complete says it
             return
         if result.get(obj.UNSTABLE):
-            self._print(f"trial {trial.trial_id} UNSTABLE: {result.get(obj.REASON)} -> stopping it")
+            reason = str(result.get(obj.REASON))
+            hint = ""
+            if "loss spikes" in reason and not self.spike_hint:  # a noisy small-batch loss may be healthy: say how
+                self.spike_hint = True
+                hint = ("\n  (a spike is a loss above train.spike_factor x its recent median; a noisy run that learns "
+                        "may need `stability: {max_loss_spikes: N}` in the space, or a larger train.spike_factor)")
+            self._print(f"trial {trial.trial_id} UNSTABLE: {reason} -> stopping it{hint}")
             return
         if now - self.last_line.get(trial.trial_id, 0.0) < PROGRESS_EVERY_S:
             return
