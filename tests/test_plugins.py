@@ -547,3 +547,15 @@ def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anyt
     assert run.info.status == "FINISHED"
     proc = _run([*args, "--resume", "--set", "model.dropout=0.2", "--set", "train.epochs=2"], project)
     assert proc.returncode == 0 and "resumed step=" in (run_dir / "events.log").read_text()
+
+
+def test_a_sweep_whose_every_trial_has_a_config_error_exits_2(project):
+    """A quality metric evaluate() never returns fails every trial alike: the workload's configuration
+    error, exit 2 as for one run (not 1, an error of the training)."""
+    (project / "failing.py").write_text(FAILING)
+    (project / "space.yaml").write_text("workload: failing:MISNAMED\npreset: quick\nfixed:\n  train.epochs: 1\n"
+                                        "space:\n  optim.lr: {choice: [0.05, 0.1]}\n")
+    proc = _run(["python", "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "2", "--name", "s"], project)
+    assert proc.returncode == 2
+    assert ("raysys.tune: every trial failed; the first: ConfigError: misnamed: its Task.quality_metric 'acc' is not "
+            "among the metrics its evaluate() returned: accuracy") in proc.stderr

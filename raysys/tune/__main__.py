@@ -128,7 +128,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if outcome.records and len(failed) == len(outcome.records):  # nothing trained: a script must see it
         print(f"raysys.tune: every trial failed; the first: {failed[0].reason.splitlines()[0] if failed[0].reason else '?'}",
               file=sys.stderr)
-        return 1
+        # each with a configuration error (a quality metric evaluate() never returns): the workload's, exit 2
+        return 2 if all(r.reason.startswith(("ConfigError", "DataError")) for r in failed) else 1
     return 0
 
 
