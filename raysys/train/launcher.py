@@ -723,6 +723,10 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         finally:
             if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
                 logger.log_artifact(run_dir / "breakdown.md")
+            try:  # Ray Train's probe of the storage, left in the run folder; the run's files are raysys's
+                storage.remove(run_dir / ".validate_storage_marker")
+            except OSError:
+                pass
         metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
         outcome.check(metrics)
     return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
