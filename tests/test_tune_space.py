@@ -269,6 +269,29 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
     assert _record("c3", {}, {"time_total_s": 17.5}, None, setup).seconds == 17.5
 
 
+def test_a_resumed_trial_keeps_its_last_objectives_until_it_measures_new_ones(tmp_path):
+    """Audit: a trial resumed mid-epoch reported NaN quality until its next evaluation (holes in its
+    objective history). Its tracker starts from the last measured values of its ObjectiveLog rows."""
+    import math
+
+    import json
+
+    from raysys.tune.objectives import MEASURED_QUALITY, MEASURED_THROUGHPUT
+    from raysys.tune.trial import TrialSetup
+
+    setup = TrialSetup(workload="deep_gpcm", base_config={}, sweep_name="s", sweep_dir=str(tmp_path),
+                       runs_storage=str(tmp_path / "runs"), tracking_uri="", experiment="", parent_run_id="",
+                       throughput_metric="perf/x", quality_metric="eval/q", stability={}, quality_penalty=0.0)
+    (tmp_path / "objectives").mkdir()
+    rows = [{"step": 2, MEASURED_THROUGHPUT: 90.0}, {"step": 4, MEASURED_THROUGHPUT: 100.0, MEASURED_QUALITY: 0.5}]
+    (tmp_path / "objectives" / "a1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "obj')
+    out = setup.tracker("a1").update({"step": 6, "train/loss": 0.3})
+    assert out[QUALITY] == 0.5 and out[THROUGHPUT] == 100.0
+    assert setup.tracker("a1").update({"step": 8, "eval/q": 0.6})[QUALITY] == 0.6
+    fresh = setup.tracker("b2").update({"step": 2})  # a trial with no history: NaN until measured
+    assert math.isnan(fresh[QUALITY]) and math.isnan(fresh[THROUGHPUT])
+
+
 def test_an_unstable_trial_where_lower_is_better_is_left_out_not_scored():
     """No penalty value is worse than every loss: by default such a trial's quality objective is NaN
     (Optuna leaves it out), while higher-is-better sweeps keep their -1."""

@@ -184,6 +184,14 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     # its training run continued from its own checkpoint rather than from scratch
     (run_dir,) = (sweep_dir / "runs").glob(f"*{interrupted[0]}")
     assert "resumed step=" in (run_dir / "events.log").read_text()
+    # its objective history has no hole where it resumed: the quality it had holds until its next evaluation
+    import json
+    import math
+
+    rows = [json.loads(line) for line in (sweep_dir / "objectives" / f"{interrupted[0]}.jsonl").read_text().splitlines()]
+    q = [r.get("objective/quality") for r in rows]
+    first = next((i for i, v in enumerate(q) if v is not None and math.isfinite(v)), len(q))
+    assert first < len(q) and all(v is not None and math.isfinite(v) for v in q[first:]), q
 
     _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
     assert len(children) == 3 and parent.info.status == "FINISHED"

@@ -129,9 +129,22 @@ class TrialSetup:
                 "mlflow.runName": self.display_name(trial_id, knobs), "raysys.preset": self.preset,
                 "raysys.command": commands(self.workload, self.preset, dict(self.fixed), knobs)[0][:5000]}
 
-    def tracker(self) -> ObjectiveTracker:
-        return ObjectiveTracker(self.throughput_metric, self.quality_metric,
-                                StabilityRules.from_dict(self.stability), self.quality_penalty, self.quality_mode)
+    def tracker(self, trial_id: Optional[str] = None) -> ObjectiveTracker:
+        """A trial's tracker; a trial resumed after its sweep stopped starts from its last measured objectives
+        (its ObjectiveLog rows), not from NaN: a run resumed mid-epoch has no new quality until its next
+        evaluation, and the one it had still holds."""
+        t = ObjectiveTracker(self.throughput_metric, self.quality_metric,
+                             StabilityRules.from_dict(self.stability), self.quality_penalty, self.quality_mode)
+        if trial_id is not None:
+            from raysys.tune.objectives import MEASURED_QUALITY, MEASURED_THROUGHPUT
+            from raysys.tune.progress import OBJECTIVES_DIR, objective_history
+
+            rows = objective_history(Path(self.sweep_dir) / OBJECTIVES_DIR, trial_id)
+            for key, attr in ((MEASURED_THROUGHPUT, "throughput"), (MEASURED_QUALITY, "quality")):
+                seen = rows[key].dropna() if rows is not None and key in rows else []
+                if len(seen):
+                    setattr(t, attr, float(seen.iloc[-1]))
+        return t
 
 
 def trial_config(setup: TrialSetup, knobs: dict[str, Any], trial_id: str) -> Any:
@@ -227,7 +240,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     trial_id = tune.get_context().get_trial_id()
     begin_trial()
     setup.attach_storage()
-    tracker = setup.tracker()
+    tracker = setup.tracker(trial_id)
     try:
         _run_trial(config, setup, trial_id, tracker)
     except Exception as e:
