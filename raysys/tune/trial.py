@@ -4,8 +4,9 @@
   in a child process of the trial (see :mod:`raysys.tune.child` for why), reports come back
   through a pipe.
 * PyTorch workload, ``launch.workers > 0``: ``run_training`` fits a Ray Train V2 ``TorchTrainer``
-  from inside the trial, with a ``TuneReportCallback`` that forwards every report (the Train V2 +
-  Tune pattern; Train's workers get their own placement group beside the trial's).
+  in a thread of the trial (the Train V2 + Tune pattern; Train's workers get their own placement
+  group beside the trial's); its controller queues every report, which the trial's own thread
+  forwards with ``tune.report``.
 * Workload with its own loop (``train_fn``): ``run_custom`` in the trial, ``report=tune.report``.
 
 Every report passes through an :class:`ObjectiveTracker` first. Each trial's training run is
@@ -26,12 +27,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ray.tune.integration.ray_train import TuneReportCallback
+from ray.train import UserCallback
 
 from raysys.tune.objectives import FAILED, RUN_SECONDS, ObjectiveTracker, StabilityRules
 
@@ -282,11 +284,7 @@ def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: Objectiv
     if wl.task is not None and cfg.launch.workers == 0:
         _train_in_child(setup, cfg, tracker, tags)
     elif wl.task is not None:
-        from raysys import lifecycle
-        from raysys.train.launcher import run_training
-
-        report = SweepReportCallback(tracker, lifecycle.stop_flag_actor())  # the flag run_training's workers poll
-        run_training(setup.workload, cfg, callbacks=[report], parent_run_id=setup.parent_run_id, tags=tags)
+        _train_with_ray_train(setup, cfg, trial_id, tracker, tags)
     else:
         from raysys.session import run_custom
 
@@ -296,26 +294,73 @@ def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: Objectiv
     log_event(setup.sweep_dir, f"end {trial_id}")
 
 
-class SweepReportCallback(TuneReportCallback):
-    """TuneReportCallback that adds the objectives and the stability verdict to each report.
+class QueueReports(UserCallback):
+    """Puts each report of a Ray Train run on a queue that the trial's own thread reads (it runs in
+    Train's controller). Not Ray's ``TuneReportCallback``: its reports reach Tune through a second
+    queue beside the trial thread's own, and a report of the trial thread (its failure) met one of
+    those in flight: each waited on the other and the sweep hung for good."""
 
-    It runs in Train's controller, which keeps the tracker's state across the run's reports. Once a
-    report is unstable, the run is asked to stop at its next step boundary with a checkpoint (its
-    ``StopFlag``, as Ctrl-C would), and nothing more is forwarded: Tune stops the trial on that report
-    and reads no more, and a report nobody reads blocks Train's controller, so the run never ended."""
-
-    def __init__(self, tracker: ObjectiveTracker, stop: Any = None):
-        super().__init__()
-        self.tracker, self.stop = tracker, stop
+    def __init__(self, queue: Any):
+        self.queue = queue
 
     def after_report(self, run_context, metrics, checkpoint):
-        if self.tracker.unstable:
-            return
         if metrics:
-            metrics = [self.tracker.update(metrics[0]), *metrics[1:]]
-        super().after_report(run_context, metrics, checkpoint)
-        if self.tracker.unstable and self.stop is not None:
-            self.stop.set.remote(signal.SIGINT)
+            self.queue.put(dict(metrics[0]))
+
+
+def _train_with_ray_train(setup: TrialSetup, cfg: Any, trial_id: str, tracker: ObjectiveTracker, tags: dict) -> None:
+    """``run_training`` in a thread; this (Tune's) thread forwards its reports, then ends as it did.
+
+    Every report passes through the tracker here. On the first unstable one the run is asked to stop
+    at its next step boundary with a checkpoint (its ``StopFlag``, as Ctrl-C would), and nothing more is
+    forwarded: Tune stops the trial on that report. When Tune ends the trial (its ``tune.report`` then
+    raises), the run is asked to stop the same way, and given ``WIND_DOWN_S`` to."""
+    from ray import tune
+    from ray.util.queue import Empty, Queue
+
+    from raysys import lifecycle
+    from raysys.train.launcher import run_training
+
+    stop = lifecycle.stop_flag_actor()  # the flag run_training's workers poll
+    reports = Queue(actor_options={"num_cpus": 0})  # unbounded: Train's controller never waits on Tune
+    ended: dict[str, BaseException] = {}
+
+    def fit() -> None:
+        try:
+            run_training(setup.workload, cfg, callbacks=[QueueReports(reports)],
+                         parent_run_id=setup.parent_run_id, tags=tags)
+        except BaseException as e:  # raised below, in Tune's thread
+            ended["error"] = e
+
+    thread = threading.Thread(target=fit, name="raysys-trial-fit", daemon=True)
+    thread.start()
+    try:
+        while True:
+            running = thread.is_alive()  # read before the queue: a finished run has put all it will
+            try:
+                m = reports.get(timeout=0.2)
+            except Empty:
+                if running:
+                    continue
+                break
+            if tracker.unstable:
+                continue
+            out = tracker.update(m)
+            if tracker.unstable:
+                stop.set.remote(signal.SIGINT)
+            tune.report(out)
+    except BaseException:  # Tune ended the trial (its stopper, the sweep's end, a signal)
+        stop.set.remote(signal.SIGINT)
+        thread.join(WIND_DOWN_S)
+        if not thread.is_alive() and "error" not in ended:
+            log_event(setup.sweep_dir, f"end {trial_id}")
+        raise
+    finally:
+        thread.join(WIND_DOWN_S)
+        with contextlib.suppress(Exception):
+            reports.shutdown()
+    if "error" in ended:
+        raise ended["error"]
 
 
 def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags: dict) -> None:
