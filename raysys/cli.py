@@ -215,7 +215,10 @@ def _main(argv: Optional[list[str]] = None) -> int:
         print(f"raysys: {kind}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
+        if not lifecycle.armed():
+            print("raysys: stopped before the run started; nothing to resume", file=sys.stderr)
+        else:
+            print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
         return lifecycle.exit_code(lifecycle.stop_requested() or signal.SIGINT)
     except BrokenPipeError:  # whoever read the output went away (`... | head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

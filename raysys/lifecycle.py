@@ -108,7 +108,18 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
 _stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor": None, "job": None, "worker_watch": False,
-                        "event": threading.Event()}
+                        "event": threading.Event(), "armed": False}
+
+
+def arm() -> None:
+    """A run now exists (its folder, locked): a stop request from here on ends it at a step boundary with
+    a checkpoint. Before that there is nothing to save, and the first signal stops at once (a long data
+    download, say, is not waited for)."""
+    _stop["armed"] = True
+
+
+def armed() -> bool:
+    return bool(_stop["armed"])
 
 
 def stop_requested() -> Optional[int]:
@@ -153,6 +164,8 @@ def _handler(signum, frame) -> None:
             return
         raise KeyboardInterrupt  # asked again: stop now (the CLI exits 128 + the first signal)
     request_stop(signum)
+    if not _stop["armed"]:
+        raise KeyboardInterrupt  # no run yet: nothing to save, nothing to wait for
     from raysys import console
 
     console.Sink().message(f"[raysys] {signal.Signals(signum).name}: stopping at the next step boundary with a "
@@ -191,7 +204,7 @@ def reinstall_if_active() -> None:
 
 def reset() -> None:
     """Forget a stop request (tests, and a process that runs several runs)."""
-    _stop["signum"], _stop["actor"] = None, None
+    _stop["signum"], _stop["actor"], _stop["armed"] = None, None, False
     _stop["event"].set()  # a waiting relay sees no actor of its own and ends
     _stop["event"] = threading.Event()
 

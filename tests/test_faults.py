@@ -575,6 +575,7 @@ def test_one_signal_sent_to_the_process_and_then_its_group_is_one_request():
     from raysys import lifecycle
 
     lifecycle.reset()
+    lifecycle.arm()  # a run exists (before one does, the first signal stops at once)
     try:
         lifecycle._handler(signal.SIGTERM, None)
         lifecycle._handler(signal.SIGTERM, None)  # the echo: still one request, to stop at a step boundary

@@ -562,3 +562,49 @@ def test_a_sweep_whose_every_trial_has_a_config_error_exits_2(project):
     assert proc.returncode == 2
     assert ("raysys.tune: every trial failed; the first: ConfigError: misnamed: its Task.quality_metric 'acc' is not "
             "among the metrics its evaluate() returned: accuracy") in proc.stderr
+
+
+SLOW_PREPARE = '''
+import dataclasses
+import pathlib
+import time
+
+import digits_mlp
+
+
+class SlowTask(digits_mlp.DigitsTask):
+    def prepare(self, cfg):  # a long download, say: the sweep has saved nothing yet
+        pathlib.Path("preparing").touch()
+        time.sleep(600)
+        return cfg
+
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="slowprep", task=SlowTask())
+'''
+
+
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_a_run_or_sweep_stopped_while_its_data_is_prepared_stops_at_once(project, command):
+    """One Ctrl-C while the data is prepared (a long download, say) stops at once: there is no run yet
+    to checkpoint, so nothing to wait for, and no --resume hint (nothing to resume). Exit 130."""
+    import signal
+    import time
+
+    (project / "slowprep.py").write_text(SLOW_PREPARE)
+    (project / "space.yaml").write_text("workload: slowprep:WORKLOAD\npreset: quick\nspace:\n"
+                                        "  optim.lr: {choice: [0.05, 0.1]}\n")
+    args = (["raysys", "train", "slowprep:WORKLOAD", "--preset", "quick", "--name", "r"] if command == "train" else
+            ["raysys.tune", "--space", "space.yaml", "--name", "s"])
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=project, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (project / "preparing").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    print(out[-2000:], err[-2000:])
+    assert proc.returncode == 130
+    prog = "raysys" if command == "train" else "raysys.tune"
+    what = "run" if command == "train" else "sweep"
+    assert err.strip().splitlines()[-1] == f"{prog}: stopped before the {what} started; nothing to resume"
+    assert not (project / "raysys_runs").exists()

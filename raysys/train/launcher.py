@@ -551,6 +551,7 @@ def _hold(run_dir: Path, name: str, launch: Any, create: bool) -> lifecycle.RunL
         except BaseException:
             lock.release()
             raise
+    lifecycle.arm()  # from here a signal stops the run with a checkpoint
     return lock
 
 

@@ -113,6 +113,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"raysys.tune: {'data error' if isinstance(e, DataError) else 'config error'}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a signal sent again: stopped at once, with what Tune had saved
+        from raysys.tune.runner import SAVED
+
+        if not SAVED:
+            print("raysys.tune: stopped before the sweep started; nothing to resume", file=sys.stderr)
+            return 130
         print("raysys.tune: stopped at once; the sweep keeps its saved state and its trials' checkpoints "
               "(continue it with the same command and --resume)", file=sys.stderr)
         return 130

@@ -32,6 +32,8 @@ from raysys.tune.resources import footprint, max_concurrent, trial_resources
 from raysys.tune.trial import error_summary
 
 STATE_FILE = "raysys_sweep.json"
+SAVED: dict = {}
+"""The folder of this process's sweep once its state file is written (a Ctrl-C before: nothing to resume)."""
 
 
 DEFAULT_SAMPLES = 8
@@ -304,6 +306,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
             "space": sp.to_dict(), "space_file": sp.source, "tracking_uri": uri, "experiment": experiment,
             "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance,
             "vectorize": opts.vectorize, "max_concurrent": opts.max_concurrent}, indent=1, default=str))
+    SAVED["sweep_dir"] = sweep_dir  # from here on, --resume continues it
 
     remote = storage.remote_of(sweep_dir)
     runs_storage = storage.join(opts.storage_path, name, "runs") if remote else str(sweep_dir / "runs")
