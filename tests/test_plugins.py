@@ -549,8 +549,8 @@ def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anyt
     assert proc.returncode == 0 and "resumed step=" in (run_dir / "events.log").read_text()
 
 
-# slow: passed here in 60 s, but in one clean-clone CI run the sweep never started its second trial after the
-# first failed this way (Tune kept the first RUNNING; a hang of the permanent-failure path under study)
+# slow (~60 s). It once hung in CI: the trial's own failure report met a report of Train's still in Ray's
+# second queue, and each waited on the other (fixed: trial.QueueReports, one route for every report)
 @pytest.mark.slow
 def test_a_sweep_whose_every_trial_has_a_config_error_exits_2(project):
     """A quality metric evaluate() never returns fails every trial alike: the workload's configuration
