@@ -350,7 +350,8 @@ def _train_with_ray_train(setup: TrialSetup, cfg: Any, trial_id: str, tracker: O
                 stop.set.remote(signal.SIGINT)
             tune.report(out)
     except BaseException:  # Tune ended the trial (its stopper, the sweep's end, a signal)
-        stop.set.remote(signal.SIGINT)
+        with contextlib.suppress(Exception):  # Ray going away: its workers are too
+            stop.set.remote(signal.SIGINT)
         thread.join(WIND_DOWN_S)
         if not thread.is_alive() and "error" not in ended:
             log_event(setup.sweep_dir, f"end {trial_id}")
