@@ -205,18 +205,37 @@ def test_a_corpus_reads_the_same_from_every_table_format(tmp_path):
 
 
 def test_a_users_jsonl_trains_evaluates_and_reports_truncation(tmp_path):
+    """Relative paths, as the README writes them, read the same files in a Ray Train worker (which Ray
+    starts in a folder of its own) as in the driver."""
     rows = [{"text": ex["note"], "abstract": ex["summary"]} for ex in generate(120, 5)]
     _write_jsonl(tmp_path / "notes.jsonl", rows)
     proc = _cli(tmp_path, "--preset", "quick", "--name", "mine", "--set", "data.path=notes.jsonl",
                 "--set", "data.source_column=text", "--set", "data.target_column=abstract",
                 "--set", "data.max_src_len=256", "--set", "data.eval_examples=4", "--set", "train.max_steps=3",
-                "--set", "model.max_len=24")
+                "--set", "model.max_len=24", "--workers", "1")
     assert proc.returncode == 0
     assert "notes truncated to 256 tokens" in proc.stdout
     final = json.loads((tmp_path / "raysys_runs" / "mine" / "final_metrics.json").read_text())
     for k in ("eval/rouge2", "eval/rouge1", "eval/rougeLsum", "eval/entity_copy", "eval/lead3_rouge2", "eval/quality"):
         assert k in final and 0.0 <= final[k] <= 1.0, k
     assert final["eval/lead3_rouge2"] > 0.01  # the baseline is computed from real texts
+    assert len(list((tmp_path / "raysys_data").glob("*/*/meta.json"))) == 1  # prepared once, here
+
+
+def test_an_evaluation_file_written_again_is_prepared_again(tmp_path):
+    from raysys.workloads.pointer_generator import data
+
+    rows = [{"note": ex["note"], "summary": ex["summary"]} for ex in generate(40, 3)]
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    _write_jsonl(tmp_path / "eval.jsonl", rows[:6])
+    cfg = apply_overrides(quick(), {"data.data_dir": str(tmp_path / "d"), "data.path": str(tmp_path / "train.jsonl"),
+                                    "data.eval_path": str(tmp_path / "eval.jsonl")})
+    first = data.prepare(cfg)
+    _write_jsonl(tmp_path / "eval.jsonl", rows[-30:])  # another evaluation set, same file name
+    second = data.prepare(cfg)
+    assert first != second
+    rows_of = lambda out: json.loads((out / "meta.json").read_text())["splits"]["eval"]["rows"]
+    assert (rows_of(first), rows_of(second)) == (6, 30)
 
 
 @pytest.mark.slow  # ~1.5 min: two Ray Train workers

@@ -20,6 +20,7 @@ Either way the workload never imports Ray.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Optional
 
 from raysys import console, lifecycle, storage, tracking
@@ -27,11 +28,13 @@ from raysys import workload as registry
 from raysys.config import from_dict
 from raysys.session import Session
 from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, process_group_backend,
-                                   ray_storage, set_threads, train_logging)
+                                   ray_storage, set_threads, train_logging,
+                                   work_where_the_driver_works)
 
 
 def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Session]:
     """Rebuild the config and a rank-aware Session inside a worker from the driver's payload."""
+    work_where_the_driver_works(payload)
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
     run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
@@ -102,7 +105,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     with run.tracked() as outcome, console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
-                   "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor()}
+                   "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor(), "cwd": os.getcwd()}
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure, backend),
                           launch.max_failures, run.run_dir, sink)
         lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would

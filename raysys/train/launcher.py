@@ -280,6 +280,16 @@ def train_logging():
     return LoggingConfig(log_level="INFO" if console.verbose() else "WARNING")
 
 
+def work_where_the_driver_works(payload: dict) -> None:
+    """In a Ray Train worker: work in the driver's folder (``payload["cwd"]``), as a run with
+    ``--workers 0`` does, so that a relative data path names the same file and data made once there is
+    found, not made again. Ray Train starts its workers in a folder of its own; a worker on a machine
+    without the driver's folder stays there."""
+    cwd = payload.get("cwd")
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+
+
 def set_threads(launch: Any) -> None:
     """torch intra-op threads of this process: ``launch.threads``, or for an in-process run one per
     physical core (half the logical CPUs this process may use; on a busy 2-core machine 1 thread ran
@@ -703,7 +713,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     def make_trainer():
         payload = {"workload": registry.ref(wl), "config": cfg_dict, "run_dir": str(run_dir),
                    **storage.payload(run_dir), "identity": identity,
-                   "tracking_uri": uri, "run_id": run_id, "console": sink.handle, "stop": stop}
+                   "tracking_uri": uri, "run_id": run_id, "console": sink.handle, "stop": stop, "cwd": os.getcwd()}
         return TorchTrainer(
             train_loop_per_worker,
             train_loop_config=payload,

@@ -92,12 +92,13 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     for noisy in ("ray.train.v2._internal.execution.train_fn_utils", "ray.train.v2._internal.execution.context"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from raysys.lifecycle import StopPoller
-    from raysys.train.launcher import _event, recorded_final, set_threads
+    from raysys.train.launcher import _event, recorded_final, set_threads, work_where_the_driver_works
 
     # the schedule counts optimizer steps taken or skipped (a non-finite loss, fp16's scaler): torch's
     # warning about a skipped first step says nothing the run's stability metrics do not
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
+    work_where_the_driver_works(payload)
     wl = registry.get(payload["workload"])
     task = wl.task
     cfg = from_dict(wl.config_cls, payload["config"])

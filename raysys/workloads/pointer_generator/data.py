@@ -85,12 +85,14 @@ def prepare(cfg: Any) -> Path:
     """Make (or reuse) the tokenized data folder for ``cfg.data``; return it. Idempotent and safe
     to call from several processes at once (built in a temp folder, then renamed into place)."""
     d = cfg.data
-    settings = {"path": str(Path(d.path).resolve()) if d.path else None, "eval_path": d.eval_path,
+    settings = {"path": str(Path(d.path).resolve()) if d.path else None,
+                "eval_path": str(Path(d.eval_path).resolve()) if d.eval_path else None,
                 "source": d.source_column, "target": d.target_column, "n_train": d.n_train, "n_eval": d.n_eval,
                 "eval_fraction": d.eval_fraction, "seed": d.seed, "vocab_size": d.vocab_size,
                 "max_src_len": d.max_src_len, "max_tgt_len": d.max_tgt_len}
-    if d.path:
-        settings["mtime"] = os.path.getmtime(d.path) if os.path.exists(d.path) else None
+    for key in ("path", "eval_path"):  # a file edited or written again is other data: prepared afresh
+        if getattr(d, key):
+            settings[f"{key}_stat"] = _stat(getattr(d, key))
     out = Path(d.data_dir) / _digest(settings)
     if (out / "meta.json").is_file():
         return out
@@ -113,6 +115,15 @@ def prepare(cfg: Any) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _stat(path: str) -> Optional[list]:
+    """What says a file changed without reading it: its modification time (ns) and size."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size]
 
 
 def _splits(d: Any) -> tuple[list[dict], list[dict]]:
