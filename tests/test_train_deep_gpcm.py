@@ -250,6 +250,19 @@ def test_resume_at_the_last_step_of_an_epoch_reports_a_finite_loss(workdir):
     assert _final(workdir, "edge")["step"] == 12
 
 
+def test_a_run_ended_by_max_steps_mid_epoch_is_judged_on_its_last_model(workdir):
+    """Evaluated at the end of epoch 1 (step 6) and then trained on to max_steps 9: its final quality is
+    that of the step-9 model, evaluated then, not step 6's."""
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "mid", "--set", "train.epochs=3",
+            "--set", "train.max_steps=9"]
+    assert main(args) == 0
+    client, run = _mlflow_run(workdir, "mid")
+    evals = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/quality")}
+    assert sorted(evals) == [6, 9]
+    final = _final(workdir, "mid")
+    assert final["step"] == 9 and final["eval/quality"] == evals[9]
+
+
 def test_bad_config_key_fails_before_anything(workdir, capsys):
     assert main(["train", "deep_gpcm", *QUICK, "--set", "train.lrr=1"]) == 2
     err = capsys.readouterr().err

@@ -209,6 +209,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     last_ckpt_time = time.monotonic()
     step_at_start = step
     last_eval: dict[str, float] = {}
+    eval_step = -1  # the step last_eval measured
     diverged = stopped = False
     nonfinite_streak = 0
     model.train()
@@ -293,7 +294,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             metrics = {"train/loss": loss_val, "train/lr": sched.get_last_lr()[0], "train/epoch": float(epoch),
                        **speed.rates(world), **monitor.metrics()}
             if rank == 0 and (epoch % tc.eval_every_epochs == 0 or epoch == tc.epochs):
-                last_eval = evaluate()
+                last_eval, eval_step = evaluate(), step
                 metrics.update(last_eval)
             logger.log_metrics(metrics, step)
             metrics["step"] = step
@@ -323,8 +324,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
              "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
     if rank == 0:
-        fresh = not last_eval and not diverged
-        if fresh:  # stopped by max_steps mid-epoch: evaluate what we have
+        fresh = eval_step != step and not diverged
+        if fresh:  # stopped by max_steps mid-epoch: the model trained since the last evaluation is the result
             last_eval = evaluate()
         final.update({f"breakdown/{k}": v for k, v in timer.summary().items()})
         # MLflow gets values that make charts: the logger turns the bookkeeping (step, world_size, steps this
