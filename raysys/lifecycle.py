@@ -137,6 +137,11 @@ def request_stop(signum: int = signal.SIGINT) -> None:
     _stop["event"].set()
 
 
+def withdraw_stop() -> None:
+    """The run ended on its own before it acted on the stop request (it trained to its end): no stop."""
+    _stop["signum"] = None
+
+
 def _relay(actor: Any, event: threading.Event) -> None:
     """Driver thread: pass the stop request on to the workers' StopFlag once one comes."""
     event.wait()

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 
 from raysys import storage
 from raysys.checkpoint import CheckpointStore
-from raysys.lifecycle import StopPoller, stop_requested
+from raysys.lifecycle import StopPoller, stop_requested, withdraw_stop
 from raysys.console import Sink
 from raysys.train.launcher import OpenRun, RunResult, _event, init_ray, open_run, recorded_final, set_threads
 from raysys.workload import _FromTask
@@ -42,6 +42,7 @@ class Session:
         self.kept_final = False
         """True when ``finish`` kept the final metrics the run recorded before (resumed after its end)."""
         self.resumed = False  # a checkpoint was restored: events.log has this resume
+        self.saw_stop = False  # should_stop() said True: the loop may have ended before its end
         self.shapes: Optional[tuple[Any, int]] = None
         """(the program's shape check, this member's index) for a member of a population."""
 
@@ -55,7 +56,9 @@ class Session:
         """True once the run was asked to stop (SIGINT/SIGTERM of the driver). A loop that checks it at a
         step boundary saves a checkpoint there and returns; the run is then marked KILLED and can be
         resumed. With several workers, agree on it collectively (e.g. an all-reduce) before acting."""
-        return self._stop() is not None
+        stop = self._stop() is not None
+        self.saw_stop = self.saw_stop or stop
+        return stop
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +68,7 @@ class Session:
             bar: Optional[tuple[float, float]] = None, unit: str = "step") -> None:
         """Record step metrics (MLflow, and Tune when inside a sweep) and update the progress display:
         ``progress`` is its text, ``bar`` = (done, total) in ``unit`` (default: ``step`` of unknown total)."""
+        metrics = numbers(metrics, f"{self.run.wl.name}: session.log")
         self.last_metrics.update(metrics)
         self.last_step = step
         self.logged = True
@@ -90,8 +94,8 @@ class Session:
             self.message("nothing left to train (it had reached its end; raise its length to continue): "
                          "its recorded final metrics are kept")
             return kept
-        new = {k: float(v) for k, v in final.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and self.last_metrics.get(k) != v}
+        final = numbers(final, f"{self.run.wl.name}: what its train_fn returned")
+        new = {k: v for k, v in final.items() if self.last_metrics.get(k) != v}
         if new and self.is_main:
             self.run.logger.log_metrics(new, self.last_step)
         return {**self.last_metrics, **final}
@@ -104,8 +108,8 @@ class Session:
     def checkpoint(self, state: dict, step: int) -> None:
         if self.shapes is not None:
             self.shapes[0].saw(self.shapes[1], state, step)
-        if self.is_main:
-            self.store.save(state, step)
+        if self.is_main:  # with the metrics logged so far: a resume after the end still has them
+            self.store.save(state, step, extra_meta={"last_metrics": self.last_metrics, "last_step": self.last_step})
 
     def restore(self) -> Optional[dict]:
         """The latest checkpoint's state, or None for a fresh run. The first restore of a run is its
@@ -114,6 +118,9 @@ class Session:
         if latest is None:
             return None
         state, meta = self.store.load(latest)
+        if not self.logged:
+            self.last_metrics = dict(meta.get("last_metrics") or {})
+            self.last_step = int(meta.get("last_step") or meta.get("step") or 0)
         if self.is_main and not self.resumed:
             _event(self.run_dir, f"resumed step={meta.get('step')} from={latest.name}")
         self.resumed = True
@@ -143,9 +150,38 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     set_threads(run.cfg.launch)
     session = Session(run, report=report)
     with run.tracked() as outcome:
-        final = session.finish(wl.train_fn(run.cfg, session) or {})
+        returned = wl.train_fn(run.cfg, session)
+        if stop_requested() is not None and not session.saw_stop:
+            # it trained to its end without asking should_stop() after the signal: the run is complete
+            withdraw_stop()
+            session.message("reached its end before the stop request was asked for: the run is complete")
+        final = session.finish(returned if returned is not None else {})
         _judge(outcome, final, session)
     return _result(run, final, session, outcome.failure)
+
+
+def numbers(metrics: Any, what: str) -> dict[str, float]:
+    """Metrics as Python floats: ints, floats, bools and the one-element numbers of numpy, JAX and torch
+    (a loop's ``np.float32`` loss, a 0-d ``jax.Array``) are taken; anything else is the workload's mistake,
+    said in one line naming the key."""
+    from raysys.config import ConfigError
+
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"{what}: a {type(metrics).__name__}; it must be a dict of metric name -> number")
+    out = {}
+    for k, v in metrics.items():
+        x = v
+        if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+            try:
+                x = x.item()  # numpy/JAX/torch: a scalar or a one-element array; more elements raise
+            except (TypeError, ValueError, RuntimeError):
+                pass
+        if not isinstance(x, (int, float)):
+            shape = getattr(v, "shape", None)
+            kind = f"{type(v).__name__} of shape {tuple(shape)}" if shape is not None else type(v).__name__
+            raise ConfigError(f"{what}: metric {k!r} is a {kind} ({str(v)[:40]!r}), not a number")
+        out[str(k)] = float(x)
+    return out
 
 
 def _judge(outcome, final: dict, session: Session) -> None:

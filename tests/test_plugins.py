@@ -608,3 +608,55 @@ def test_a_run_or_sweep_stopped_while_its_data_is_prepared_stops_at_once(project
     what = "run" if command == "train" else "sweep"
     assert err.strip().splitlines()[-1] == f"{prog}: stopped before the {what} started; nothing to resume"
     assert not (project / "raysys_runs").exists()
+
+
+@pytest.mark.parametrize("number", ["numpy", "jax"])
+def test_numpy_and_jax_scalars_are_metrics_and_judged_as_floats(workdir, capsys, number):
+    """A numpy/JAX loop's own scalars: logged, judged (a NaN loss is divergence: FAILED, exit 1), and
+    the final quality is a number."""
+    from raysys.cli import main
+
+    args = ["train", f"{TINY}:WORKLOAD", "--set", f"train.number={number}"]
+    assert main([*args, "--name", "ok"]) == 0
+    final = json.loads((workdir / "raysys_runs" / "ok" / "final_metrics.json").read_text())
+    assert isinstance(final["eval/quality"], float) and final["eval/quality"] < 0
+    assert main([*args, "--name", "nan", "--set", "train.nan_after=3"]) == 1
+    assert "run 'nan' FAILED: diverged" in capsys.readouterr().out
+    assert _mlflow_run(workdir / "mlflow.db", "nan").info.status == "FAILED"
+
+
+def test_a_metric_that_is_not_a_number_is_named(workdir, capsys):
+    from raysys.cli import main
+
+    assert main(["train", f"{TINY}:WORKLOAD", "--name", "s", "--set", "train.number=str"]) == 2
+    err = capsys.readouterr().err
+    assert "raysys: config error: tiny: session.log: metric 'train/loss' is a str" in err and "not a number" in err
+
+
+def test_a_loop_that_ran_to_its_end_after_a_signal_is_a_complete_run(workdir, capsys):
+    """Ctrl-C during a loop that never asks should_stop(): the loop trains to its end, and that run is
+    complete (FINISHED, final metrics), not KILLED without them."""
+    from raysys.cli import main
+
+    assert main(["train", f"{TINY}:WORKLOAD", "--name", "end", "--set", "train.signal_at=3",
+                 "--set", "train.ask_stop=false"]) == 0
+    assert "reached its end before the stop request was asked for" in capsys.readouterr().out
+    final = json.loads((workdir / "raysys_runs" / "end" / "final_metrics.json").read_text())
+    assert final["eval/quality"] < 0
+    assert _mlflow_run(workdir / "mlflow.db", "end").info.status == "FINISHED"
+
+
+def test_a_run_stopped_at_its_last_checkpoint_resumes_to_its_logged_metrics(workdir):
+    """Stopped by Ctrl-C right at a checkpoint; resumed with that step as its end, it trains nothing
+    and returns nothing: its final metrics are those it had logged (the checkpoint keeps them), so it
+    ends FINISHED with its quality, not FAILED for want of one."""
+    from raysys.cli import main
+
+    args = ["train", f"{TINY}:WORKLOAD", "--name", "cut"]
+    assert main([*args, "--set", "train.signal_at=5"]) == 130
+    run_dir = workdir / "raysys_runs" / "cut"
+    assert not (run_dir / "final_metrics.json").exists()
+    assert main([*args, "--resume", "--set", "train.steps=5"]) == 0
+    final = json.loads((run_dir / "final_metrics.json").read_text())
+    assert final["eval/quality"] < 0 and "train/loss" in final
+    assert _mlflow_run(workdir / "mlflow.db", "cut").info.status == "FINISHED"

@@ -4,6 +4,8 @@ weight vector has ``model.width`` entries (a shape). Members of a population tra
 from its own config, checkpointing through its own session."""
 
 import dataclasses
+import os
+import signal
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +34,14 @@ class TrainConfig:
     """Checkpoint every this many steps."""
     omit_quality: bool = False
     """Leave eval/quality (the workload's quality metric) out of what is reported."""
+    number: str = "float"
+    """What the metrics are: float, numpy (np.float32), jax (0-d arrays) or str (a mistake)."""
+    nan_after: int = 0
+    """From this step on the loss is NaN (0: never)."""
+    signal_at: int = 0
+    """At this step the process sends itself SIGINT, as Ctrl-C would (0: never)."""
+    ask_stop: bool = True
+    """Ask session.should_stop() at each step boundary (False: the loop runs to its end regardless)."""
 
 
 @dataclass
@@ -48,17 +58,31 @@ def _member(cfg: TinyConfig, session) -> dict:
     y = x @ np.linspace(-1.0, 1.0, cfg.model.width)
     state = session.restore() or {"w": np.zeros(cfg.model.width), "step": 0}
     w, step, final = np.asarray(state["w"]), int(state["step"]), {}
-    while step < cfg.train.steps and not session.should_stop():
+    tc = cfg.train
+    while step < tc.steps and not (tc.ask_stop and session.should_stop()):
         w = w - cfg.opt.lr * 2 * x.T @ (x @ w - y) / len(y)
         step += 1
         loss = float(np.mean((x @ w - y) ** 2))
-        final = {"train/loss": loss, "perf/samples_per_s": 1.0}
-        if not cfg.train.omit_quality:
+        final = {"train/loss": float("nan") if 0 < tc.nan_after <= step else loss, "perf/samples_per_s": 1.0}
+        if not tc.omit_quality:
             final["eval/quality"] = -loss
+        final = {k: _as(tc.number, v) for k, v in final.items()}
         session.log(final, step)
+        if step == tc.signal_at:
+            os.kill(os.getpid(), signal.SIGINT)
         if step % cfg.train.checkpoint_every == 0:
             session.checkpoint({"w": w, "step": step}, step)
     return final
+
+
+def _as(kind: str, v: float):
+    if kind == "numpy":
+        return np.float32(v)
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(v)
+    return str(v) if kind == "str" else v
 
 
 def train(cfg: TinyConfig, session) -> dict:
