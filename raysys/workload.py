@@ -190,12 +190,46 @@ class Workload:
         if preset not in self.presets:
             raise ConfigError(f"unknown preset '{preset}' for {self.name}; available: {', '.join(sorted(self.presets))}")
         try:
-            return self.presets[preset]()
+            cfg = self.presets[preset]()
         except ConfigError:
             raise
         except Exception as e:  # a config field without a default, a preset's own bug: the workload's, said once
             raise ConfigError(f"workload {self.name}: its preset '{preset}' cannot be built: {type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+        _check_config(cfg, self, preset)
+        return cfg
+
+
+def _check_config(cfg: Any, wl: "Workload", preset: str) -> None:
+    """What every command relies on in a workload's config: an instance of its dataclass ``config_cls``, with
+    a ``launch`` section, and no attribute a preset set that is not a field (a typo would be ignored)."""
+    import dataclasses
+
+    from raysys.config import ConfigError
+
+    cls = wl.config_cls
+    where = f"workload {wl.name}: its preset '{preset}'"
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ConfigError(f"workload {wl.name}: its config_cls {getattr(cls, '__name__', cls)!r} is not a dataclass "
+                          "(decorate it with @dataclass)")
+    if not isinstance(cfg, cls):
+        raise ConfigError(f"{where} returned a {type(cfg).__name__}, not a {cls.__name__}")
+    if not any(f.name == "launch" for f in dataclasses.fields(cls)):
+        raise ConfigError(f"workload {wl.name}: its config {cls.__name__} has no launch section; add "
+                          "launch: LaunchConfig = field(default_factory=LaunchConfig) (from raysys.train.config)")
+
+    def walk(obj: Any, path: str) -> None:
+        names = {f.name for f in dataclasses.fields(obj)}
+        stray = sorted(k for k in getattr(obj, "__dict__", {}) if k not in names and not k.startswith("_"))
+        if stray:
+            raise ConfigError(f"{where} sets {', '.join(path + k for k in stray)}, not a field of "
+                              f"{type(obj).__name__} (its fields: {', '.join(sorted(names))})")
+        for name in names:
+            value = getattr(obj, name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                walk(value, f"{path}{name}.")
+
+    walk(cfg, "")
 
 
 # Built-in workloads: imported lazily so `python -m raysys --help` stays fast.
@@ -282,9 +316,12 @@ def _import(module: str, spec: str):
     except Exception as e:  # the module's own code raised while it was imported
         import traceback
 
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise ConfigError(f"workload '{spec}': importing {module} failed: {type(e).__name__}: {e} "
-                          f"({frame.filename}, line {frame.lineno})") from None
+        frames = traceback.extract_tb(e.__traceback__)
+        here = str(Path(__file__).resolve().parent)
+        own = [f for f in frames if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(here)]
+        frame = (own or frames)[-1]  # the user's line, not raysys's check (nor a dataclass's generated __init__)
+        what = str(e) if isinstance(e, ConfigError) else f"importing {module} failed: {type(e).__name__}: {e}"
+        raise ConfigError(f"workload '{spec}': {what} ({frame.filename}, line {frame.lineno})") from None
     return mod
 
 

@@ -660,3 +660,63 @@ def test_a_run_stopped_at_its_last_checkpoint_resumes_to_its_logged_metrics(work
     final = json.loads((run_dir / "final_metrics.json").read_text())
     assert final["eval/quality"] < 0 and "train/loss" in final
     assert _mlflow_run(workdir / "mlflow.db", "cut").info.status == "FINISHED"
+
+
+CONFIG_MISTAKES = '''
+import dataclasses
+
+import tiny_workload as tiny
+from raysys.workload import Workload
+
+
+@dataclasses.dataclass
+class NoLaunch:
+    train: tiny.TrainConfig = dataclasses.field(default_factory=tiny.TrainConfig)
+
+
+class Plain:
+    pass
+
+
+def typo():
+    cfg = tiny.TinyConfig()
+    cfg.train.stepz = 5  # meant steps: silently ignored before
+    return cfg
+
+
+W = tiny.WORKLOAD
+NOLAUNCH = dataclasses.replace(W, name="nolaunch", config_cls=NoLaunch, presets={"default": NoLaunch})
+PLAIN = dataclasses.replace(W, name="plain", config_cls=Plain, presets={"default": Plain})
+ADICT = dataclasses.replace(W, presets={"default": tiny.TinyConfig, "adict": lambda: {"train": {"steps": 5}}})
+TYPO = dataclasses.replace(W, presets={"default": tiny.TinyConfig, "typo": typo})
+'''
+
+NO_DEFAULT_PRESET = '''
+import tiny_workload as tiny
+from raysys.workload import Workload
+
+WORKLOAD = Workload(name="nd", description="no default preset", config_cls=tiny.TinyConfig,
+                    presets={"quick": tiny.TinyConfig}, train_fn=tiny.train)
+'''
+
+
+@pytest.mark.parametrize("attr, preset, line", [
+    ("NOLAUNCH", "default", "workload nolaunch: its config NoLaunch has no launch section; add launch: LaunchConfig"),
+    ("PLAIN", "default", "workload plain: its config_cls 'Plain' is not a dataclass (decorate it with @dataclass)"),
+    ("ADICT", "adict", "workload tiny: its preset 'adict' returned a dict, not a TinyConfig"),
+    ("TYPO", "typo", "workload tiny: its preset 'typo' sets train.stepz, not a field of TrainConfig (its fields: "),
+    ("WORKLOAD", "quick", "workload nd: presets must include 'default' ({here}/no_default_preset.py, line 5)"),
+])
+def test_mistakes_in_a_workloads_config_are_one_line_and_exit_2(workdir, capsys, attr, preset, line):
+    import shutil as sh
+
+    from raysys.cli import main
+
+    sh.copy(TINY, workdir / "tiny_workload.py")
+    (workdir / "config_mistakes.py").write_text(CONFIG_MISTAKES)
+    (workdir / "no_default_preset.py").write_text(NO_DEFAULT_PRESET)  # refused as it is imported
+    module = "no_default_preset" if attr == "WORKLOAD" else "config_mistakes"
+    assert main(["train", f"{module}:{attr}", "--preset", preset]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line.format(here=workdir) in err[0], err
+    assert not (workdir / "raysys_runs").exists()
