@@ -541,6 +541,8 @@ class MLflowLogger:
         self._call({"kind": "untag", "key": key})
 
     def end(self, status: str) -> bool:
-        """Close the run; False when the close itself waits in the buffer (the server is down)."""
+        """Close the run; False when the close itself waits in the buffer (the server is down). What waits
+        is tried once more now, whatever the backoff: a server back since the last try gets it all."""
+        self._retry_at = 0.0
         self._call({"kind": "end", "status": status})
         return self.pending == 0

@@ -259,3 +259,30 @@ def test_buffered_artifacts_are_sent_from_the_run_folder_of_the_process_that_sen
     assert later.flush() and later.pending == 0
     assert [a.path for a in client.list_artifacts(run_id)] == ["breakdown.md"]
     assert client.get_run(run_id).data.tags["after"] == "yes"
+
+
+def test_the_end_of_a_run_sends_what_waited_once_the_server_is_back(tmp_path):
+    """An outage that ends before the run does: the run's close tries the buffer at once, whatever the
+    backoff of the last failed try, so the run ends FINISHED with every metric instead of waiting for a
+    --resume."""
+    from mlflow.tracking import MlflowClient
+
+    from conftest import MlflowServer
+    from raysys.tracking import MLflowLogger
+
+    server = MlflowServer(tmp_path / "srv").start()
+    try:
+        client = MlflowClient(server.url)
+        run_id = client.create_run(client.create_experiment("e")).info.run_id
+        logger = MLflowLogger(server.url, run_id, buffer=tmp_path / "run" / "tracking-buffer.jsonl")
+        logger.log_metrics({"train/loss": 1.0}, 1)
+        server.stop()  # the outage
+        logger.log_metrics({"train/loss": 0.5}, 2)
+        assert logger.pending == 1
+        server.start()  # back, well within the 30 s before the next try
+        logger.log_metrics({"train/loss": 0.25}, 3)  # still within the backoff: waits behind the first
+        assert logger.end("FINISHED") and logger.pending == 0
+        assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+        assert client.get_run(run_id).info.status == "FINISHED"
+    finally:
+        server.stop()
