@@ -386,3 +386,27 @@ def test_trials_share_a_process_unless_asked_not_to(tmp_path, flags, processes):
     print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
     assert proc.returncode == 0 and "3 trials — 3 ok" in proc.stdout
     assert len(pids.read_text().split()) == 3 and len(set(pids.read_text().split())) == processes
+
+
+@pytest.mark.timeout(900)
+def test_members_that_end_before_the_others_are_finished_trials(tmp_path):
+    """The tiny population trains its members in turn, so each ends before the next reports: every one
+    is a finished trial (ok, in the front and the searcher's study), and the sweep ends with its report,
+    exit 0. Before, only the last member's end reached the trial's last report: the others were taken
+    for trials stopped before their end, and the sweep said it was interrupted (exit 130) on every
+    --resume."""
+    import os
+
+    import yaml
+
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({
+        "workload": f"{Path(__file__).parent / 'tiny_workload.py'}:WORKLOAD",
+        "fixed": {"train.steps": 6, "train.checkpoint_every": 3},
+        "space": {"opt.lr": {"grid": [0.1, 0.05, 0.02]}}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", "space.yaml", "--vectorize", "3",
+                           "--num-samples", "3", "--name", "seq"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=800)
+    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
+    assert proc.returncode == 0 and "3 trials — 3 ok" in proc.stdout
+    assert "stopped before the end" not in proc.stdout and "interrupted" not in proc.stdout

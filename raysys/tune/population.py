@@ -107,6 +107,7 @@ class Reports:
     def __init__(self, ids: list[str], trackers: list, send):
         self.ids, self.trackers, self.send = ids, trackers, send
         self.pending: dict[int, dict] = {}
+        self.latest: dict[int, dict] = {}  # each member's last report sent
 
     def reporter(self, j: int):
         def report(metrics: dict) -> Optional[str]:
@@ -122,9 +123,18 @@ class Reports:
             self.flush()
         self.pending[j] = self.trackers[j].failed(reason)
 
+    def finish(self) -> None:
+        """The trial's last report: every member's last state, also of members that ended earlier (a
+        shorter train.steps, a halt). Tune, the searcher and the sweep's records read each member's end
+        from this one report; a member missing from it was taken for one stopped before its end."""
+        if self.pending or self.latest:
+            self.pending = {**self.latest, **self.pending}
+            self.flush()
+
     def flush(self) -> None:
         if not self.pending:
             return
+        self.latest.update(self.pending)
         out: dict[str, Any] = {}
         for j, m in self.pending.items():
             out |= {f"{PREFIX}/{self.ids[j]}/{k}": v for k, v in m.items() if k in KEPT}
@@ -184,7 +194,7 @@ def run_population_trial(config: dict, setup) -> None:
             if res.stopped_by is None:
                 reports.reporter(j)({**res.metrics, "done": 1.0})
                 log_event(setup.sweep_dir, f"end {ids[j]}")
-    reports.flush()
+    reports.finish()
 
 
 def pool_throughput(records: list, member_knobs: Sequence[str]) -> None:
