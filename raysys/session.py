@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any, Mapping, Optional
 
-from raysys import storage
+from raysys import console, storage
 from raysys.checkpoint import CheckpointStore
 from raysys.lifecycle import StopPoller, stop_requested, withdraw_stop
 from raysys.console import Sink
@@ -149,7 +149,7 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
         init_ray(run.cfg.launch.address)
     set_threads(run.cfg.launch)
     session = Session(run, report=report)
-    with run.tracked() as outcome:
+    with run.tracked() as outcome, console.live(remote=False):  # the progress bar ends before the summary
         returned = wl.train_fn(run.cfg, session)
         if stop_requested() is not None and not session.saw_stop:
             # it trained to its end without asking should_stop() after the signal: the run is complete
@@ -225,6 +225,7 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
         s.shapes = (shapes, i)
     with ExitStack() as stack:
         outcomes = [stack.enter_context(run.tracked()) for run in runs]
+        stack.enter_context(console.live(remote=False))  # the progress bar ends before the summary
         stack.enter_context(shapes.active())  # the carriers' shape check names the knob
         outs = wl.population.train_fn(shapes.cfgs, sessions)
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
