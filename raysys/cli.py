@@ -38,7 +38,8 @@ WORKLOAD_HELP = ("a built-in or installed workload (see `python -m raysys list`)
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help=WORKLOAD_HELP)
-    p.add_argument("--preset", default="default", help="named config preset of the workload (default: %(default)s)")
+    p.add_argument("--preset", help="named config preset of the workload (default: default; a --resume continues "
+                                    "from the run's own config, whatever the preset)")
     p.add_argument("--config", metavar="YAML", help="YAML file of config keys, nested or dotted, applied after the preset")
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
                    help="override one config key by dotted path, e.g. optim.lr=3e-4 (repeatable; applied last)")
@@ -88,14 +89,19 @@ LAUNCH_FLAGS = {"workers": "workers", "gpus_per_worker": "gpus_per_worker", "add
 
 def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     wl = registry.get(args.workload)
-    cfg = wl.config(args.preset)
-    base = _resumed_base(wl, cfg, args) if getattr(args, "resume", False) else None
-    cfg = base or cfg
-    if args.config:
-        cfg = apply_overrides(cfg, load_yaml(args.config))
-    cfg = apply_overrides(cfg, parse_set_args(args.sets))
+    preset = wl.config(args.preset or "default")
+    base = _resumed_base(wl, preset, args) if getattr(args, "resume", False) else None
+
+    def overridden(c: Any) -> Any:
+        if args.config:
+            c = apply_overrides(c, load_yaml(args.config))
+        return apply_overrides(c, parse_set_args(args.sets))
+
+    cfg = overridden(base or preset)
     if base is not None:
         args.resume_changes = _changes(base, cfg)
+        if args.preset is not None:
+            _say_preset_unused(wl, args.preset, preset, overridden(wl.config(args.preset)), cfg)
     launch = {f"launch.{key}": getattr(args, flag) for flag, key in LAUNCH_FLAGS.items()
               if getattr(args, flag, None) is not None}
     if getattr(args, "resume", False):
@@ -105,6 +111,17 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
             raise ConfigError(f"--device: {wl.name} has no `device` key (its device follows --gpus-per-worker)")
         launch["device"] = args.device
     return wl, apply_overrides(cfg, launch)
+
+
+def _say_preset_unused(wl: registry.Workload, name: str, preset: Any, asked: Any, cfg: Any) -> None:
+    """A --resume continues from the run's own config: a --preset whose own keys (those it sets apart from
+    the default preset) would now mean other values is said, not silently dropped."""
+    own, default, a, c = (flatten(to_dict(x)) for x in (preset, wl.config("default"), asked, cfg))
+    differs = [k for k in sorted(own) if not k.startswith("launch.") and own[k] != default.get(k) and a.get(k) != c.get(k)]
+    if differs:
+        print(f"[raysys] --resume continues from the run's own config, not from preset '{name}' (which sets "
+              + ", ".join(f"{k}={a.get(k)!r}, the run has {c.get(k)!r}" for k in differs)
+              + "); change a key with --set", flush=True)
 
 
 def _changes(before: Any, after: Any) -> str:
@@ -182,7 +199,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
         lifecycle.install_signal_handlers()  # SIGINT/SIGTERM: checkpoint at the next step, then stop
         from raysys.tracking import command_line
 
-        tags = {"raysys.preset": args.preset, "raysys.command": command_line(argv)[:5000]}  # how to run it again
+        tags = {"raysys.preset": args.preset or "default", "raysys.command": command_line(argv)[:5000]}  # how to run it again
         if getattr(args, "resume_changes", ""):  # MLflow keeps a param's first value: the change goes in a tag
             print(f"[raysys] resuming with changed config: {args.resume_changes}", flush=True)
             tags["raysys.resume_changes"] = args.resume_changes[:5000]

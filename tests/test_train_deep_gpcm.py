@@ -263,6 +263,16 @@ def test_a_run_ended_by_max_steps_mid_epoch_is_judged_on_its_last_model(workdir)
     assert final["step"] == 9 and final["eval/quality"] == evals[9]
 
 
+def test_a_resume_says_it_keeps_its_own_config_over_another_preset(workdir, capsys):
+    args = ["train", "deep_gpcm", "--workers", "0", "--name", "p", "--set", "train.max_steps=2"]
+    assert main([*args, *QUICK]) == 0
+    assert main([*args, *QUICK, "--resume"]) == 0  # the same command again: nothing to say
+    assert "continues from the run's own config" not in capsys.readouterr().out
+    assert main([*args, "--preset", "parity", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "[raysys] --resume continues from the run's own config, not from preset 'parity' (which sets " in out
+
+
 def test_bad_config_key_fails_before_anything(workdir, capsys):
     assert main(["train", "deep_gpcm", *QUICK, "--set", "train.lrr=1"]) == 2
     err = capsys.readouterr().err
