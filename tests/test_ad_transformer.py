@@ -143,6 +143,38 @@ def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("case, needle", [
+    ("corrupt", "shard_000.npz is not a readable numpy .npz shard"),
+    ("short", "its streams are 30 steps long: no full region of data.region=40 steps"),
+    ("few_goals", "has no histories of goals [9, 10,"),
+])
+def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, data_dir, case, needle):
+    """A user's history folder is checked before the run exists: its shards open, it holds the goals the
+    run trains on and streams long enough for a region (they were found in the first step, after the
+    run folder and a FAILED MLflow run were made)."""
+    import shutil
+
+    from raysys.workloads.ad_transformer import histories as H
+
+    (made,) = (m.parent for m in data_dir.glob("histories-*/manifest.json"))
+    bad = tmp_path / "hist"
+    if case == "corrupt":
+        shutil.copytree(made, bad)
+        (bad / "shard_000.npz").write_text("garbage")
+    elif case == "short":
+        h = H.load(made)
+        H.save(H.Histories(h.goals, *(getattr(h, k)[:, :, :30] for k in ("states", "actions", "rewards", "next_states")),
+                           h.returns), bad)
+    else:
+        H.save(H.load(made, list(range(9))), bad)
+    proc = _train(tmp_path, "ad_transformer", "--preset", "quick", "--workers", "0", "--set", "data.histories=hist",
+                  "--set", "data.train_goals=20")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("raysys:")]
+    assert line.startswith("raysys: config error: data.histories: ") and needle in line, line
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 # ad_transformer stopped as test_faults stops its workloads: a request to stop when micro-batch STOP_AT begins
 STOPPER = FAULTS_STOPPER.replace("from digits_mlp import WORKLOAD as BASE, DigitsTask",
                                  "from raysys.workloads.ad_transformer.workload import WORKLOAD as BASE, "

@@ -137,6 +137,29 @@ def digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def check(folder: Path, goals: Sequence[int], region: int) -> None:
+    """Raise ValueError, naming the problem, unless ``folder`` holds the histories a run needs: the
+    ``goals``, streams long enough for one ``region`` plus its query, and shards numpy can open that hold
+    every array. Reads the manifest and each shard's index only, not the arrays."""
+    folder, m = Path(folder), manifest(folder)
+    missing = sorted(set(int(g) for g in goals) - set(m["goals"]))
+    if missing:
+        raise ValueError(f"{folder} has no histories of goals {missing}")
+    if int(m["steps"]) - 1 < region:
+        raise ValueError(f"its streams are {m['steps']} steps long: no full region of data.region={region} steps "
+                         "plus a query (lower data.region, or make longer histories)")
+    for s in m["shards"]:
+        path = folder / s["file"]
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                names = set(z.files)
+        except (OSError, ValueError, EOFError) as e:
+            raise ValueError(f"{path} is not a readable numpy .npz shard ({type(e).__name__})") from None
+        lost = [k for k in ("goals",) + ARRAYS if k not in names]
+        if lost:
+            raise ValueError(f"{path} lacks {', '.join(lost)}")
+
+
 def load(folder: Path, goals: Optional[Sequence[int]] = None) -> Histories:
     """-> the Histories of ``goals`` (default: all) from the shards that hold them, in that order. Reads
     numpy only: a PyTorch reader never starts JAX."""

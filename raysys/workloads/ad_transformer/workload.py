@@ -245,6 +245,11 @@ class DistillationTask:
         from raysys.workloads.ad_transformer import histories
 
         folder = ensure_histories(cfg)
+        if cfg.data.histories:  # a user's folder: what the run needs is there, said before anything is made
+            try:
+                histories.check(folder, self.goals(cfg)[0], cfg.data.region)
+            except ValueError as e:
+                raise ConfigError(f"data.histories: {e}") from None
         cfg.data.prepared_dir = str(folder)
         cfg.data.digest = histories.digest(folder) if cfg.data.histories else None
         return cfg
