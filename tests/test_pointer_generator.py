@@ -279,3 +279,26 @@ def test_additive_scores_without_tanh_are_the_tanh_scores_and_gradients(prepared
     with torch.no_grad():
         model.W_s.weight.mul_(100)
     assert model.exp_keys(torch.randn(B, S, H)) is None
+
+
+def test_a_resume_on_other_data_is_refused_but_not_from_a_copy_elsewhere(tmp_path):
+    """The checkpoint's token rows mean its corpus's tokenizer: a resume on another corpus (a file's bytes
+    or the synthetic corpus's seed) is refused in one line; the same corpus copied to another folder, and
+    another number of evaluated notes, resume."""
+    import shutil
+
+    rows = [{"note": ex["note"], "summary": ex["summary"]} for ex in generate(60, 2)]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        _write_jsonl(tmp_path / d / "notes.jsonl", rows)
+    common = ["--preset", "quick", "--name", "r", "--storage-path", str(tmp_path / "runs"), "--tracking-uri",
+              f"sqlite:///{tmp_path / 'mlflow.db'}", "--set", "data.path=notes.jsonl", "--set", "data.eval_examples=2"]
+    assert _cli(tmp_path / "a", *common, "--set", "train.max_steps=2").returncode == 0
+    assert _cli(tmp_path / "b", *common, "--resume", "--set", "train.max_steps=3", "--set",
+                "data.eval_examples=3").returncode == 0
+    _write_jsonl(tmp_path / "b" / "notes.jsonl", rows[::-1])  # other bytes under the same name
+    proc = _cli(tmp_path / "b", *common, "--resume", "--set", "train.max_steps=4")
+    assert proc.returncode == 2 and "different config: data.digest" in proc.stderr
+    proc = _cli(tmp_path / "a", *common, "--resume", "--set", "train.max_steps=4", "--set", "data.seed=1")
+    assert proc.returncode == 2 and "data.seed" in proc.stderr
+    shutil.rmtree(tmp_path / "b")

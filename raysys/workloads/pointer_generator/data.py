@@ -117,6 +117,18 @@ def prepare(cfg: Any) -> Path:
     return out
 
 
+def files_digest(*paths: Optional[str]) -> str:
+    """sha256 of the bytes of the given files (None skipped): what they hold, not where they lie."""
+    h = hashlib.sha256()
+    for p in paths:
+        if p:
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        h.update(b"\0")  # train-only and train+eval files never hash alike
+    return h.hexdigest()[:16]
+
+
 def _stat(path: str) -> Optional[list]:
     """What says a file changed without reading it: its modification time (ns) and size."""
     try:

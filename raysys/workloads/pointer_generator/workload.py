@@ -53,6 +53,9 @@ class DataConfig:
     """Where prepared data is written (a folder per distinct setting, reused)."""
     prepared_dir: Optional[str] = None
     """Set by raysys: the tokenized data folder this run uses."""
+    digest: Optional[str] = None
+    """Set by raysys: what your corpus files hold (sha256 of their bytes), so a resume on other data is refused
+    wherever the files lie; None for the synthetic corpus (its settings say what it is)."""
 
     def validate(self) -> None:
         at_least(self, "data.", 1, "n_train", "n_eval", "eval_examples")
@@ -60,6 +63,11 @@ class DataConfig:
         require(self.vocab_size >= 300, f"data.vocab_size must be >= 300, got {self.vocab_size}")
         require(0 < self.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
         require(self.source_column != self.target_column, "data.source_column and data.target_column must differ")
+
+
+LOCAL_KEYS = ("data.path", "data.eval_path", "data.data_dir", "data.prepared_dir", "data.eval_examples")
+"""Where the data is on this machine, and how much of it is evaluated: left out of the checkpoint's identity
+(its ``digest`` says what the files hold), so a run resumes from another folder or machine."""
 
 
 @dataclass
@@ -181,6 +189,7 @@ class SummarizationTask:
         out = data.prepare(cfg)
         meta = json.loads((out / "meta.json").read_text())
         cfg.data.prepared_dir = str(out.resolve())
+        cfg.data.digest = data.files_digest(cfg.data.path, cfg.data.eval_path) if cfg.data.path else None
         for name, split in meta["splits"].items():
             if split["truncated_src"] or split["truncated_tgt"]:
                 print(f"[pointer_generator] {name}: {split['truncated_src']} of {split['rows']} notes truncated to "
@@ -291,5 +300,7 @@ WORKLOAD = Workload(
     throughput_metric="perf/tokens_per_s",
     path_key="model.path",
     dataset=_dataset,
-    extra={"identity_sections": ("model",)},
+    # a checkpoint's token rows mean its data's tokenizer: a resume on other data (another corpus, seed,
+    # vocabulary or truncation) is refused; where the files lie and how many notes are evaluated are not the data
+    extra={"identity_sections": ("model", "data"), "local_keys": LOCAL_KEYS},
 )
