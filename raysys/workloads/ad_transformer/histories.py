@@ -137,7 +137,7 @@ def digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def check(folder: Path, goals: Sequence[int], region: int) -> None:
+def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int] = None) -> None:
     """Raise ValueError, naming the problem, unless ``folder`` holds the histories a run needs: the
     ``goals``, streams long enough for one ``region`` plus its query, and shards numpy can open that hold
     every array. Reads the manifest and each shard's index only, not the arrays."""
@@ -145,6 +145,8 @@ def check(folder: Path, goals: Sequence[int], region: int) -> None:
     missing = sorted(set(int(g) for g in goals) - set(m["goals"]))
     if missing:
         raise ValueError(f"{folder} has no histories of goals {missing}")
+    if streams is not None and streams > int(m["streams"]):
+        raise ValueError(f"it holds {m['streams']} streams per goal; data.streams asks for {streams}")
     if int(m["steps"]) - 1 < region:
         raise ValueError(f"its streams are {m['steps']} steps long: no full region of data.region={region} steps "
                          "plus a query (lower data.region, or make longer histories)")

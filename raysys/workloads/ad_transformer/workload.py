@@ -118,6 +118,13 @@ class ADConfig:
         steps = self.source.steps_per_goal // self.source.streams
         require(self.data.histories is not None or steps > self.data.region, f"the source's streams are {steps} steps "
                 f"long; data.region ({self.data.region}) must be shorter")
+        require(self.data.histories is not None or (self.data.streams or 0) <= self.source.streams,
+                f"data.streams ({self.data.streams}) must be <= source.streams ({self.source.streams}), the streams made")
+        from raysys.envs.darkroom import goal_split
+
+        n_train = len(goal_split(seed=self.data.split_seed)[0])
+        require((self.data.train_goals or 0) <= n_train, f"data.train_goals ({self.data.train_goals}) must be <= "
+                f"{n_train}, the training goals of the split")
 
 
 # ---- presets ----------------------------------------------------------------------------------------
@@ -247,7 +254,7 @@ class DistillationTask:
         folder = ensure_histories(cfg)
         if cfg.data.histories:  # a user's folder: what the run needs is there, said before anything is made
             try:
-                histories.check(folder, self.goals(cfg)[0], cfg.data.region)
+                histories.check(folder, self.goals(cfg)[0], cfg.data.region, cfg.data.streams)
             except ValueError as e:
                 raise ConfigError(f"data.histories: {e}") from None
         cfg.data.prepared_dir = str(folder)
