@@ -19,7 +19,7 @@ def read_table(path):
 
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{path}: no such file")
+        raise ValueError(f"{path}: {'a folder, not a table file' if p.is_dir() else 'no such file'}")
     kind = FORMATS.get(p.suffix.lower(), "parquet")
     try:
         if kind == "parquet":

@@ -162,6 +162,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     ("missing_column", "missing column(s) summary"),
     ("corrupt", "not readable as parquet"),
     ("empty_text", "is empty"),
+    ("folder", "a folder, not a table file"),
+    ("all_held_out", "2 rows leave none to train on once data.eval_fraction=0.9 holds out 2 for evaluation"),
 ])
 def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
     rows = [{"note": ex["note"], "summary": ex["summary"]} for ex in generate(6, 0)]
@@ -171,15 +173,22 @@ def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
     elif case == "corrupt":
         (tmp_path / "d.parquet").write_bytes(b"PAR1 this is not parquet")
         path = "d.parquet"
+    elif case == "folder":
+        (tmp_path / "corpus").mkdir()
+        path = "corpus"
+    elif case == "all_held_out":
+        _write_jsonl(tmp_path / "d.jsonl", rows[:2])
+        path = "d.jsonl --set data.eval_fraction=0.9"
     else:
         rows[3]["summary"] = "   "
         _write_jsonl(tmp_path / "d.jsonl", rows)
         path = "d.jsonl"
-    proc = _cli(tmp_path, "--preset", "quick", "--set", f"data.path={path}")
+    proc = _cli(tmp_path, "--preset", "quick", *f"--set data.path={path}".split())
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("raysys:")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "raysys_data").exists()
 
 
 def test_a_corpus_reads_the_same_from_every_table_format(tmp_path):

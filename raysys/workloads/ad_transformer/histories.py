@@ -117,9 +117,18 @@ def save(h: Histories, out: Path, goals_per_shard: int = 9, extra: Optional[dict
 
 
 def manifest(folder: Path) -> dict:
-    m = json.loads((Path(folder) / "manifest.json").read_text())
-    if m.get("format") != FORMAT:
-        raise ValueError(f"{folder} is not a raysys Darkroom history folder (format {m.get('format')!r})")
+    path = Path(folder) / "manifest.json"
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{folder} is not a raysys Darkroom history folder (format {m.get('format') if isinstance(m, dict) else None!r})")
+    lost = [k for k in ("goals", "streams", "steps", "shards") if k not in m]
+    if lost:
+        raise ValueError(f"{path} lacks {', '.join(lost)}")
     return m
 
 

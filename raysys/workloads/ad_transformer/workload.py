@@ -223,7 +223,8 @@ def ensure_histories(cfg: ADConfig) -> Path:
         try:
             histories.manifest(out)
         except FileNotFoundError:
-            raise ConfigError(f"data.histories: {out} holds no manifest.json (make one with python -m "
+            what = "no such folder" if not out.is_dir() else "holds no manifest.json"
+            raise ConfigError(f"data.histories: {out} {what} (make one with python -m "
                               "raysys.workloads.ad_transformer.histories --out DIR)") from None
         except ValueError as e:
             raise ConfigError(f"data.histories: {e}") from None

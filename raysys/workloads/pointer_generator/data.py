@@ -50,7 +50,7 @@ def _digest(settings: dict) -> str:
 
 # ---- reading a user's corpus ------------------------------------------------------------------------
 
-def read_texts(path: str, source: str, target: str) -> list[dict]:
+def read_texts(path: str, source: str, target: str, min_rows: int = 2) -> list[dict]:
     """Rows of ``{note, summary}`` from a parquet, JSONL/JSON or CSV/TSV file; one clear ``ValueError`` (shown as a one-line
     data error) for an unreadable file, a missing column, or empty/non-text values."""
     from raysys.tables import read_table
@@ -68,8 +68,9 @@ def read_texts(path: str, source: str, target: str) -> list[dict]:
             if not v.strip():
                 raise ValueError(f"{path}: row {i}: column {name} is empty")
         rows.append({"note": s, "summary": t})
-    if len(rows) < 2:
-        raise ValueError(f"{path}: {len(rows)} row(s); need at least 2 (one to train on, one to evaluate)")
+    if len(rows) < min_rows:
+        raise ValueError(f"{path}: {len(rows)} row(s); need at least {min_rows}"
+                         + (" (one to train on, one to evaluate)" if min_rows == 2 else ""))
     return rows
 
 
@@ -148,12 +149,15 @@ def _splits(d: Any) -> tuple[list[dict], list[dict]]:
     for r in rows:
         r["entities"] = guess_entities(r["note"], r["summary"])
     if d.eval_path:
-        evals = read_texts(d.eval_path, d.source_column, d.target_column)
+        evals = read_texts(d.eval_path, d.source_column, d.target_column, min_rows=1)
         for r in evals:
             r["entities"] = guess_entities(r["note"], r["summary"])
         return rows, evals
     order = np.random.default_rng(d.seed).permutation(len(rows))
     n_eval = max(1, int(round(d.eval_fraction * len(rows))))
+    if n_eval >= len(rows):
+        raise ValueError(f"{d.path}: {len(rows)} rows leave none to train on once data.eval_fraction="
+                         f"{d.eval_fraction} holds out {n_eval} for evaluation")
     return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
 
 

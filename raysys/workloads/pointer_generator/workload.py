@@ -65,6 +65,8 @@ class DataConfig:
         require(self.source_column != self.target_column, "data.source_column and data.target_column must differ")
 
 
+_SAID: set[str] = set()  # prepared folders whose truncation this process has reported
+
 LOCAL_KEYS = ("data.path", "data.eval_path", "data.data_dir", "data.prepared_dir", "data.eval_examples")
 """Where the data is on this machine, and how much of it is evaluated: left out of the checkpoint's identity
 (its ``digest`` says what the files hold), so a run resumes from another folder or machine."""
@@ -190,6 +192,9 @@ class SummarizationTask:
         meta = json.loads((out / "meta.json").read_text())
         cfg.data.prepared_dir = str(out.resolve())
         cfg.data.digest = data.files_digest(cfg.data.path, cfg.data.eval_path) if cfg.data.path else None
+        if str(out.resolve()) in _SAID:  # prepare runs again in the loop: its notes are said once
+            return cfg
+        _SAID.add(str(out.resolve()))
         for name, split in meta["splits"].items():
             if split["truncated_src"] or split["truncated_tgt"]:
                 print(f"[pointer_generator] {name}: {split['truncated_src']} of {split['rows']} notes truncated to "
