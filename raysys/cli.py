@@ -201,8 +201,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
 
         tags = {"raysys.preset": args.preset or "default", "raysys.command": command_line(argv)[:5000]}  # how to run it again
         if getattr(args, "resume_changes", ""):  # MLflow keeps a param's first value: the change goes in a tag
-            print(f"[raysys] resuming with changed config: {args.resume_changes}", flush=True)
-            tags["raysys.resume_changes"] = args.resume_changes[:5000]
+            tags["raysys.resume_changes"] = args.resume_changes[:5000]  # said when the run opens (or refused)
         if getattr(args, "cv", False):
             from raysys.train.cv import run_cross_validation
 

@@ -540,13 +540,14 @@ def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anyt
     proc = _run([*args, "--resume", "--set", "model.hidden=32"], project)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "does not fit the model this config builds (net.0.bias: checkpoint [128], now [32])" in proc.stderr
-    assert "model.hidden: 128 -> 32" in proc.stderr
+    assert "model.hidden: 128 -> 32" in proc.stderr and "resuming with changed config" not in proc.stdout
     assert sorted(p.name for p in run_dir.iterdir()) == before
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("raysys-net").experiment_id])
     assert run.info.status == "FINISHED"
     proc = _run([*args, "--resume", "--set", "model.dropout=0.2", "--set", "train.epochs=2"], project)
     assert proc.returncode == 0 and "resumed step=" in (run_dir / "events.log").read_text()
+    assert "[raysys] resuming with changed config: model.dropout: " in proc.stdout
 
 
 # slow (~60 s). It once hung in CI: the trial's own failure report met a report of Train's still in Ray's

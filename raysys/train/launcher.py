@@ -646,6 +646,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         logger.set_note(f"{wl.name}, preset `{tags.get('raysys.preset', 'default')}`.\n\n"
                         f"Run again: `{tags['raysys.command']}`\n\nResume if interrupted: `{_resume_command(wl, launch, name)}`\n")
     link = tracking.ui_link(uri, tracking.experiment_of(uri, run_id), run_id)
+    if launch.resume and (tags or {}).get("raysys.resume_changes"):  # said once the checkpoint has taken it
+        print(f"[raysys] resuming with changed config: {tags['raysys.resume_changes']}", flush=True)
     print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
     return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file)
 
