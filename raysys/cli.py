@@ -233,6 +233,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         if not lifecycle.armed():
             print("raysys: stopped before the run started; nothing to resume", file=sys.stderr)
+        elif lifecycle.resume_hint():
+            print(f"raysys: interrupted; the run keeps its last checkpoint, resume it with:\n  {lifecycle.resume_hint()}",
+                  file=sys.stderr)
         else:
             print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
         return lifecycle.exit_code(lifecycle.stop_requested() or signal.SIGINT)

@@ -111,15 +111,20 @@ _stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor":
                         "event": threading.Event(), "armed": False}
 
 
-def arm() -> None:
+def arm(resume: str = "") -> None:
     """A run now exists (its folder, locked): a stop request from here on ends it at a step boundary with
     a checkpoint. Before that there is nothing to save, and the first signal stops at once (a long data
-    download, say, is not waited for)."""
-    _stop["armed"] = True
+    download, say, is not waited for). ``resume``: the command that continues it."""
+    _stop["armed"] = resume or True
 
 
 def armed() -> bool:
     return bool(_stop["armed"])
+
+
+def resume_hint() -> str:
+    """The command that continues the run this process holds ('' if it said none)."""
+    return _stop["armed"] if isinstance(_stop["armed"], str) else ""
 
 
 def stop_requested() -> Optional[int]:

@@ -721,3 +721,13 @@ def test_mistakes_in_a_workloads_config_are_one_line_and_exit_2(workdir, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line.format(here=workdir) in err[0], err
     assert not (workdir / "raysys_runs").exists()
+
+
+def test_a_second_signal_stops_at_once_and_says_how_to_resume(workdir, capsys):
+    from raysys.cli import main
+
+    assert main(["train", f"{TINY}:WORKLOAD", "--name", "twice", "--set", "train.signal_at=3", "--set",
+                 "train.signal_again_at=4", "--set", "train.ask_stop=false"]) == 130
+    err = capsys.readouterr().err
+    assert "raysys: interrupted; the run keeps its last checkpoint, resume it with:" in err
+    assert "python -m raysys train" in err and "--name twice --resume" in err

@@ -40,6 +40,8 @@ class TrainConfig:
     """From this step on the loss is NaN (0: never)."""
     signal_at: int = 0
     """At this step the process sends itself SIGINT, as Ctrl-C would (0: never)."""
+    signal_again_at: int = 0
+    """At this step the process sends itself SIGTERM, a second stop request (0: never)."""
     ask_stop: bool = True
     """Ask session.should_stop() at each step boundary (False: the loop runs to its end regardless)."""
 
@@ -70,6 +72,8 @@ def _member(cfg: TinyConfig, session) -> dict:
         session.log(final, step)
         if step == tc.signal_at:
             os.kill(os.getpid(), signal.SIGINT)
+        if step == tc.signal_again_at:
+            os.kill(os.getpid(), signal.SIGTERM)
         if step % cfg.train.checkpoint_every == 0:
             session.checkpoint({"w": w, "step": step}, step)
     return final

@@ -561,7 +561,6 @@ def _hold(run_dir: Path, name: str, launch: Any, create: bool) -> lifecycle.RunL
         except BaseException:
             lock.release()
             raise
-    lifecycle.arm()  # from here a signal stops the run with a checkpoint
     return lock
 
 
@@ -605,6 +604,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         check_local_resources(launch)
     if launch.resume:
         _hold(run_dir, name, launch, create=False)
+        lifecycle.arm(_resume_command(wl, launch, name))  # from here a signal stops the run with a checkpoint
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
@@ -618,6 +618,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     created = not launch.resume
     if created:
         _hold(run_dir, name, launch, create=True)
+        lifecycle.arm(_resume_command(wl, launch, name))
     try:
         cfg_dict = to_dict(cfg)
         cfg_file = _next_snapshot(run_dir, launch.resume)
