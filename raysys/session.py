@@ -106,6 +106,11 @@ class Session:
             self.sink.message(f"[{self.run.wl.name}] {text}")
 
     def checkpoint(self, state: dict, step: int) -> None:
+        if not isinstance(state, Mapping):
+            from raysys.config import ConfigError
+
+            raise ConfigError(f"{self.run.wl.name}: session.checkpoint: the state is a {type(state).__name__}; "
+                              "it must be a dict (name -> array or number)")
         if self.shapes is not None:
             self.shapes[0].saw(self.shapes[1], state, step)
         if self.is_main:  # with the metrics logged so far: a resume after the end still has them
@@ -140,7 +145,9 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
         if distributed_kind(wl) is None:
             from raysys.config import ConfigError
 
-            raise ConfigError(f"{wl.name} has no multi-worker launcher: use launch.workers=0")
+            raise ConfigError(f"{wl.name} has no multi-worker launcher, and launch.workers is {cfg.launch.workers} "
+                              "(LaunchConfig's default is 1): pass --workers 0, or give its config "
+                              "launch: LaunchConfig = field(default_factory=lambda: LaunchConfig(workers=0))")
 
         return run_distributed(wl, cfg, parent_run_id, tags)
     prepare = wl.extra.get("prepare")

@@ -731,3 +731,45 @@ def test_a_second_signal_stops_at_once_and_says_how_to_resume(workdir, capsys):
     err = capsys.readouterr().err
     assert "raysys: interrupted; the run keeps its last checkpoint, resume it with:" in err
     assert "python -m raysys train" in err and "--name twice --resume" in err
+
+
+LOOP_MISTAKES = '''
+import dataclasses
+
+import numpy as np
+
+import tiny_workload as tiny
+from raysys.train.config import LaunchConfig
+
+
+def train(cfg, session):
+    session.checkpoint(np.ones(3), 1)  # a state that is not a dict
+    return {}
+
+
+@dataclasses.dataclass
+class OneWorker(tiny.TinyConfig):
+    launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)  # workers=1 by default
+
+
+ARRAY_STATE = dataclasses.replace(tiny.WORKLOAD, name="array_state", train_fn=train, population=None)
+ONE_WORKER = dataclasses.replace(tiny.WORKLOAD, name="one_worker", config_cls=OneWorker,
+                                 presets={"default": OneWorker}, population=None)
+'''
+
+
+@pytest.mark.parametrize("attr, line", [
+    ("ARRAY_STATE", "array_state: session.checkpoint: the state is a ndarray; it must be a dict"),
+    ("ONE_WORKER", "one_worker has no multi-worker launcher, and launch.workers is 1 (LaunchConfig's default is 1): "
+                   "pass --workers 0"),
+])
+def test_a_train_fn_loops_mistakes_are_one_line(workdir, capsys, attr, line):
+    import shutil as sh
+
+    from raysys.cli import main
+
+    sh.copy(TINY, workdir / "tiny_workload.py")
+    (workdir / "loop_mistakes.py").write_text(LOOP_MISTAKES)
+    assert main(["train", f"loop_mistakes:{attr}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
