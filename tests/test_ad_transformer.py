@@ -262,3 +262,16 @@ def test_a_two_trial_sweep_of_the_shipped_space(tmp_path, data_dir):
     for c in children:
         assert c.data.tags["raysys.trial_status"] == "ok"
         assert "eval/icl_return_last" in c.data.metrics and c.data.metrics["perf/samples_per_s"] > 0
+
+
+def test_asking_for_more_goals_or_streams_than_exist_is_refused():
+    from raysys.config import ConfigError, apply_overrides
+    from raysys.envs.darkroom import goal_split
+    from raysys.workloads.ad_transformer.workload import quick
+
+    n = len(goal_split()[0])
+    assert apply_overrides(quick(), {"data.train_goals": n}).data.train_goals == n
+    with pytest.raises(ConfigError, match=f"data.train_goals \\({n + 1}\\) must be <= {n}"):
+        apply_overrides(quick(), {"data.train_goals": n + 1})
+    with pytest.raises(ConfigError, match="data.streams \\(11\\) must be <= source.streams \\(10\\)"):
+        apply_overrides(quick(), {"data.streams": 11})
