@@ -101,7 +101,7 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     if base is not None:
         args.resume_changes = _changes(base, cfg)
         if args.preset is not None:
-            _say_preset_unused(wl, args.preset, preset, overridden(wl.config(args.preset)), cfg)
+            _say_preset_unused(wl, args.preset, preset, overridden(preset), cfg)
     launch = {f"launch.{key}": getattr(args, flag) for flag, key in LAUNCH_FLAGS.items()
               if getattr(args, flag, None) is not None}
     if getattr(args, "resume", False):

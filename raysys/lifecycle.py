@@ -108,23 +108,23 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
 _stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor": None, "job": None, "worker_watch": False,
-                        "event": threading.Event(), "armed": False}
+                        "event": threading.Event(), "armed": None}
 
 
 def arm(resume: str = "") -> None:
     """A run now exists (its folder, locked): a stop request from here on ends it at a step boundary with
     a checkpoint. Before that there is nothing to save, and the first signal stops at once (a long data
     download, say, is not waited for). ``resume``: the command that continues it."""
-    _stop["armed"] = resume or True
+    _stop["armed"] = resume
 
 
 def armed() -> bool:
-    return bool(_stop["armed"])
+    return _stop["armed"] is not None
 
 
 def resume_hint() -> str:
     """The command that continues the run this process holds ('' if it said none)."""
-    return _stop["armed"] if isinstance(_stop["armed"], str) else ""
+    return _stop["armed"] or ""
 
 
 def stop_requested() -> Optional[int]:
@@ -174,7 +174,7 @@ def _handler(signum, frame) -> None:
             return
         raise KeyboardInterrupt  # asked again: stop now (the CLI exits 128 + the first signal)
     request_stop(signum)
-    if not _stop["armed"]:
+    if _stop["armed"] is None:
         raise KeyboardInterrupt  # no run yet: nothing to save, nothing to wait for
     from raysys import console
 
@@ -214,7 +214,7 @@ def reinstall_if_active() -> None:
 
 def reset() -> None:
     """Forget a stop request (tests, and a process that runs several runs)."""
-    _stop["signum"], _stop["actor"], _stop["armed"] = None, None, False
+    _stop["signum"], _stop["actor"], _stop["armed"] = None, None, None
     _stop["event"].set()  # a waiting relay sees no actor of its own and ends
     _stop["event"] = threading.Event()
 

@@ -356,8 +356,7 @@ def _train_with_ray_train(setup: TrialSetup, cfg: Any, trial_id: str, tracker: O
         if not thread.is_alive() and "error" not in ended:
             log_event(setup.sweep_dir, f"end {trial_id}")
         raise
-    finally:
-        thread.join(WIND_DOWN_S)
+    finally:  # the loop above ends once the run has ended, or joined it itself
         with contextlib.suppress(Exception):
             reports.shutdown()
     if "error" in ended:

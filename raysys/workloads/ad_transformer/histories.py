@@ -146,14 +146,18 @@ def digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _has_goals(folder: Path, m: dict, goals: Sequence[int]) -> None:
+    missing = sorted(set(int(g) for g in goals) - set(m["goals"]))
+    if missing:
+        raise ValueError(f"{folder} has no histories of goals {missing}")
+
+
 def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int] = None) -> None:
     """Raise ValueError, naming the problem, unless ``folder`` holds the histories a run needs: the
     ``goals``, streams long enough for one ``region`` plus its query, and shards numpy can open that hold
     every array. Reads the manifest and each shard's index only, not the arrays."""
     folder, m = Path(folder), manifest(folder)
-    missing = sorted(set(int(g) for g in goals) - set(m["goals"]))
-    if missing:
-        raise ValueError(f"{folder} has no histories of goals {missing}")
+    _has_goals(folder, m, goals)
     if streams is not None and streams > int(m["streams"]):
         raise ValueError(f"it holds {m['streams']} streams per goal; data.streams asks for {streams}")
     if int(m["steps"]) - 1 < region:
@@ -176,9 +180,7 @@ def load(folder: Path, goals: Optional[Sequence[int]] = None) -> Histories:
     numpy only: a PyTorch reader never starts JAX."""
     folder, m = Path(folder), manifest(folder)
     want = m["goals"] if goals is None else [int(g) for g in goals]
-    missing = sorted(set(want) - set(m["goals"]))
-    if missing:
-        raise ValueError(f"{folder} has no histories of goals {missing}")
+    _has_goals(folder, m, want)
     parts, wanted = {k: [] for k in ("goals",) + ARRAYS}, set(want)
     for s in m["shards"]:
         keep = [i for i, g in enumerate(s["goals"]) if g in wanted]

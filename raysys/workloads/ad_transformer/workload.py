@@ -214,18 +214,8 @@ def ensure_histories(cfg: ADConfig) -> Path:
     """Generate the histories of ``cfg.source`` unless they exist (one process at a time: a file lock)."""
     from filelock import FileLock
 
-    from raysys.workloads.ad_transformer import histories
-
     out = histories_dir(cfg)
-    if cfg.data.histories:
-        try:
-            histories.manifest(out)
-        except FileNotFoundError:
-            what = "no such folder" if not out.is_dir() else "holds no manifest.json"
-            raise ConfigError(f"data.histories: {out} {what} (make one with python -m "
-                              "raysys.workloads.ad_transformer.histories --out DIR)") from None
-        except ValueError as e:
-            raise ConfigError(f"data.histories: {e}") from None
+    if cfg.data.histories:  # a user's folder: checked by the task's prepare (histories.check)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
@@ -254,6 +244,10 @@ class DistillationTask:
         if cfg.data.histories:  # a user's folder: what the run needs is there, said before anything is made
             try:
                 histories.check(folder, self.goals(cfg)[0], cfg.data.region, cfg.data.streams)
+            except FileNotFoundError:
+                what = "no such folder" if not folder.is_dir() else "holds no manifest.json"
+                raise ConfigError(f"data.histories: {folder} {what} (make one with python -m "
+                                  "raysys.workloads.ad_transformer.histories --out DIR)") from None
             except ValueError as e:
                 raise ConfigError(f"data.histories: {e}") from None
         cfg.data.prepared_dir = str(folder)
