@@ -219,19 +219,46 @@ def reset() -> None:
     _stop["event"] = threading.Event()
 
 
-def settle_stop() -> Optional[int]:
-    """The driver, once the workers are done: adopt a stop that a worker's SIGTERM asked for."""
-    actor = _stop["actor"]
-    if _stop["signum"] is None and actor is not None:
+def settle_stop(actor: Any = None) -> Optional[int]:
+    """The driver, once the workers of a run are done (``actor``: that run's :class:`StopFlag`, None for a
+    run in this process): adopt a stop that a worker's SIGTERM asked for, or withdraw one that came too
+    late to act on (rank 0 said :func:`reached_end`)."""
+    if actor is not None:
         import ray
 
         try:
-            signum = ray.get(actor.get.remote(), timeout=10)
+            signum, ended = ray.get(actor.state.remote(), timeout=10)
         except Exception:  # Ray gone: nobody can have asked
-            signum = None
-        if signum is not None:
+            signum, ended = None, False
+        if ended:
+            if _stop["signum"] is not None:
+                _said_complete()
+        elif _stop["signum"] is None and signum is not None:
             _stop["signum"] = signum
     return _stop["signum"]
+
+
+def reached_end(actor: Any = None) -> None:
+    """A loop (rank 0) trained to its end without acting on a stop request: the run is complete, and the
+    driver is not to mark it KILLED. ``actor``: the run's :class:`StopFlag` when the loop runs in a Ray
+    worker; None in the driver's own process."""
+    if actor is None:
+        if _stop["signum"] is not None:
+            _said_complete()
+        return
+    import ray
+
+    try:
+        ray.get(actor.end.remote(), timeout=10)
+    except Exception:  # Ray gone: the driver then keeps the stop (a resume finds nothing left to train)
+        pass
+
+
+def _said_complete() -> None:
+    withdraw_stop()
+    from raysys import console
+
+    console.Sink().message("[raysys] the run reached its end before it could act on the stop request: it is complete")
 
 
 def _worker_handler(signum, frame) -> None:
@@ -278,7 +305,7 @@ class StopFlag:
     """Holds the driver's stop request for Ray workers on any node (a 0-CPU actor)."""
 
     def __init__(self):
-        self.signum = None
+        self.signum, self.ended = None, False
 
     def set(self, signum: int) -> None:
         self.signum = signum
@@ -286,9 +313,21 @@ class StopFlag:
     def get(self) -> Optional[int]:
         return self.signum
 
+    def begin(self) -> None:
+        """A new run of this driver starts: the last one's end is not its end."""
+        self.ended = False
+
+    def end(self) -> None:
+        """Rank 0 trained the run to its end (a stop request, if any, came too late to act on)."""
+        self.ended = True
+
+    def state(self) -> tuple[Optional[int], bool]:
+        return self.signum, self.ended
+
 
 def stop_flag_actor():
-    """The driver's StopFlag actor (created on first use; already set if a signal came first)."""
+    """The driver's StopFlag actor for the run it starts now (created on first use; already set if a signal
+    came first)."""
     import ray
 
     job = ray.get_runtime_context().get_job_id()
@@ -297,6 +336,8 @@ def stop_flag_actor():
         # a stop already asked is passed on at once by the relay: its event is set
         threading.Thread(target=_relay, args=(_stop["actor"], _stop["event"]), daemon=True,
                          name="raysys-stop-relay").start()
+    else:
+        _stop["actor"].begin.remote()  # ordered before this driver's later calls: settle_stop sees this run only
     return _stop["actor"]
 
 

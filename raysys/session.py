@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 
 from raysys import console, storage
 from raysys.checkpoint import CheckpointStore
-from raysys.lifecycle import StopPoller, stop_requested, withdraw_stop
+from raysys.lifecycle import StopPoller, reached_end, stop_requested
 from raysys.console import Sink
 from raysys.train.launcher import OpenRun, RunResult, _event, init_ray, open_run, recorded_final, set_threads
 from raysys.workload import _FromTask
@@ -158,10 +158,8 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     session = Session(run, report=report)
     with run.tracked() as outcome, console.live(remote=False):  # the progress bar ends before the summary
         returned = wl.train_fn(run.cfg, session)
-        if stop_requested() is not None and not session.saw_stop:
-            # it trained to its end without asking should_stop() after the signal: the run is complete
-            withdraw_stop()
-            session.message("reached its end before the stop request was asked for: the run is complete")
+        if not session.saw_stop:  # it trained to its end without asking should_stop() after a signal
+            reached_end()
         final = session.finish(returned if returned is not None else {})
         _judge(outcome, final, session)
     return _result(run, final, session, outcome.failure)

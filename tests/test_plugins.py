@@ -426,11 +426,11 @@ def test_a_sweep_minimises_a_quality_where_lower_is_better(project):
 TINY = Path(__file__).resolve().parent / "tiny_workload.py"
 
 
-def _mlflow_run(store: Path, name: str):
+def _mlflow_run(store: Path, name: str, workload: str = "tiny"):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")
-    exp = client.get_experiment_by_name("raysys-tiny")
+    exp = client.get_experiment_by_name(f"raysys-{workload}")
     (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("raysys.run_name") == name]
     return run
 
@@ -641,10 +641,24 @@ def test_a_loop_that_ran_to_its_end_after_a_signal_is_a_complete_run(workdir, ca
 
     assert main(["train", f"{TINY}:WORKLOAD", "--name", "end", "--set", "train.signal_at=3",
                  "--set", "train.ask_stop=false"]) == 0
-    assert "reached its end before the stop request was asked for" in capsys.readouterr().out
+    assert "reached its end before it could act on the stop request" in capsys.readouterr().out
     final = json.loads((workdir / "raysys_runs" / "end" / "final_metrics.json").read_text())
     assert final["eval/quality"] < 0
     assert _mlflow_run(workdir / "mlflow.db", "end").info.status == "FINISHED"
+
+
+@pytest.mark.slow  # 35 s: a Ray Train worker group
+def test_a_distributed_loop_that_ran_to_its_end_after_a_signal_is_a_complete_run(workdir, capsys):
+    """The same on a Ray Train worker: the driver's Ctrl-C reaches the worker's session, the loop never
+    acts on it, and the driver learns from rank 0 that the run reached its end."""
+    from raysys.cli import main
+
+    assert main(["train", f"{TINY}:DISTRIBUTED", "--name", "end", "--workers", "1", "--set", "train.signal_at=3",
+                 "--set", f"train.signal_pid={os.getpid()}", "--set", "train.ask_stop=false"]) == 0
+    assert "reached its end before it could act on the stop request" in capsys.readouterr().out
+    final = json.loads((workdir / "raysys_runs" / "end" / "final_metrics.json").read_text())
+    assert final["eval/quality"] < 0 and final["world_size"] == 1
+    assert _mlflow_run(workdir / "mlflow.db", "end", "tiny_distributed").info.status == "FINISHED"
 
 
 def test_a_run_stopped_at_its_last_checkpoint_resumes_to_its_logged_metrics(workdir):

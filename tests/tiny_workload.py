@@ -6,6 +6,7 @@ from its own config, checkpointing through its own session."""
 import dataclasses
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,8 @@ class TrainConfig:
     """From this step on the loss is NaN (0: never)."""
     signal_at: int = 0
     """At this step the process sends itself SIGINT, as Ctrl-C would (0: never)."""
+    signal_pid: int = 0
+    """The process signal_at signals: the driver's, from a Ray worker (0: this process)."""
     signal_again_at: int = 0
     """At this step the process sends itself SIGTERM, a second stop request (0: never)."""
     ask_stop: bool = True
@@ -71,7 +74,9 @@ def _member(cfg: TinyConfig, session) -> dict:
         final = {k: _as(tc.number, v) for k, v in final.items()}
         session.log(final, step)
         if step == tc.signal_at:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(tc.signal_pid or os.getpid(), signal.SIGINT)
+            while not tc.ask_stop and session._stop() is None:  # until the request reached this run, unasked
+                time.sleep(0.05)
         if step == tc.signal_again_at:
             os.kill(os.getpid(), signal.SIGTERM)
         if step % cfg.train.checkpoint_every == 0:
@@ -103,6 +108,9 @@ WORKLOAD = Workload(name="tiny", description="least squares in numpy (tests)", c
 
 # The same, its quality metric left to raysys's default (it declares none).
 UNDECLARED = dataclasses.replace(WORKLOAD, name="tiny_undeclared", quality_metric=None)
+
+# The same loop on Ray Train workers (each its own process; rank 0 logs and checkpoints).
+DISTRIBUTED = dataclasses.replace(WORKLOAD, name="tiny_distributed", extra={"distributed": "torch"})
 
 # A population that wrongly declares a shape knob as a member knob.
 WIDTH_AS_MEMBER = dataclasses.replace(WORKLOAD, name="tiny_width",

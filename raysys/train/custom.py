@@ -56,11 +56,14 @@ def _train_worker(payload: dict) -> None:
     if payload["kind"] == "jax":
         _init_jax_distributed(rank, world)
     cfg, session = worker_session(payload, rank, world)
-    final = session.finish(session.run.wl.train_fn(cfg, session) or {})
-    if rank == 0 and not session.should_stop() and not session.kept_final:
-        final = {**final, "world_size": world}
-        storage.write_text(storage.worker_run_dir(payload) / "final_metrics.json",
-                           json.dumps(final, indent=1, default=float))
+    returned = session.run.wl.train_fn(cfg, session)
+    ran_to_end = not session.saw_stop  # never told to stop: a stop asked after its last check came too late
+    final = session.finish(returned if returned is not None else {})
+    if rank == 0 and ran_to_end:
+        lifecycle.reached_end(payload["stop"])
+        if not session.kept_final:
+            storage.write_text(storage.worker_run_dir(payload) / "final_metrics.json",
+                               json.dumps({**final, "world_size": world}, indent=1, default=float))
 
 
 def _init_jax_distributed(rank: int, world: int) -> None:
@@ -108,7 +111,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
                    "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor(), "cwd": os.getcwd()}
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure, backend),
                           launch.max_failures, run.run_dir, sink)
-        lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
+        lifecycle.settle_stop(payload["stop"])  # a worker's SIGTERM stops the run as the driver's would
         final_path = run.run_dir / "final_metrics.json"
         final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
         outcome.check(final)

@@ -733,7 +733,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         try:
             with console.live(remote=launch.workers > 0) as sink:
                 fit_with_restarts(make_trainer, launch.max_failures, run_dir, sink)
-            lifecycle.settle_stop()  # a worker's SIGTERM stops the run as the driver's would
+            lifecycle.settle_stop(stop)  # a worker's SIGTERM stops the run as the driver's would
         finally:
             if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
                 logger.log_artifact(run_dir / "breakdown.md")

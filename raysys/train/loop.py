@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raysys import storage
+from raysys import lifecycle, storage
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointStore
 from raysys.console import Sink
@@ -314,6 +314,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         return
     if saved_at != step and step > step_at_start and not diverged:
         save_checkpoint()  # ended by max_steps mid-epoch: a later --resume with more steps goes on from here
+    if rank == 0:  # never stopped at a step boundary: a stop asked after the last one came too late
+        lifecycle.reached_end(payload.get("stop"))
     kept = recorded_final(run_dir) if step == step_at_start and step > 0 else None
     if kept is not None:  # resumed after its end: nothing trained, and what it recorded stays as it was
         if rank == 0:
