@@ -16,16 +16,30 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+RETRY_ENV, RETRY_S = "RAYSYS_STORAGE_RETRY_S", 60
+log = logging.getLogger(__name__)
+
+# What pyarrow's object stores say when the endpoint cannot be reached at all (its OSErrors carry no
+# errno): curl's "could not connect" and the AWS SDK's network and throttling errors.
+_UNREACHABLE = ("NETWORK_CONNECTION", "Could not connect", "Couldn't connect", "Connection refused",
+                "Connection reset", "Connection timed out", "Timeout was reached", "SERVICE_UNAVAILABLE", "SLOW_DOWN")
+
+
+def unreachable(e: BaseException) -> bool:
+    """Whether a storage error says the service could not be reached (worth trying again), not what it answered."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(k in str(e) for k in _UNREACHABLE)
 
 
 def is_remote(path: str) -> bool:
@@ -79,6 +93,10 @@ class Remote:
                 f.write(b"raysys")
             self.fs.delete_file(probe)
         except Exception as e:  # pyarrow's OSError has no errno: its first line says what the service said
+            try:  # a write that failed late (its completion refused) may have left the object
+                self.fs.delete_file(probe)
+            except Exception:
+                pass
             reason = " ".join(str(e).split())[:300] or type(e).__name__
             raise ConfigError(f"{what} {self.display}: cannot write there ({reason})") from None
 
@@ -98,15 +116,40 @@ class Remote:
         return sorted(info.base_name for info in self.fs.get_file_info(sel))
 
     def put(self, local: Path, *parts: str) -> None:
-        with open(local, "rb") as src, self.fs.open_output_stream(self.path(*parts)) as dst:
-            shutil.copyfileobj(src, dst, 8 << 20)
+        def once() -> None:
+            with open(local, "rb") as src, self.fs.open_output_stream(self.path(*parts)) as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+
+        self._retrying(once, f"upload {'/'.join(parts)}")
 
     def get(self, local: Path, *parts: str) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{local.name}.part")
-        with self.fs.open_input_stream(self.path(*parts)) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 8 << 20)
+
+        def once() -> None:
+            with self.fs.open_input_stream(self.path(*parts)) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+
+        self._retrying(once, f"download {'/'.join(parts)}")
         tmp.replace(local)
+
+    def _retrying(self, once, what: str) -> None:
+        """``once()``, tried again while the storage cannot be reached (an endpoint restarting, a network
+        blip), for up to ``$RAYSYS_STORAGE_RETRY_S`` (60 s): an outage that short costs a checkpoint no run.
+        Anything else the service answers (denied, no such bucket) is raised at once."""
+        deadline, delay, said = time.monotonic() + float(os.environ.get(RETRY_ENV, RETRY_S)), 0.5, False
+        while True:
+            try:
+                return once()
+            except OSError as e:
+                if not unreachable(e) or time.monotonic() + delay > deadline:
+                    raise
+                if not said:
+                    said = True
+                    log.warning("storage %s unreachable (%s); trying the %s again for up to %s s", self.display,
+                                " ".join(str(e).split())[:160], what, os.environ.get(RETRY_ENV, RETRY_S))
+                time.sleep(delay)
+                delay = min(2 * delay, 8.0)
 
     def delete_dir(self, *parts: str) -> None:
         self.fs.delete_dir(self.path(*parts))

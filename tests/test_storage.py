@@ -17,30 +17,123 @@ BUCKET = "raysys-test"
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-@pytest.fixture
-def s3(tmp_path):
-    """An S3-compatible server; yields (storage URI for raysys, boto3 client)."""
+def _moto(port: int, log_file: Path):
+    """moto's S3 server on 127.0.0.1:``port`` with the test bucket made; (its process, a boto3 client)."""
     import boto3
 
-    port = free_port()
-    log = open(tmp_path / "moto.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log_file, "a"), stderr=subprocess.STDOUT, start_new_session=True)
     client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", **{
         "aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"})
     deadline = time.time() + 60
     while True:
         try:
             client.create_bucket(Bucket=BUCKET)
-            break
+            return proc, client
         except Exception:
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "moto.log").read_text()
+            assert proc.poll() is None and time.time() < deadline, log_file.read_text()
             time.sleep(0.3)
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """An S3-compatible server; yields (storage URI for raysys, boto3 client)."""
+    port = free_port()
+    proc, client = _moto(port, tmp_path / "moto.log")
     # moto answers pyarrow's multipart uploads wrongly; objects written in one PUT (all of these tests') are fine
     uri = f"s3://{BUCKET}/runs?endpoint_override=127.0.0.1:{port}&scheme=http&allow_delayed_open=true"
     yield uri, client
     proc.kill()
     proc.wait()
+
+
+class _Gate:
+    """A TCP forwarder in front of the S3 server: ``close()`` makes its port refuse connections (the
+    endpoint gone, as when it restarts), ``open()`` brings it back; the server and its objects stay."""
+
+    def __init__(self, target: int):
+        import socket
+
+        self.target, self.port, self.sock, self.conns = target, free_port(), None, []
+        self.socket = socket
+
+    def open(self):
+        import threading
+
+        self.sock = self.socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self.sock,), daemon=True).start()
+
+    def close(self):
+        try:
+            self.sock.shutdown(self.socket.SHUT_RDWR)  # wakes the accept() that close() alone would leave listening
+        except OSError:
+            pass
+        self.sock.close()
+        for c in self.conns:  # and the connections the client keeps alive
+            try:
+                c.shutdown(self.socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept(self, sock):
+        import threading
+
+        while True:
+            try:
+                a, _ = sock.accept()
+            except OSError:
+                return
+            b = self.socket.create_connection(("127.0.0.1", self.target))
+            self.conns += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src, dst):
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(self.socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def test_an_upload_waits_out_a_storage_endpoint_that_restarts(s3, tmp_path, monkeypatch, caplog):
+    """The endpoint goes away (connection refused) and comes back: an upload meanwhile is tried again
+    and lands, where it used to fail the run at once. What the service answers (no such bucket) is
+    raised at once, with no retry."""
+    import threading
+    from urllib.parse import parse_qs, urlsplit
+
+    from raysys.storage import Remote
+
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    uri, client = s3
+    port = int(parse_qs(urlsplit(uri).query)["endpoint_override"][0].rsplit(":", 1)[1])
+    gate = _Gate(port)
+    gate.open()
+    remote = Remote(uri.replace(f"127.0.0.1:{port}", f"127.0.0.1:{gate.port}"))
+    remote.check()
+    (tmp_path / "state.pt").write_bytes(b"x" * 1000)
+    gate.close()
+    reopen = threading.Timer(12.0, gate.open)  # longer than pyarrow's own retries (~7 s)
+    reopen.start()
+    try:
+        remote.put(tmp_path / "state.pt", "r", "checkpoints", "step_1", "state.pt")
+    finally:
+        reopen.join()
+    assert _keys(client, "runs/r/") == ["runs/r/checkpoints/step_1/state.pt"]
+    assert "unreachable" in caplog.text and "trying the upload r/checkpoints/step_1/state.pt again" in caplog.text
+    caplog.clear()
+    with pytest.raises(OSError, match="NO_SUCH_BUCKET"):
+        Remote(uri.replace(f"s3://{BUCKET}/", "s3://no-such-bucket/")).put(tmp_path / "state.pt", "x")
+    assert "unreachable" not in caplog.text
+    gate.close()
 
 
 def _keys(client, prefix: str) -> list[str]:

@@ -730,13 +730,19 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
 
     final_path = run_dir / "final_metrics.json"
     with run.tracked() as outcome:
+        trained = False
         try:
             with console.live(remote=launch.workers > 0) as sink:
                 fit_with_restarts(make_trainer, launch.max_failures, run_dir, sink)
             lifecycle.settle_stop(stop)  # a worker's SIGTERM stops the run as the driver's would
+            trained = True
         finally:
-            if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
-                logger.log_artifact(run_dir / "breakdown.md")
+            try:
+                if storage.pull(final_path) and storage.pull(run_dir / "breakdown.md"):
+                    logger.log_artifact(run_dir / "breakdown.md")
+            except OSError:
+                if trained:  # else the storage's outage is what failed the run: its own error is the one to record
+                    raise
             try:  # Ray Train's probe of the storage, left in the run folder; the run's files are raysys's
                 storage.remove(run_dir / ".validate_storage_marker")
             except OSError:
