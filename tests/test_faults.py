@@ -164,6 +164,7 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--tracking-uri", "sqlite:///notes.txt"], "notes.txt is not an SQLite database"),
     (["--tracking-uri", "sqlite:///a_folder"], "a_folder is a folder, not a database file"),
     (["--workers", "1", "--address", "127.0.0.1:9"], "no Ray cluster answers at 127.0.0.1:9"),
+    (["--workers", "1", "--address", "http://127.0.0.1:8265"], "an http address is a Ray dashboard's"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     (tmp_path / "notes.txt").write_text("my notes\n")  # what a mistyped --tracking-uri may name

@@ -6,6 +6,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def head(tmp_path_factory):
     else:
         os.killpg(proc.pid, signal.SIGTERM)
         pytest.fail("the Ray head did not come up")
+    (tmp / "gcs_address").write_text(f"127.0.0.1:{gcs}")  # what `--address` of a command takes
     yield url, env, tmp
     os.killpg(proc.pid, signal.SIGTERM)  # `ray stop` would stop every Ray on the machine
     try:
@@ -53,16 +55,17 @@ def head(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _submit(url: str, env: dict, *entrypoint: str, working_dir: Path = REPO) -> str:
+def _submit(url: str, env: dict, *entrypoint: str, working_dir: Path = REPO, options: tuple = ()) -> str:
+    """``ray job submit`` (with ``options``, e.g. --no-wait); its output, once it succeeded."""
     for _ in range(30):  # the head's job agent can come up a little after its HTTP server
-        r = subprocess.run(["ray", "job", "submit", "--address", url, "--working-dir", str(working_dir), "--",
-                            *entrypoint],
+        r = subprocess.run(["ray", "job", "submit", "--address", url, "--working-dir", str(working_dir), *options,
+                            "--", *entrypoint],
                            env=env, capture_output=True, text=True, timeout=900)
         if "No available agent to submit job" not in r.stdout + r.stderr:
             break
         time.sleep(3)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "succeeded" in r.stdout, r.stdout[-3000:]
+    assert "--no-wait" in options or "succeeded" in r.stdout, r.stdout[-3000:]
     return r.stdout
 
 
@@ -124,3 +127,50 @@ def test_submit_a_plugin_workload_from_its_own_folder(head, tmp_path):
 
     final = json.loads((tmp / "runs" / "plugin-job" / "final_metrics.json").read_text())
     assert final["world_size"] == 2 and final["eval/accuracy"] > 0.5
+
+
+@pytest.mark.slow  # ~25 s: Ray retries the refused handshake
+def test_joining_a_token_cluster_without_its_token_is_one_line_and_creates_nothing(head, tmp_path):
+    """Before: a traceback after Ray's retries, exit 1, and a half-made run (its folder blocking the name,
+    its MLflow run RUNNING for ever)."""
+    _, env, tmp = head
+    no_token = {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    r = subprocess.run([sys.executable, "-m", "raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "1",
+                        "--address", (tmp / "gcs_address").read_text(), "--name", "x"], cwd=tmp_path, env=no_token,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("raysys: config error: the Ray cluster at ")
+    assert "asks for its auth token: set RAY_AUTH_MODE=token" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # ~90 s: a job stopped mid-run, then resumed by a second job
+def test_ray_job_stop_ends_the_run_killed_and_a_new_job_resumes_it(head):
+    """`ray job stop` SIGTERMs the job and SIGKILLs it 3 s later unless RAY_JOB_STOP_WAIT_TIME_S says
+    otherwise; cluster/runtime_env.yaml does, so the run checkpoints, ends KILLED and resumes."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    url, env, tmp = head
+    db, runs = tmp / "stop.db", tmp / "stop-runs"
+    common = ["--name", "stopped", "--tracking-uri", f"sqlite:///{db}", "--storage-path", str(runs)]
+    _submit(url, env, "python", "-m", "raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "1",
+            "--set", "train.epochs=1000", *common,
+            options=("--no-wait", "--runtime-env", str(REPO / "cluster" / "runtime_env.yaml"), "--submission-id", "stop-1"))
+    deadline = time.time() + 600
+    while not list((runs / "stopped" / "checkpoints").glob("step_*/meta.json")):
+        assert time.time() < deadline, "no checkpoint"
+        time.sleep(1)
+    subprocess.run(["ray", "job", "stop", "stop-1", "--address", url], env=env, capture_output=True, timeout=300)
+    logs = subprocess.run(["ray", "job", "logs", "stop-1", "--address", url], env=env, capture_output=True,
+                          text=True, timeout=120).stdout
+    assert "run 'stopped' stopped with a checkpoint (MLflow: KILLED)" in logs, logs[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-deep_gpcm").experiment_id])
+    assert run.info.status == "KILLED"
+    out = _submit(url, env, "python", "-m", "raysys", "train", "deep_gpcm", "--resume", "--set", "train.epochs=1",
+                  *common)
+    assert "resumed from" in out or "nothing left to train" in out, out[-3000:]
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert json.loads((runs / "stopped" / "final_metrics.json").read_text())

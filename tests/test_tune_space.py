@@ -216,7 +216,7 @@ def test_cli_refuses_vectorize_without_a_population_program_and_a_path_as_name(w
     assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:9", "ray://127.0.0.1:9"])
+@pytest.mark.parametrize("address", ["127.0.0.1:9", "ray://127.0.0.1:9", "http://127.0.0.1:9"])
 def test_cli_refuses_a_ray_address_nothing_answers_at_before_anything_starts(workdir, capsys, address):
     """ray.init would retry an unreachable GCS for minutes; one line in seconds instead."""
     from raysys.tune.__main__ import main
@@ -225,7 +225,8 @@ def test_cli_refuses_a_ray_address_nothing_answers_at_before_anything_starts(wor
     good.write_text(yaml.safe_dump(_space(space={"train.batch_size": {"choice": [16, 32]}})))
     assert main(["--space", str(good), "--num-samples", "2", "--address", address]) == 2
     err = capsys.readouterr().err
-    assert "no Ray cluster answers at " + address in err and "127.0.0.1:9" in err and err.count("\n") == 1, err
+    said = "an http address is a Ray dashboard's" if address.startswith("http") else "no Ray cluster answers at "
+    assert said in err and address in err and err.count("\n") == 1, err
     assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
 
 

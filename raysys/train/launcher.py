@@ -132,6 +132,11 @@ def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
     if addr in ("", "auto", "local"):
         return
     scheme, _, rest = addr.rpartition("://")
+    if scheme in ("http", "https"):
+        where = "--address" if address else "$RAY_ADDRESS"
+        raise ConfigError(f"{where} {addr}: an http address is a Ray dashboard's, where `ray job submit` sends jobs; "
+                          "a command joins a cluster at its GCS address, host:port (port 6379 unless given), at "
+                          "ray://host:10001, or with auto (nothing was created)")
     if scheme not in ("", "ray"):
         return
     try:
@@ -148,6 +153,25 @@ def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
         raise ConfigError(f"no Ray cluster answers at {addr} ({host}:{port}: {reason}); start one with "
                           "`ray start --head`, or leave out --address and $RAY_ADDRESS to run Ray in this process "
                           "(nothing was created)") from None
+
+
+def joins_cluster(address: Optional[str]) -> bool:
+    """Whether ``init_ray`` joins a running cluster (``--address`` or $RAY_ADDRESS) rather than starting Ray here."""
+    return (address or os.environ.get("RAY_ADDRESS", "")).strip() not in ("", "local")
+
+
+def join_refused(addr: str, e: BaseException) -> str:
+    chain = []
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(c) for c in chain)
+    if "InvalidAuthToken" in text or "authentication token" in text.lower():
+        return (f"the Ray cluster at {addr} asks for its auth token: set RAY_AUTH_MODE=token and give the token "
+                "(~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN), as for `ray job submit` "
+                "(nothing was created)")
+    first = next((line.strip() for line in str(chain[0]).splitlines() if line.strip()), type(chain[0]).__name__)
+    return f"could not join the Ray cluster at {addr}: {first[:300]} (nothing was created)"
 
 
 def local_gpus() -> int:
@@ -242,9 +266,13 @@ def init_ray(address: Optional[str]) -> None:
     quiet = not console.verbose()
     # a plug-in imported from a local file travels to every node's workers (registry.runtime_env)
     env = registry.runtime_env()
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=not quiet, runtime_env=env,
-                 logging_level=logging.WARNING if quiet else logging.INFO)
+    if joins_cluster(address):
+        try:
+            ray.init(address=address, log_to_driver=not quiet, runtime_env=env,
+                     logging_level=logging.WARNING if quiet else logging.INFO)
+        except Exception as e:  # it listens, but will not have us: say why in one line
+            ray.shutdown()
+            raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
     else:
         # The dashboard process also serves the State API that Train V2's controller polls; it binds
         # to 127.0.0.1 only, so nothing listens beyond this machine.
@@ -601,6 +629,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         tracking.wait_for_store(uri)  # a sweep's trial: its server answered when the sweep began
     if getattr(launch, "workers", 0) > 0 or wl.extra.get("needs_ray", False):
         check_ray_address(getattr(launch, "address", None))
+        if joins_cluster(getattr(launch, "address", None)):  # a cluster that will not have us: before anything exists
+            init_ray(launch.address)
         check_local_resources(launch)
     if launch.resume:
         _hold(run_dir, name, launch, create=False)
@@ -647,10 +677,31 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         logger.set_note(f"{wl.name}, preset `{tags.get('raysys.preset', 'default')}`.\n\n"
                         f"Run again: `{tags['raysys.command']}`\n\nResume if interrupted: `{_resume_command(wl, launch, name)}`\n")
     link = tracking.ui_link(uri, tracking.experiment_of(uri, run_id), run_id)
+    say_if_in_ray_package(run_dir, uri)
     if launch.resume and (tags or {}).get("raysys.resume_changes"):  # said once the checkpoint has taken it
         print(f"[raysys] resuming with changed config: {tags['raysys.resume_changes']}", flush=True)
     print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
     return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file)
+
+
+RAY_PACKAGE = "/runtime_resources/working_dir_files/"  # where Ray unpacks a job's --working-dir
+
+
+def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
+    """A `ray job submit` job works in Ray's unpacked copy of its working_dir, named after the source's
+    hash: after any edit the next job gets a new, empty copy, and Ray may delete old ones. A run or an
+    MLflow store kept there is said to be at risk (one line), not refused: a one-off job may not care."""
+    cwd = str(Path.cwd().resolve())
+    if RAY_PACKAGE not in cwd + "/":
+        return
+    inside = [name for name, path in ((f"the {what}'s folder", None if storage.remote_of(run_dir) else str(run_dir)),
+                                      ("the MLflow store", uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None))
+              if path and str(Path(path).resolve()).startswith(cwd)]
+    if inside:
+        print(f"[raysys] note: {' and '.join(inside)} {'are' if len(inside) > 1 else 'is'} in Ray's unpacked copy "
+              "of this job's working_dir, which a job with edited source does not see again (--resume finds nothing) "
+              "and Ray may delete: "
+              "pass --storage-path (a shared folder or s3://...) and --tracking-uri (an MLflow server)", flush=True)
 
 
 def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:

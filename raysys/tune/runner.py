@@ -24,7 +24,7 @@ from typing import Any, Optional
 from raysys import lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
-from raysys.train.launcher import check_ray_address, storage_root
+from raysys.train.launcher import check_ray_address, say_if_in_ray_package, storage_root
 from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
@@ -198,10 +198,16 @@ def _init_ray(address: Optional[str]) -> None:
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     if ray.is_initialized():
         return
+    from raysys.train.launcher import join_refused, joins_cluster
+
     # Trial output goes to per-trial logs and our progress lines; the driver stays readable.
     env = registry.runtime_env()  # a plug-in from a local file travels to every trial's node
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=False, runtime_env=env)
+    if joins_cluster(address):
+        try:
+            ray.init(address=address, log_to_driver=False, runtime_env=env)
+        except Exception as e:  # it listens, but will not have us: one line, before the sweep's folder exists
+            ray.shutdown()
+            raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
     else:
         from raysys.train.launcher import ray_services_in_own_session
 
@@ -317,6 +323,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                        stability=sp.stability, quality_penalty=_penalty(sp), quality_mode=sp.quality_mode,
                        preset=sp.preset, fixed=tuple(sp.fixed.items()))
     link = report.save_sweep_view(uri, parent, name, sorted(sp.knobs))
+    say_if_in_ray_package(sweep_dir, uri, "sweep")
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
     fn = run_population_trial if opts.vectorize > 1 else run_trial
     trainable = tune.with_resources(tune.with_parameters(fn, setup=setup),
