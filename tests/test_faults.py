@@ -189,6 +189,19 @@ def test_an_env_task_mpn_dqn_cannot_learn_is_one_line_and_creates_nothing(tmp_pa
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("sets, needle", [
+    (["device=tpu"], "device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["device=cpu", "precision=fp16"], "precision=fp16 needs a CUDA device"),
+    (["device=cpu", "cuda_graph=true"], "cuda_graph needs a CUDA learner"),
+])
+def test_an_mpn_dqn_device_this_machine_lacks_is_one_line_and_creates_nothing(tmp_path, sets, needle):
+    """Before: found by the training function, after the run folder and its MLflow run existed (the
+    name then taken), or a torch traceback (device=tpu), exit 1."""
+    proc = _train(tmp_path, "mpn_dqn", "--preset", "quick", *[a for kv in sets for a in ("--set", kv)], timeout=120)
+    _one_line_error(proc, 2, "config error", needle)
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 def _parquet(path: Path, questions: list, responses: list) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -72,6 +72,12 @@ def test_resume_continues_episodes_and_replay(workdir, capsys):
     steps = second["perf/env_steps_this_session"]
     assert 200 <= steps < 200 + 16 and second["perf/env_steps"] == first["perf/env_steps"] + steps
     assert second["perf/updates_this_session"] == steps // 4
+    # resumed after its end: nothing trains, and the final metrics it recorded stay as they were (its
+    # speed used to become 0 and its evaluation ran again with any --set given now)
+    kept = (workdir / "raysys_runs" / "r" / "final_metrics.json").read_text()
+    assert main([*args, "--set", "num_episodes=6", "--resume"]) == 0
+    assert "nothing left to train" in capsys.readouterr().out
+    assert (workdir / "raysys_runs" / "r" / "final_metrics.json").read_text() == kept
 
 
 @pytest.mark.timeout(420)

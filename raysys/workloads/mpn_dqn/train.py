@@ -248,6 +248,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         return cfg.max_seconds is not None and time.perf_counter() - t_start >= cfg.max_seconds
 
     done = c["episodes"] >= cfg.num_episodes
+    if done and ckpt is not None:  # resumed after its end: nothing to train, and what it recorded stays
+        collector.close()
+        return {}
     signalled = 0.0
     rollout = None  # the rollout side of the next checkpoint, taken while the actors are idle
     if not done:
@@ -370,6 +373,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                   "eval/random_reward_per_trial": rand["reward_per_trial"], "eval/quality": greedy["reward_per_trial"]}
     else:
         final["eval/quality"] = final["charts/final_avg_reward"]
+        session.message("eval_trials=0: eval/quality is the training reward per episode, not the greedy reward per trial")
     session.log(final, c["env_steps"])
     session.message(f"done: {c['episodes']} episodes | final avg reward {final['charts/final_avg_reward']:.2f} | "
                     f"eval reward/trial {final.get('eval/reward_per_trial', float('nan')):.3f} "

@@ -10,6 +10,7 @@ over time only), with ``precision`` and ``compile`` on top.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -106,7 +107,8 @@ class MPNDQNConfig:
     avg_window: int = 10
     """Episodes in the windowed average reward (the seed's final average uses the last 10)."""
     eval_trials: int = 200
-    """Greedy-policy trials at the end (eval/reward_per_trial, eval/quality); 0 skips."""
+    """Greedy-policy trials at the end (eval/reward_per_trial, eval/quality); 0 skips them, and eval/quality
+    is then the training reward per episode (charts/final_avg_reward), another unit: compare like with like."""
     launch: LaunchConfig = field(default_factory=lambda: LaunchConfig(workers=0))
 
     def validate(self) -> None:
@@ -130,6 +132,16 @@ class MPNDQNConfig:
         if self.path == "naive" and (self.precision != "fp32" or self.compile or self.cuda_graph):
             raise ConfigError("precision, compile and cuda_graph apply to path=optimized only (naive is the seed's "
                               "fp32 eager code)")
+        require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+                f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.launch.workers == 0:  # the learner runs in this process: what this machine lacks is said now
+            from raysys.train.launcher import local_gpus
+
+            here = "cuda" if local_gpus() else "cpu"
+            dev = here if self.device == "auto" else self.device.split(":")[0]
+            require(dev == "cpu" or here == "cuda", f"device={self.device}, but this machine has no CUDA device")
+            require(self.precision != "fp16" or dev == "cuda", "precision=fp16 needs a CUDA device (use bf16 on CPU)")
+            require(not self.cuda_graph or dev == "cuda", "cuda_graph needs a CUDA learner; this one would be on cpu")
         if self.cuda_graph:
             require(not self.device.startswith("cpu"), "cuda_graph needs a CUDA learner (device is cpu)")
             require(self.precision != "fp16", "cuda_graph: fp16's loss scaling skips steps on the host; use bf16")
