@@ -202,6 +202,20 @@ def test_an_mpn_dqn_device_this_machine_lacks_is_one_line_and_creates_nothing(tm
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("sets, needle", [
+    (["train.num_envs=30"], "train.num_envs=30 must be a multiple of the 4 devices"),
+    (["train.num_envs=4", "train.num_steps=3", "train.num_minibatches=2"], "splits its 3 rows"),
+])
+def test_a_hackmatrix_split_over_devices_that_cannot_be_is_one_line_and_creates_nothing(tmp_path, sets, needle):
+    """4 devices (XLA's host platform): the envs per device, and each device's rows per minibatch, are
+    checked before the run exists. Before: a ValueError traceback or a reshape TypeError, exit 1, the run left."""
+    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = _train(tmp_path, "hackmatrix_ppo", "--preset", "quick", *[a for kv in sets for a in ("--set", kv)],
+                  env=env, timeout=300)
+    _one_line_error(proc, 2, "config error", needle)
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 def _parquet(path: Path, questions: list, responses: list) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -75,6 +75,10 @@ def test_quick_run_bf16_and_resume_with_other_num_envs(workdir, capsys):
     assert "resumed at 10240 env steps" in capsys.readouterr().out
     second = _final(workdir, "h")
     assert second["perf/env_steps"] == 10240 + 64 * 32 * 5
+    # the best return of the whole run, its first session's included (it used to restart at each resume)
+    assert json.loads((ckpt / "meta.json").read_text())["last_metrics"]["charts/best_episode_return"] == \
+        first["charts/best_episode_return"]
+    assert second["charts/best_episode_return"] >= first["charts/best_episode_return"]
 
 
 @pytest.mark.slow  # ~40 s: two cold JAX processes, the second one's cache hit

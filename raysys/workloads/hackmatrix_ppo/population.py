@@ -49,7 +49,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     sessions[0].message(f"population of {k} on {mesh.size} device(s) ({jax.devices()[0].platform}), "
                         f"{program.what}; compiled in {program.compile_s:.1f}s")
     finals = [{"perf/compile_s": program.compile_s} for _ in cfgs]
-    best = np.full(k, -np.inf)
+    best = np.array([s.last_metrics.get(lone.BEST, -np.inf) for s in sessions])  # a resume's, as run alone
     last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
     saved_at = env_steps.copy()
 
@@ -75,7 +75,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
             t_train[i] += seconds
             m = lone._chunk_metrics(stats, program.rate(per_chunk, seconds), program.compile_s)
             if m["charts/episodes"]:
-                best[i] = max(best[i], m["charts/episode_return"])
+                best[i] = m[lone.BEST] = max(best[i], m["charts/episode_return"])
             finals[i] |= m
             progress = lone._progress(m) + f" (member 1 of {len(members)} live)" if i == members[0] else None
             sessions[i].log(m, int(env_steps[i]), progress=progress, bar=(int(env_steps[i]), int(totals[i])),
@@ -92,7 +92,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     for i in range(k):
         trained = int(env_steps[i] - starts[i][1])
         finals[i] |= {"eval/quality": finals[i].get("charts/episode_return", float("nan")),
-                      "charts/best_episode_return": float(best[i]), "perf/train_seconds": float(t_train[i]),
+                      lone.BEST: float(best[i]), "perf/train_seconds": float(t_train[i]),
                       "perf/env_steps": int(env_steps[i]),
                       "perf/env_steps_per_s_overall": program.rate(trained, t_train[i])}
     return finals

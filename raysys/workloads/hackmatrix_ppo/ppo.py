@@ -143,9 +143,19 @@ def runner_shardings(mesh: Mesh) -> Runner:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), runner_specs(), is_leaf=lambda x: isinstance(x, P))
 
 
-def _check_envs(cfg, mesh: Mesh) -> None:
-    if cfg.train.num_envs % mesh.size:
-        raise ValueError(f"train.num_envs={cfg.train.num_envs} must be a multiple of the {mesh.size} devices")
+def check_devices(cfg, n_devices: int) -> None:
+    """What splitting the envs over ``n_devices`` needs, said in one line: whole envs per device, and
+    per-device rows that the minibatches divide (each device shuffles its own share)."""
+    from raysys.config import ConfigError
+
+    tc = cfg.train
+    if tc.num_envs % n_devices:
+        raise ConfigError(f"train.num_envs={tc.num_envs} must be a multiple of the {n_devices} devices")
+    nmb, _ = minibatch_plan(cfg)
+    rows = tc.num_envs // n_devices * tc.num_steps
+    if rows % nmb:
+        raise ConfigError(f"each of the {n_devices} device(s) splits its {rows} rows (train.num_envs / devices x "
+                          f"train.num_steps) into {nmb} minibatches: choose sizes that divide evenly")
 
 
 def _build(cfg, key, params=None, opt_state=None, env_steps=0) -> Runner:
@@ -162,7 +172,7 @@ def _build(cfg, key, params=None, opt_state=None, env_steps=0) -> Runner:
 def init_runner(cfg, key, mesh: Mesh, params=None, opt_state=None, env_steps: int = 0) -> Runner:
     """Fresh envs (and fresh params/optimizer unless given). Built inside one jit with sharded
     outputs, so every process of a multi-host run computes its own shard of the same arrays."""
-    _check_envs(cfg, mesh)
+    check_devices(cfg, mesh.size)
     out_shardings = runner_shardings(mesh)
     if params is None:  # the key an argument, not a constant: every seed runs one program (compiled once, cached)
         return jax.jit(lambda key: _build(cfg, key), out_shardings=out_shardings)(key)
@@ -387,7 +397,7 @@ def _stack(trees):
 
 def init_runners(cfg, keys, mesh: Mesh) -> list[Runner]:
     """Fresh runners of ``cfg``'s shape, one per key: ``init_runner``'s program, compiled once."""
-    _check_envs(cfg, mesh)
+    check_devices(cfg, mesh.size)
     one = jax.jit(lambda key: _build(cfg, key), out_shardings=runner_shardings(mesh))
     return [one(k) for k in keys]
 

@@ -160,6 +160,18 @@ PRESETS = {"default": default, "seed_fast": seed_fast, "learn": learn, "quick": 
 # ---------------------------------------------------------------- training
 
 
+def _check_here(cfg: HackMatrixPPOConfig) -> None:
+    """Trained in this process (--workers 0): the split over this machine's devices is checked before the
+    run exists (Ray Train workers check their own devices)."""
+    if cfg.launch.workers == 0:
+        import jax
+
+        from raysys.workloads.hackmatrix_ppo import ppo
+
+        ppo.check_devices(cfg, jax.device_count())
+
+
+
 def _start(cfg: HackMatrixPPOConfig, session, mesh):
     """-> (runner, env_steps, updates): fresh, or from the session's last checkpoint."""
     import jax
@@ -207,6 +219,9 @@ def _save(session, runner, env_steps: int, updates: int) -> None:
     session.checkpoint(state, env_steps)
 
 
+BEST = "charts/best_episode_return"
+
+
 def _chunk_metrics(stats: dict, env_steps_per_s: float, compile_s: float) -> dict:
     eps = max(stats["episodes"], 1.0)
     return {
@@ -248,7 +263,8 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     n_chunks = max(0, -(-(cfg.train.total_timesteps - env_steps) // per_chunk))
     session.message(f"{mesh.size} device(s) ({jax.devices()[0].platform}), {jax.process_count()} process(es); "
                     f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps")
-    last_ckpt, t_train, best = time.perf_counter(), 0.0, -float("inf")
+    # the best so far is logged with each chunk, so a checkpoint keeps it (Session.last_metrics) for a resume
+    last_ckpt, t_train, best = time.perf_counter(), 0.0, session.last_metrics.get(BEST, -float("inf"))
     final: dict = {"perf/compile_s": compile_s}
     for _ in range(n_chunks):
         t = time.perf_counter()
@@ -260,7 +276,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         updates += cfg.train.updates_per_chunk
         m = _chunk_metrics(stats, per_chunk / dt, compile_s)
         if stats["episodes"]:
-            best = max(best, m["charts/episode_return"])
+            best = m[BEST] = max(best, m["charts/episode_return"])
         final |= m
         session.log(m, env_steps, progress=_progress(m), bar=(env_steps, cfg.train.total_timesteps), unit="env-step")
         if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
@@ -275,7 +291,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         # from (and so inherit) rank 0's params, which would hide the divergence
         _check_in_hosts(runner, session)
     _save(session, runner, env_steps, updates)
-    final |= {"eval/quality": final.get("charts/episode_return", float("nan")), "charts/best_episode_return": best,
+    final |= {"eval/quality": final.get("charts/episode_return", float("nan")), BEST: best,
               "perf/train_seconds": t_train, "perf/env_steps": env_steps,
               "perf/env_steps_per_s_overall": (n_chunks * per_chunk) / t_train if t_train else 0.0}
     return final
@@ -333,5 +349,5 @@ WORKLOAD = Workload(
     population=Population(train_population, MEMBER_KNOBS),
     throughput_metric="perf/env_steps_per_s",
     # resume only needs the same network: num_envs / num_steps may change
-    extra={"identity_sections": ("model",), "runner": "jax"},
+    extra={"identity_sections": ("model",), "runner": "jax", "prepare": _check_here},
 )
