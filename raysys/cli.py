@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import yaml
@@ -143,6 +144,12 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
         return None
     saved = yaml.safe_load(snap.read_text())
     saved.get("launch", {}).update(resume=False, name=run_dir.name)
+    store = saved.get("launch", {}).get("tracking_uri") or ""
+    if args.tracking_uri is None and store.startswith("sqlite:///") and not Path(store[len("sqlite:///"):]).is_file():
+        # its own store is on another machine (or gone): this session tracks where a new run would
+        print(f"[raysys] the run's MLflow store {store} is not here: tracking to this command's store instead "
+              "(--tracking-uri chooses another)", flush=True)
+        saved["launch"]["tracking_uri"] = None
     return from_dict(wl.config_cls, saved)
 
 
@@ -199,7 +206,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
         lifecycle.install_signal_handlers()  # SIGINT/SIGTERM: checkpoint at the next step, then stop
         from raysys.tracking import command_line
 
-        tags = {"raysys.preset": args.preset or "default", "raysys.command": command_line(argv)[:5000]}  # how to run it again
+        tags = {"raysys.command": command_line(argv)[:5000]}  # how to run it again
+        if not getattr(args, "resume", False):  # a resume continues the run's own config, whatever --preset says
+            tags["raysys.preset"] = args.preset or "default"
         if getattr(args, "resume_changes", ""):  # MLflow keeps a param's first value: the change goes in a tag
             tags["raysys.resume_changes"] = args.resume_changes[:5000]  # said when the run opens (or refused)
         if getattr(args, "cv", False):

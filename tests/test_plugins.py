@@ -647,6 +647,32 @@ def test_a_loop_that_ran_to_its_end_after_a_signal_is_a_complete_run(workdir, ca
     assert _mlflow_run(workdir / "mlflow.db", "end").info.status == "FINISHED"
 
 
+def test_a_resume_from_another_folder_tracks_to_the_runs_own_store(tmp_path, monkeypatch, capsys):
+    """A run stopped in folder a, resumed from folder b (its runs named with --storage-path): the same MLflow
+    run in a's store continues, not a second run in b's (before: a silent new run, tagged preset
+    'default'). Where that store is gone (another machine), a new run in b's store, and it says so."""
+    from raysys.cli import main
+
+    (a := tmp_path / "a").mkdir(), (b := tmp_path / "b").mkdir()
+    for k in ("MLFLOW_TRACKING_URI", "RAYSYS_TRACKING_URI"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(a)
+    args = ["train", f"{TINY}:WORKLOAD", "--storage-path", str(a / "raysys_runs")]
+    assert main([*args, "--name", "r", "--set", "train.signal_at=3"]) == 130
+    assert main([*args, "--name", "s", "--set", "train.signal_at=3"]) == 130
+    monkeypatch.chdir(b)
+    assert main([*args, "--name", "r", "--resume", "--set", "train.signal_at=0"]) == 0
+    assert not (b / "mlflow.db").exists()
+    assert _mlflow_run(a / "mlflow.db", "r").info.status == "FINISHED"
+    (a / "mlflow.db").rename(a / "gone.db")
+    capsys.readouterr()
+    assert main([*args, "--name", "s", "--resume", "--set", "train.signal_at=0"]) == 0
+    out = capsys.readouterr().out
+    assert "is not here: tracking to this command's store instead" in out and "has no MLflow run of 's'" in out
+    run = _mlflow_run(b / "mlflow.db", "s")
+    assert run.info.status == "FINISHED" and "raysys.preset" not in run.data.tags
+
+
 @pytest.mark.slow  # 35 s: a Ray Train worker group
 def test_a_distributed_loop_that_ran_to_its_end_after_a_signal_is_a_complete_run(workdir, capsys):
     """The same on a Ray Train worker: the driver's Ctrl-C reaches the worker's session, the loop never

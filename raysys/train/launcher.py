@@ -651,9 +651,14 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         lifecycle.arm(_resume_command(wl, launch, name))
     try:
         cfg_dict = to_dict(cfg)
+        if hasattr(launch, "tracking_uri") and cfg_dict.get("launch", {}).get("tracking_uri") is None:
+            cfg_dict["launch"]["tracking_uri"] = uri  # the store it tracks to: a --resume from elsewhere finds it
         cfg_file = _next_snapshot(run_dir, launch.resume)
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
         experiment = launch.experiment or f"raysys-{wl.name}"
+        if launch.resume and parent_run_id is None and tracking.find_run(uri, experiment, name) is None:
+            print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store): a new MLflow "
+                  "run holds this session; the earlier steps stay where they were recorded", flush=True)
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
                                                                  **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
