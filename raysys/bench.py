@@ -30,6 +30,28 @@ def device_name() -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def environment() -> dict:
+    """What a reader of the JSON needs to compare it with another: when, which code, which libraries."""
+    import datetime
+    import subprocess
+    from importlib import metadata
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "raysys_commit": commit,
+            "python": platform.python_version(), **{pkg: version(pkg) for pkg in ("torch", "jax", "ray")},
+            "cpus": os.cpu_count()}
+
+
 def format_table(res: dict) -> str:
     unit = res.get("throughput_unit", "samples/s")
     qname = res.get("quality_metric", "quality")
@@ -84,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
             check_local_folder(Path(args.json).expanduser().resolve().parent, "--json folder")
         wl = registry.get(args.workload)
+        measured_on = device_name()  # before the bench's own training runs change torch's thread count
         overrides = (load_yaml(args.config) if args.config else {}) | parse_set_args(args.sets)
         if wl.path_key and wl.path_key in overrides:
             raise ConfigError(f"--set/--config {wl.path_key}: the bench measures both paths (naive and optimized) "
@@ -110,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         res.setdefault("extra", {})["measured with"] = " ".join(f"{k}={v}" for k, v in overrides.items())
     res.setdefault("workload", wl.name)
     if not res.get("device"):
-        res["device"] = device_name()
+        res["device"] = measured_on
+    res.setdefault("environment", environment())
     print(format_table(res))
     if args.json:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)

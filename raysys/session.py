@@ -92,7 +92,7 @@ class Session:
         if kept is not None:
             self.kept_final = True
             self.message("nothing left to train (it had reached its end; raise its length to continue): "
-                         "its recorded final metrics are kept")
+                         "its recorded final metrics and config are kept")
             return kept
         final = numbers(final, f"{self.run.wl.name}: what its train_fn returned")
         new = {k: v for k, v in final.items() if self.last_metrics.get(k) != v}
@@ -162,6 +162,7 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
             reached_end()
         final = session.finish(returned if returned is not None else {})
         _judge(outcome, final, session)
+        outcome.trained_nothing = session.kept_final
     return _result(run, final, session, outcome.failure)
 
 
@@ -236,4 +237,5 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
         for outcome, final, s in zip(outcomes, finals, sessions):
             _judge(outcome, final, s)
+            outcome.trained_nothing = s.kept_final
     return [_result(run, final, s, o.failure) for run, final, s, o in zip(runs, finals, sessions, outcomes)]

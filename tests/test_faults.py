@@ -588,12 +588,15 @@ def test_resuming_a_finished_run_keeps_what_it_recorded(tmp_path, args, experime
     assert json.loads(before)[speed] > 0
     again = _train(tmp_path, *args, "--name", "done", "--resume")
     assert again.returncode == 0
-    assert "nothing left to train" in again.stdout and "its recorded final metrics are kept" in again.stdout
+    assert "nothing left to train" in again.stdout and "its recorded final metrics and config are kept" in again.stdout
     assert final.read_bytes() == before
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (run,) = _mlflow_runs(uri, experiment)
     assert run.info.status == "FINISHED"
     assert all(m.value > 0 for m in _client(uri).get_metric_history(run.info.run_id, speed))
+    # a change given to a resume that trains nothing is not kept as the run's config (they piled up there)
+    assert _train(tmp_path, *args, "--name", "done", "--resume", "--set", "optim.lr=0.00123").returncode == 0
+    assert sorted(p.name for p in final.parent.glob("config*.yaml")) == ["config.yaml"]
 
 
 def test_one_signal_sent_to_the_process_and_then_its_group_is_one_request():

@@ -365,12 +365,18 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(EXAMPLE))
     (tmp_path / "narrow.yaml").write_text("model:\n  hidden: 8\n")
+    import torch
+
+    threads = torch.get_num_threads()
     assert bench(["digits_mlp:WORKLOAD", "--quick", "--config", "narrow.yaml", "--set", "model.dropout=0.0",
                   "--json", "b.json"]) == 0
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["overrides"] == {"model.hidden": "8", "model.dropout": "0.0"}
     assert res["params"] == (64 * 8 + 8) + (8 * 8 + 8) + (8 * 10 + 10)  # the 8-wide MLP, not the default 128
     assert "measured with: model.hidden=8 model.dropout=0.0" in capsys.readouterr().out
+    # the device as the speed was timed (the bench's quality runs change torch's threads after), and the code
+    assert res["device"].endswith(f"{threads} threads)")
+    assert set(res["environment"]) >= {"date", "raysys_commit", "torch", "jax", "ray", "python"}
     for args, needle in ((["hackmatrix_ppo", "--set", "train.num_envs=64"], "takes no --set/--config"),
                          (["digits_mlp:WORKLOAD", "--set", "model.nope=1"], "unknown config key 'model.nope'")):
         assert bench(args) == 2

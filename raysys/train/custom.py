@@ -105,6 +105,8 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     # a restarted worker group resumes from the run's own checkpoints (Session.restore); restarts are
     # fit_with_restarts', which fails at once on errors a restart cannot fix
     failure = FailureConfig(max_failures=0)
+    final_path = run.run_dir / "final_metrics.json"
+    recorded = final_path.read_text() if launch.resume and storage.pull(final_path) else None
     with run.tracked() as outcome, console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
@@ -112,9 +114,9 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure, backend),
                           launch.max_failures, run.run_dir, sink)
         lifecycle.settle_stop(payload["stop"])  # a worker's SIGTERM stops the run as the driver's would
-        final_path = run.run_dir / "final_metrics.json"
         final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
         outcome.check(final)
+        outcome.trained_nothing = recorded is not None and final_path.is_file() and final_path.read_text() == recorded
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)
 

@@ -524,6 +524,10 @@ class OpenRun:
             if status == "FINISHED" and outcome.failure:
                 status = "FAILED"
                 self.record_failure(outcome.failure)
+            if outcome.trained_nothing and self.cfg.launch.resume and self.snapshot is not None:
+                # resumed after its end: the config given now trained nothing, and must not become the one
+                # the next --resume starts from (changes that never trained would pile up there)
+                storage.remove(self.snapshot)
         except KeyboardInterrupt:
             status = "KILLED"
             raise
@@ -541,6 +545,8 @@ class OpenRun:
 @dataclass
 class _Outcome:
     failure: str = ""
+    trained_nothing: bool = False
+    """A resume after the run's end that trained nothing (its recorded final metrics kept)."""
 
     def check(self, final: dict, quality: Optional[str] = None) -> None:
         """The block's run ended with these final metrics: a diverged loss makes it FAILED, and so does
@@ -785,6 +791,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         )
 
     final_path = run_dir / "final_metrics.json"
+    recorded = final_path.read_text() if launch.resume and storage.pull(final_path) else None
     with run.tracked() as outcome:
         trained = False
         try:
@@ -805,5 +812,6 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
                 pass
         metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
         outcome.check(metrics)
+        outcome.trained_nothing = recorded is not None and final_path.is_file() and final_path.read_text() == recorded
     return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)

@@ -320,7 +320,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     if kept is not None:  # resumed after its end: nothing trained, and what it recorded stays as it was
         if rank == 0:
             sink.message(f"[{wl.name}] already trained to step {step}: nothing left to train (raise the run's "
-                         "length to continue); its recorded final metrics are kept")
+                         "length to continue); its recorded final metrics and config are kept")
         ray.train.report({**kept, "done": 1.0})
         return
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,

@@ -45,7 +45,8 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     total_timesteps: int = 5_000_000
-    """Env steps to train for (all envs, all devices)."""
+    """Env steps to train for (all envs, all devices), rounded up to whole chunks of updates_per_chunk x
+    num_envs x num_steps (one compiled program each)."""
     num_envs: int = 256
     """Parallel envs (split over every device). Seed: 256 before, 2048 after."""
     num_steps: int = 128
@@ -261,8 +262,10 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     compile_s = time.perf_counter() - t0
     per_chunk = cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
     n_chunks = max(0, -(-(cfg.train.total_timesteps - env_steps) // per_chunk))
+    end = env_steps + n_chunks * per_chunk  # a chunk is one compiled program: the run ends on a whole one
+    rounded = f" (total_timesteps {cfg.train.total_timesteps} rounds up to {end})" if end > cfg.train.total_timesteps else ""
     session.message(f"{mesh.size} device(s) ({jax.devices()[0].platform}), {jax.process_count()} process(es); "
-                    f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps")
+                    f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps{rounded}")
     # the best so far is logged with each chunk, so a checkpoint keeps it (Session.last_metrics) for a resume
     last_ckpt, t_train, best = time.perf_counter(), 0.0, session.last_metrics.get(BEST, -float("inf"))
     final: dict = {"perf/compile_s": compile_s}
@@ -278,7 +281,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         if stats["episodes"]:
             best = m[BEST] = max(best, m["charts/episode_return"])
         final |= m
-        session.log(m, env_steps, progress=_progress(m), bar=(env_steps, cfg.train.total_timesteps), unit="env-step")
+        session.log(m, env_steps, progress=_progress(m), bar=(env_steps, max(end, env_steps)), unit="env-step")
         if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
             _save(session, runner, env_steps, updates)
             last_ckpt = time.perf_counter()
