@@ -106,14 +106,15 @@ class Remote:
     def kind(self, *parts: str):
         import pyarrow.fs as pafs
 
-        t = self.fs.get_file_info(self.path(*parts)).type
+        t = self._retrying(lambda: self.fs.get_file_info(self.path(*parts)), f"look-up of {'/'.join(parts)}").type
         return {pafs.FileType.File: "file", pafs.FileType.Directory: "dir"}.get(t)
 
     def listdir(self, *parts: str) -> list[str]:
         import pyarrow.fs as pafs
 
         sel = pafs.FileSelector(self.path(*parts), allow_not_found=True)
-        return sorted(info.base_name for info in self.fs.get_file_info(sel))
+        return sorted(info.base_name for info in self._retrying(lambda: self.fs.get_file_info(sel),
+                                                                f"listing of {'/'.join(parts)}"))
 
     def put(self, local: Path, *parts: str) -> None:
         def once() -> None:
@@ -133,7 +134,7 @@ class Remote:
         self._retrying(once, f"download {'/'.join(parts)}")
         tmp.replace(local)
 
-    def _retrying(self, once, what: str) -> None:
+    def _retrying(self, once, what: str):
         """``once()``, tried again while the storage cannot be reached (an endpoint restarting, a network
         blip), for up to ``$RAYSYS_STORAGE_RETRY_S`` (60 s): an outage that short costs a checkpoint no run.
         Anything else the service answers (denied, no such bucket) is raised at once."""
@@ -152,7 +153,7 @@ class Remote:
                 delay = min(2 * delay, 8.0)
 
     def delete_dir(self, *parts: str) -> None:
-        self.fs.delete_dir(self.path(*parts))
+        self._retrying(lambda: self.fs.delete_dir(self.path(*parts)), f"removal of {'/'.join(parts)}")
 
     def ray_storage(self) -> dict:
         """``RunConfig`` arguments that put Ray Train's own run state on the same storage."""

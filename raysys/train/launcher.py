@@ -508,7 +508,7 @@ class OpenRun:
                 how = "resume from its last checkpoint" if saved else "no checkpoint yet; start it again from step 0"
                 why.raysys_resume = self.resume_command()
                 why.raysys_failure = (f"[raysys] run '{self.name}' failed: {line}\n  traceback: "
-                                      f"{self.run_dir / ERROR_FILE}\n  {how}: {why.raysys_resume}")
+                                      f"{storage.where(self.run_dir)}/{ERROR_FILE}\n  {how}: {why.raysys_resume}")
             except AttributeError:  # an exception type without a __dict__: the plain traceback then
                 pass
         return line

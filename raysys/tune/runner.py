@@ -352,6 +352,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
     with _signals_stop_like_ctrl_c() as signals:
         grid = tuner.fit()
+    try:  # Ray Tune's probe of the storage, left at the sweep's root; the sweep's files are raysys's
+        storage.remove(sweep_dir / ".validate_storage_marker")
+    except OSError:
+        pass
     records = collect(grid, setup)
     if wl.population is not None:  # one speed per program, in both kinds of sweep (population.pool_throughput)
         from raysys.tune.population import pool_throughput
