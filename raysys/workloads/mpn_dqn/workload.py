@@ -129,6 +129,11 @@ class MPNDQNConfig:
         at_least(self, "", 0, "learning_starts", "target_sync_every")
         if self.buffer_capacity < self.num_envs:
             raise ConfigError(f"buffer_capacity ({self.buffer_capacity}) must hold one step of all {self.num_envs} envs")
+        window = self.burn_in + self.sequence_length
+        require(self.buffer_capacity // self.num_envs >= window,
+                f"buffer_capacity ({self.buffer_capacity}) holds {self.buffer_capacity // self.num_envs} steps per env, "
+                f"less than one sampled window (burn_in + sequence_length = {window}); raise it to at least "
+                f"{window * self.num_envs}")
         if self.path == "naive" and (self.precision != "fp32" or self.compile or self.cuda_graph):
             raise ConfigError("precision, compile and cuda_graph apply to path=optimized only (naive is the seed's "
                               "fp32 eager code)")
