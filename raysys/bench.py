@@ -66,17 +66,33 @@ def format_table(res: dict) -> str:
         lines.append(f"{path:<11}{r['throughput']:>{w_t}.1f}{q_text:>{w_q}}")
     if "speedup" in res:
         lines.append(f"speedup    {res['speedup']:.2f}x")
+    lines += [f"  ({note})" for note in res.get("notes", [])]  # what the rows compare, where it is not the path alone
     for k, v in res.get("extra", {}).items():
         lines.append(f"{k}: {v}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raysys.train.launcher import BENCH_ENV
+
+    before = os.environ.get(BENCH_ENV)
+    os.environ[BENCH_ENV] = "1"  # its quality runs' stores are temporary: no MLflow links to them
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C mid-measurement: no traceback into whatever it was timing
+        print("raysys.bench: interrupted; no results were written", file=sys.stderr)
+        return 130
+    finally:  # main called again from Python (a test, a notebook): the next train prints its links
+        if before is None:
+            os.environ.pop(BENCH_ENV, None)
+
+
+def _main(argv: list[str] | None) -> int:
     p = console.ArgumentParser(prog="python -m raysys.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", help="a built-in or installed workload, or your own as module:attr or path/to/file.py:attr (see "
                                     "`python -m raysys list`)")
-    p.add_argument("--quick", action="store_true", help="fewer repeats and a short quality run (a minute or two)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and a short quality run (a few minutes on a laptop CPU; the full bench takes longer)")
     p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "
                                     "(default: quick with --quick where it exists, else default)")
     p.add_argument("--config", metavar="YAML", help="YAML file of config keys applied to the configuration the bench "

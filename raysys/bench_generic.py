@@ -168,6 +168,10 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
                             f"it returned {', '.join(map(str, res[label[p]]['eval'])) or 'nothing'}")
     if problems:
         res["problems"] = problems
+    ignored = sorted(k for k in (overrides or {}) if k in ("train.max_steps", "train.epochs"))
+    if ignored:  # the bench trains its own fixed steps, the same for both paths
+        res["notes"] = [f"{', '.join(ignored)}: not used here; the bench times and judges {1 + repeats * n_batches} "
+                        "steps of its own"]
     if len(paths) == 2:
         res["speedup"] = res["naive"]["step_s"] / res["optimized"]["step_s"]
         res["loss_abs_diff_same_weights"] = parity

@@ -638,6 +638,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         if joins_cluster(getattr(launch, "address", None)):  # a cluster that will not have us: before anything exists
             init_ray(launch.address)
         check_local_resources(launch)
+    if getattr(launch, "jax_platforms", "") and launch.workers == 0:
+        use_jax_platforms(launch.jax_platforms)
     if launch.resume:
         _hold(run_dir, name, launch, create=False)
         lifecycle.arm(_resume_command(wl, launch, name))  # from here a signal stops the run with a checkpoint
@@ -691,8 +693,29 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     say_if_in_ray_package(run_dir, uri)
     if launch.resume and (tags or {}).get("raysys.resume_changes"):  # said once the checkpoint has taken it
         print(f"[raysys] resuming with changed config: {tags['raysys.resume_changes']}", flush=True)
-    print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
+    if os.environ.get(BENCH_ENV):  # a bench's quality run, in a store it removes: no links to follow
+        print(f"[raysys] run '{name}' (the bench's own quality run)", flush=True)
+    else:
+        print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
     return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file)
+
+
+BENCH_ENV = "RAYSYS_IN_BENCH"
+"""Set by ``python -m raysys.bench``: its quality runs live in temporary stores it removes."""
+
+
+def use_jax_platforms(platforms: str) -> None:
+    """--workers 0: this process is the run's JAX process, so ``launch.jax_platforms`` applies here (it went
+    to the workers only, and was silently ignored); a platform this machine lacks is one line, now."""
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", platforms)
+        have = jax.devices()[0].platform
+    except RuntimeError as e:
+        raise ConfigError(f"launch.jax_platforms={platforms}: {str(e).splitlines()[0][:300]}") from None
+    if have not in platforms.replace("cuda", "gpu").split(",") and have not in platforms.split(","):
+        raise ConfigError(f"launch.jax_platforms={platforms}: JAX in this process already runs on {have}")
 
 
 RAY_PACKAGE = "/runtime_resources/working_dir_files/"  # where Ray unpacks a job's --working-dir

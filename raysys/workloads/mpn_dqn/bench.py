@@ -117,6 +117,10 @@ def run_bench(quick: bool = False) -> dict:
         "optimized": {"throughput": fast["env_steps_per_s"], "quality": fast["reward_per_trial"], **fast,
                       "command": "default preset (the seed's fast command): sequence_batch_size=64 train_freq=4"},
         "speedup": ratio,
+        "notes": ["rows: the seed's old command (path=naive, sequence_batch_size=32, train_freq=1) and its fast one "
+                  "(path=optimized, 64, train_freq=4), whole training: the ratio is of the configuration, mostly "
+                  "train_freq; the code path alone is the TD-loss step below",
+                  f"quality: each after its own episodes (the old command stops at its {budget:.0f} s budget)"],
         "td_loss": td,
         **({"update_ms": updates, "cuda_graph_training": graphed} if updates else {}),
         **({"rollout_vs_rllib": rllib} if rllib else {}),
