@@ -189,7 +189,8 @@ class JaxLaunchConfig(LaunchConfig):
     accelerator_type: Optional[str] = None
     """TPU generation, e.g. 'TPU-V4', 'TPU-V5E'."""
     jax_platforms: str = ""
-    """JAX_PLATFORMS for the workers ('' lets JAX choose; 'cpu' runs a TPU-scheduled job on the hosts' CPUs)."""
+    """JAX_PLATFORMS of the JAX processes: the workers', or this one with --workers 0 ('' lets JAX choose;
+    'cpu' runs a TPU-scheduled job on the hosts' CPUs)."""
 
     def validate(self) -> None:
         super().validate()
