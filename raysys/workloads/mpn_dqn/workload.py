@@ -139,7 +139,15 @@ class MPNDQNConfig:
                               "fp32 eager code)")
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                 f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.launch.workers == 0:  # the learner runs in this process: what this machine lacks is said now
+        if self.cuda_graph:
+            require(not self.device.startswith("cpu"), "cuda_graph needs a CUDA learner (device is cpu)")
+            require(self.precision != "fp16", "cuda_graph: fp16's loss scaling skips steps on the host; use bf16")
+            require(not self.compile, "cuda_graph and compile are two ways to cut launches: pick one")
+            require(self.launch.workers <= 1, "cuda_graph: gradient averaging across learners is not captured; "
+                    "use launch.workers <= 1")
+        # last: the config's own limits first; then, the learner running in this process (--workers 0),
+        # what this machine lacks is said now, not after the run exists
+        if self.launch.workers == 0:
             from raysys.train.launcher import local_gpus
 
             here = "cuda" if local_gpus() else "cpu"
@@ -147,12 +155,6 @@ class MPNDQNConfig:
             require(dev == "cpu" or here == "cuda", f"device={self.device}, but this machine has no CUDA device")
             require(self.precision != "fp16" or dev == "cuda", "precision=fp16 needs a CUDA device (use bf16 on CPU)")
             require(not self.cuda_graph or dev == "cuda", "cuda_graph needs a CUDA learner; this one would be on cpu")
-        if self.cuda_graph:
-            require(not self.device.startswith("cpu"), "cuda_graph needs a CUDA learner (device is cpu)")
-            require(self.precision != "fp16", "cuda_graph: fp16's loss scaling skips steps on the host; use bf16")
-            require(not self.compile, "cuda_graph and compile are two ways to cut launches: pick one")
-            require(self.launch.workers <= 1, "cuda_graph: gradient averaging across learners is not captured; "
-                    "use launch.workers <= 1")
 
     @property
     def num_envs(self) -> int:
