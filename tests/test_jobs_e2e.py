@@ -174,3 +174,18 @@ def test_ray_job_stop_ends_the_run_killed_and_a_new_job_resumes_it(head):
     assert "resumed from" in out or "nothing left to train" in out, out[-3000:]
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     assert json.loads((runs / "stopped" / "final_metrics.json").read_text())
+
+
+def test_a_job_keeping_its_run_in_rays_unpacked_working_dir_is_told(tmp_path, monkeypatch, capsys):
+    """A job's working dir is Ray's unpacked copy, named after the source's hash: runs kept there are not
+    found by the next job after an edit. Said in one line; not said where the run and store are elsewhere."""
+    from raysys.train.launcher import say_if_in_ray_package
+
+    pkg = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    pkg.mkdir(parents=True)
+    monkeypatch.chdir(pkg)
+    say_if_in_ray_package(pkg / "raysys_runs" / "r", f"sqlite:///{pkg / 'mlflow.db'}")
+    out = capsys.readouterr().out
+    assert "the run's folder and the MLflow store are in Ray's unpacked copy" in out and "--storage-path" in out
+    say_if_in_ray_package(tmp_path / "runs" / "r", "http://127.0.0.1:5000")
+    assert capsys.readouterr().out == ""
