@@ -91,7 +91,8 @@ LAUNCH_FLAGS = {"workers": "workers", "gpus_per_worker": "gpus_per_worker", "add
 def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     wl = registry.get(args.workload)
     preset = wl.config(args.preset or "default")
-    base = _resumed_base(wl, preset, args) if getattr(args, "resume", False) else None
+    # a --cv run is its folds' runs: each resumes on its own (train.cv), with the config given now
+    base = _resumed_base(wl, preset, args) if getattr(args, "resume", False) and not getattr(args, "cv", False) else None
 
     def overridden(c: Any) -> Any:
         if args.config:

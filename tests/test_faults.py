@@ -636,3 +636,39 @@ def test_timeouts_double_delivery_stops_at_a_step_boundary_with_a_checkpoint(tmp
     assert run.returncode == 128 + sig and "--name twice --resume" in out, err
     stopped_at = int(out.split("stopped at step ")[1].split("/")[0])
     assert (ckpts / f"step_{stopped_at:09d}" / "meta.json").is_file()
+
+
+@pytest.mark.slow  # ~2 min: 3 folds, one of them twice
+def test_cross_validation_stopped_in_a_fold_ends_killed_and_resumes_the_rest(tmp_path):
+    """Ctrl-C in fold 1 of 3: no later fold starts, no mean of the finished ones is published, the parent is
+    KILLED, exit 130, and the printed command resumes the cross-validation: fold 0 trains nothing, fold 1
+    continues, fold 2 starts, and the mean is over all 3. (Before: folds 2.. started and stopped at once,
+    the mean of the finished folds was the result, FINISHED, exit 0; and --cv --resume was refused.)"""
+    import shlex
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "raysys", "train", "deep_gpcm", "--preset", "quick", "--workers", "0", "--cv",
+           "--name", "cv", "--set", "data.n_folds=3", "--set", "train.epochs=40"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not list((tmp_path / "raysys_runs" / "cv-fold1" / "checkpoints").glob("step_*/meta.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    assert not (tmp_path / "raysys_runs" / "cv-fold2").exists() and "cross-validation of" not in out
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (parent,) = [r for r in _mlflow_runs(uri, "raysys-deep_gpcm") if r.data.tags.get("raysys.kind") == "cross_validation"]
+    assert parent.info.status == "KILLED" and not parent.data.metrics
+    resume = out.strip().splitlines()[-1].strip()
+    assert resume.startswith("cd ") and resume.endswith(" --resume") and "--cv" in resume and "--name cv" in resume, out[-2000:]
+    again = subprocess.run(shlex.split(resume.split(" && ", 1)[1]), cwd=tmp_path, env=_env(), capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "nothing left to train" in again.stdout and "3-fold cross-validation" in again.stdout
+    assert _client(uri).get_run(parent.info.run_id).info.status == "FINISHED"
+    folds = [json.loads((tmp_path / "raysys_runs" / f"cv-fold{i}" / "final_metrics.json").read_text()) for i in range(3)]
+    mean = _client(uri).get_run(parent.info.run_id).data.metrics["cv_mean/qwk"]
+    assert abs(mean - sum(f["eval/qwk"] for f in folds) / 3) < 1e-9

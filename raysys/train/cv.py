@@ -6,6 +6,9 @@ holds k and the one that selects the held-out fold.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shlex
 import statistics
 import time
 from typing import Any, Optional
@@ -31,9 +34,19 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
     results = []
     try:
         for fold in range(k):
-            fold_cfg = apply_overrides(cfg, {fold_key: fold, "launch.name": f"{base}-fold{fold}"})
-            results.append(run_training(registry.ref(wl), fold_cfg, parent_run_id=parent,
-                                        tags={**(tags or {}), "raysys.kind": "cv_fold"}))
+            name = f"{base}-fold{fold}"
+            # a resume continues the folds that exist (a finished one trains nothing) and starts the others
+            again = cfg.launch.resume and _exists(wl, dataclasses.replace(cfg.launch, name=name, resume=True))
+            fold_cfg = apply_overrides(cfg, {fold_key: fold, "launch.name": name, "launch.resume": again})
+            result = run_training(registry.ref(wl), fold_cfg, parent_run_id=parent,
+                                  tags={**(tags or {}), "raysys.kind": "cv_fold"})
+            results.append(result)
+            if result.stopped_by is not None:  # Ctrl-C/SIGTERM: no later fold starts, and no mean of a part
+                tracking.end_run(uri, parent, "KILLED")
+                command = (tags or {}).get("raysys.command") or f"python -m raysys train {registry.ref(wl)} --cv"
+                command += f" --name {base}" * (cfg.launch.name is None) + " --resume" * (not cfg.launch.resume)
+                return RunResult(base, result.run_dir.parent, parent, uri, {}, stopped_by=result.stopped_by,
+                                 resume_command=f"cd {shlex.quote(os.getcwd())} && {command}")
     except BaseException:
         tracking.end_run(uri, parent, "FAILED")
         raise
@@ -47,4 +60,16 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
     logger.log_text(table, "cross_validation.md")
     tracking.end_run(uri, parent, "FINISHED")
     print(f"[raysys] {k}-fold cross-validation of {wl.name}:\n{table}", flush=True)
-    return RunResult(base, results[-1].run_dir.parent, parent, uri, {**mean, "eval/quality": mean.get("cv_mean/quality")})
+    # the summary's metrics are the folds' means, under the names one run reports
+    return RunResult(base, results[-1].run_dir.parent, parent, uri,
+                     {**mean, **{n: mean[f"cv_mean/{n.split('/', 1)[1]}"] for n in names}})
+
+
+def _exists(wl, launch: Any) -> bool:
+    from raysys.train.launcher import resolve_run_dir
+
+    try:
+        resolve_run_dir(wl.name, launch)
+        return True
+    except ConfigError:  # no such run (yet)
+        return False
