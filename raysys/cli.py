@@ -261,6 +261,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
             print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)
             return 2
         line = _environment_error(find_cause(e, (CheckpointWriteError,)) or _service_error(e) or find_cause(e, (OSError,)))
+        if line and not lifecycle.armed():  # before the run existed: nothing to resume, and bad input
+            print(f"raysys: {line} (nothing was created)", file=sys.stderr)
+            return 2
         if line:  # a full disk, a lost tracking server: one line, the run resumable
             resume = getattr(e, "raysys_resume", None)
             print(f"raysys: {line}; the run keeps its last checkpoint, resume it with:\n  {resume}" if resume else

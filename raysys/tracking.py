@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol
@@ -125,9 +126,18 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
 
     if uri.startswith("file://") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
         folder = unquote(urlparse(uri).path)
-        raise ConfigError(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; pass "
-                          f"sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set "
-                          "MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway (nothing was created)")
+        name = Path(folder).name
+        if re.fullmatch(r"[\w.-]+:\d+", name):  # host:port without its scheme
+            meant = f"did you mean http://{name}? "
+        elif name.endswith((".db", ".sqlite", ".sqlite3")):
+            meant = f"did you mean sqlite:///{folder}? "
+        else:
+            meant = f"pass sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway; "
+        raise ConfigError(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; {meant}"
+                          "(nothing was created)")
+    if uri.startswith("sqlite://") and not uri.startswith("sqlite:///"):
+        raise ConfigError(f"--tracking-uri {uri}: an SQLite URL has three slashes before a relative path "
+                          f"(sqlite:///{uri[len('sqlite://'):]}) and four before an absolute one (nothing was created)")
     scheme = urlparse(uri).scheme.lower().split("+")[0]  # postgresql+psycopg2: a dialect and its driver
     if scheme and scheme not in STORE_SCHEMES:
         raise ConfigError(f"--tracking-uri {uri}: MLflow has no tracking store for '{scheme}://' (use "
@@ -152,11 +162,20 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
     import requests
 
     try:
-        requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+        health = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+        if health.status_code == 200:
+            return
+        # not every MLflow (a proxy, a managed service) serves /health: its REST API says whether it is one
+        api = requests.get(uri.rstrip("/") + "/api/2.0/mlflow/experiments/get-by-name",
+                           params={"experiment_name": "Default"}, timeout=timeout)
     except requests.RequestException as e:
         reason = type(e).__name__
         raise ConfigError(f"the MLflow tracking server at {uri} does not answer ({reason}); start it or pass "
                           "another --tracking-uri (nothing was created)") from None
+    if api.status_code in (200, 401, 403) or "error_code" in api.text[:2000]:  # MLflow (its auth is MLflow's to say)
+        return
+    raise ConfigError(f"--tracking-uri {uri} answers, but not as an MLflow tracking server (HTTP {api.status_code} "
+                      f"to its REST API, {health.status_code} to /health); check the URL and port (nothing was created)")
 
 
 def wait_for_store(uri: str, max_wait_s: Optional[float] = None) -> None:

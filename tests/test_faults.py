@@ -163,6 +163,8 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
     (["--tracking-uri", "sqlite:///notes.txt"], "notes.txt is not an SQLite database"),
     (["--tracking-uri", "sqlite:///a_folder"], "a_folder is a folder, not a database file"),
+    (["--tracking-uri", "sqlite://mlflow.db"], "an SQLite URL has three slashes"),  # was a SQLAlchemy traceback
+    (["--tracking-uri", "127.0.0.1:5000"], "did you mean http://127.0.0.1:5000?"),
     (["--workers", "1", "--address", "127.0.0.1:9"], "no Ray cluster answers at 127.0.0.1:9"),
     (["--workers", "1", "--address", "http://127.0.0.1:8265"], "an http address is a Ray dashboard's"),
 ])
@@ -332,6 +334,34 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
     (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
     assert r.info.status == "FINISHED" and "raysys.error" not in r.data.tags  # the failure is history (events.log)
     assert "failed: " in (tmp_path / "raysys_runs" / "full" / "events.log").read_text()
+
+
+def test_a_tracking_url_that_is_no_mlflow_server_is_one_line_and_creates_nothing(tmp_path):
+    """A web server that is not MLflow (a wrong port): before, it passed the check, and the first MLflow call
+    failed after ~10 s with exit 1 and a resume hint for a run that never existed (a server answering 500:
+    four silent minutes of retries first)."""
+    from conftest import free_port
+
+    port = free_port()
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import requests
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                requests.get(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except requests.RequestException:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        proc = _train(tmp_path, *QUICK, "--tracking-uri", f"http://127.0.0.1:{port}", timeout=120)
+    finally:
+        web.kill()
+        web.wait()
+    _one_line_error(proc, 2, "answers, but not as an MLflow tracking server (HTTP 404")
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def test_tracking_outage_mid_run_loses_nothing(tmp_path):
