@@ -115,6 +115,20 @@ def test_invalid_values_are_rejected(tmp_path, questions, responses, fragment):
         load_sequences(f, ReadOptions(id_base=1))
 
 
+def test_the_data_s_categories_are_said_and_gaps_among_them_shown(tmp_path):
+    """K comes from the data's largest response, not data.n_cats (the generator's): said, and categories that
+    never appear (a 1-based scale, one stray value) are named, where a stray 9 used to make K=10 silently."""
+    f = tmp_path / "seqs.parquet"
+    pd.DataFrame({"questions": [[1, 2, 3], [2, 3, 1]], "responses": [[0, 1, 3], [2, 9, 1]]}).to_parquet(f)
+    seqs = load_sequences(f)
+    assert seqs.n_cats == 10
+    assert any("10 response categories 0..9, from its largest response" in n for n in seqs.notes)
+    assert any(n.startswith("categories 4, 5, 6, 7, 8 never appear") for n in seqs.notes)
+    (tmp_path / "meta.json").write_text(json.dumps({"n_cats": 10}))
+    pd.DataFrame({"questions": [[1, 2]], "responses": [[0, 9]]}).to_parquet(f)
+    assert not any("from its largest response" in n for n in load_sequences(f).notes)
+
+
 def _same(a, b) -> None:
     assert (a.n_questions, a.n_cats, len(a)) == (b.n_questions, b.n_cats, len(b))
     for x, y in zip(a.questions + a.responses, b.questions + b.responses):

@@ -365,6 +365,15 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
         raise ValueError(f"{label}: response {r.max()} out of range 0..{n_cats - 1} (n_cats={n_cats} from {meta_path})")
     if n_cats < 2:
         raise ValueError(f"{label}: need at least 2 response categories, found {n_cats}")
+    if "n_cats" not in meta:  # K is the data's, not data.n_cats (the generator's): said, so a stray value shows
+        notes.append(f"{n_cats} response categories 0..{n_cats - 1}, from its largest response (a meta.json beside "
+                     "it with n_cats fixes K)")
+    unseen = sorted(set(range(n_cats)) - set(np.unique(r).tolist()))
+    if unseen:
+        shown = ", ".join(map(str, unseen[:8])) + (", ..." if len(unseen) > 8 else "")
+        notes.append(f"categor{'y' if len(unseen) == 1 else 'ies'} {shown} never appear{'s' if len(unseen) == 1 else ''}"
+                     " (responses are read as 0..K-1: a scale that starts at 1 leaves 0 empty, and one stray value "
+                     "adds categories)")
     lengths = np.diff(off)
     if np.any(lengths == 0):
         raise ValueError(f"{label}: row {int(np.flatnonzero(lengths == 0)[0])} has no responses")

@@ -21,6 +21,9 @@ from raysys.train.config import LaunchConfig, LoaderConfig, OptimConfig, TrainCo
 from raysys.workload import Workload
 
 
+_SAID: set[str] = set()  # data notes already printed by this process
+
+
 @dataclass
 class DataConfig:
     path: Optional[str] = None
@@ -52,7 +55,7 @@ class DataConfig:
     n_questions: int = 400
     """synthetic_OC: number of questions Q."""
     n_cats: int = 4
-    """synthetic_OC: ordered response categories K."""
+    """synthetic_OC: ordered response categories K (your data's K is its largest response + 1, or its meta.json's)."""
     min_len: int = 100
     """synthetic_OC: shortest sequence (inclusive)."""
     max_len: int = 400
@@ -220,7 +223,10 @@ class DeepGPCMTask:
             seqs = data.load_sequences(*key)  # fail now, with the column named, not in a worker
             self._cache = (key, seqs)  # read afresh (the file may have changed since), once
             for note in seqs.notes:
-                print(f"[deep_gpcm] {_data_source(cfg).name}: {note}", flush=True)
+                line = f"[deep_gpcm] {_data_source(cfg).name}: {note}"
+                if line not in _SAID:  # prepared again in this process (the loop's own prepare): said once
+                    _SAID.add(line)
+                    print(line, flush=True)
             data.kfold_indices(len(seqs.questions), d.n_folds, d.fold, d.seed)  # enough rows for the folds
             digest = data.digest(seqs)
             if worker and d.digest not in (None, digest):
