@@ -668,6 +668,15 @@ def test_timeouts_double_delivery_stops_at_a_step_boundary_with_a_checkpoint(tmp
     assert (ckpts / f"step_{stopped_at:09d}" / "meta.json").is_file()
 
 
+@pytest.mark.parametrize("name, needle", [(None, "no earlier cross-validation of deep_gpcm"),
+                                          ("nope", "no cross-validation called 'nope'")])
+def test_a_cross_validation_resume_with_nothing_to_resume_is_one_line(tmp_path, name, needle):
+    """Before: a new cross-validation started, silently, with whatever config was given."""
+    proc = _train(tmp_path, *QUICK, "--cv", "--resume", *(["--name", name] if name else []), timeout=120)
+    _one_line_error(proc, 2, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow  # ~2 min: 3 folds, one of them twice
 def test_cross_validation_stopped_in_a_fold_ends_killed_and_resumes_the_rest(tmp_path):
     """Ctrl-C in fold 1 of 3: no later fold starts, no mean of the finished ones is published, the parent is

@@ -24,7 +24,7 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
         raise ConfigError(f"{wl.name} has no k-fold split; --cv is not available for it")
     k_key, fold_key = wl.extra["folds"]
     k = flatten(to_dict(cfg))[k_key]
-    base = cfg.launch.name or f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = _resumed(wl, cfg.launch) if cfg.launch.resume else cfg.launch.name or f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}"
     uri = tracking.resolve_tracking_uri(cfg.launch.tracking_uri)
     experiment = cfg.launch.experiment or f"raysys-{wl.name}"
     parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation", **(tags or {})},
@@ -63,6 +63,28 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
     # the summary's metrics are the folds' means, under the names one run reports
     return RunResult(base, results[-1].run_dir.parent, parent, uri,
                      {**mean, **{n: mean[f"cv_mean/{n.split('/', 1)[1]}"] for n in names}})
+
+
+def _resumed(wl, launch: Any) -> str:
+    """The cross-validation a --resume continues: --name's, or the newest of this workload; one that does not
+    exist is refused (it would otherwise start afresh, silently)."""
+    from raysys import storage
+    from raysys.train.launcher import storage_root
+
+    if launch.name:
+        if not _exists(wl, dataclasses.replace(launch, name=f"{launch.name}-fold0", resume=True)):
+            raise ConfigError(f"--cv --resume: no cross-validation called '{launch.name}' (its first fold's run, "
+                              f"{launch.name}-fold0, does not exist)")
+        return launch.name
+    if storage.is_remote(launch.storage_path):
+        names = storage.Remote(launch.storage_path).listdir()
+    else:
+        names = [p.name for p in storage_root(launch.storage_path).glob("*") if p.is_dir()]
+    firsts = sorted(n for n in names if n.startswith(f"{wl.name}-cv-") and n.endswith("-fold0"))  # named by time
+    if not firsts:
+        raise ConfigError(f"--cv --resume: no earlier cross-validation of {wl.name} under {launch.storage_path}; "
+                          "name one with --name")
+    return firsts[-1][: -len("-fold0")]
 
 
 def _exists(wl, launch: Any) -> bool:
