@@ -161,6 +161,7 @@ def joins_cluster(address: Optional[str]) -> bool:
 
 
 def join_refused(addr: str, e: BaseException) -> str:
+    """One line for a ``ray.init`` that reached the cluster at ``addr`` and was refused (its exception chain)."""
     chain = []
     while e is not None and len(chain) < 8:
         chain.append(e)
