@@ -148,7 +148,7 @@ def test_a_sweeps_other_bad_input_is_one_line_before_anything(tmp_path):
                         (["--space", "empty.yaml"], "empty.yaml: the file is empty"),
                         (["--space", "ok.yaml", "--set", "train.nosuch=1"], "config error: --set: unknown config key 'train.nosuch'"),
                         (["--space", "ok.yaml", "--max-concurrent", "0"], "--max-concurrent must be >= 1, got 0"),
-                        (["--space", "ok.yaml", "--set", "data.path=nosuch.csv"], "raysys.tune: data error: data: no sequences file"),
+                        (["--space", "ok.yaml", "--set", "data.path=nosuch.csv"], "raysys.tune: data error: no sequences file"),
                         (["--space", "big.yaml"], "one trial needs 64.5 CPU")]:
         proc = subprocess.run([sys.executable, "-m", "raysys.tune", *args], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)

@@ -230,7 +230,7 @@ def _parquet(path: Path, questions: list, responses: list) -> Path:
 @pytest.mark.parametrize("case, needle", [
     ("huge_id", "sparse"),
     ("missing_column", "missing required column"),
-    ("not_parquet", "data:"),
+    ("not_parquet", "not readable as parquet"),
     ("too_few_rows", "cannot split"),
 ])
 def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):

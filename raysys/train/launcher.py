@@ -618,7 +618,7 @@ def _prepare(prepare, cfg: Any) -> Any:
         raise
     except (ValueError, LookupError, OSError) as e:  # pyarrow's ArrowInvalid/ArrowIOError are among these
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"data: {msg}") from None
+        raise DataError(msg) from None  # said as "data error: ..."
 
 
 def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optional[str] = None,

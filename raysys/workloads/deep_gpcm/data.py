@@ -400,7 +400,7 @@ def kfold_indices(n: int, n_folds: int, fold: int, seed: int) -> tuple[np.ndarra
     if not 0 <= fold < n_folds:
         raise ValueError(f"fold must be in 0..{n_folds - 1}, got {fold}")
     if n < n_folds:
-        raise ValueError(f"cannot split {n} sequences into {n_folds} folds")
+        raise ValueError(f"cannot split {n} sequences into {n_folds} folds (data.n_folds): give more, or fewer folds")
     parts = np.array_split(np.random.default_rng(seed).permutation(n), n_folds)
     test = np.sort(parts[fold])
     train = np.sort(np.concatenate([p for i, p in enumerate(parts) if i != fold]))
