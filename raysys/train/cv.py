@@ -61,8 +61,10 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
     tracking.end_run(uri, parent, "FINISHED")
     print(f"[raysys] {k}-fold cross-validation of {wl.name}:\n{table}", flush=True)
     # the summary's metrics are the folds' means, under the names one run reports
+    speed = [r.metrics[wl.throughput_metric] for r in results if wl.throughput_metric in r.metrics]
     return RunResult(base, results[-1].run_dir.parent, parent, uri,
-                     {**mean, **{n: mean[f"cv_mean/{n.split('/', 1)[1]}"] for n in names}})
+                     {**mean, **{n: mean[f"cv_mean/{n.split('/', 1)[1]}"] for n in names},
+                      **({wl.throughput_metric: statistics.fmean(speed)} if speed else {})})
 
 
 def _resumed(wl, launch: Any) -> str:
