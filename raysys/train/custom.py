@@ -28,7 +28,7 @@ from raysys import workload as registry
 from raysys.config import from_dict
 from raysys.session import Session
 from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, process_group_backend,
-                                   ray_storage, set_threads, train_logging,
+                                   ray_storage, recorded_final, set_threads, train_logging,
                                    work_where_the_driver_works)
 
 
@@ -106,7 +106,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     # fit_with_restarts', which fails at once on errors a restart cannot fix
     failure = FailureConfig(max_failures=0)
     final_path = run.run_dir / "final_metrics.json"
-    recorded = final_path.read_text() if launch.resume and storage.pull(final_path) else None
+    recorded = recorded_final(run.run_dir) if launch.resume else None
     with run.tracked() as outcome, console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
@@ -116,7 +116,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
         lifecycle.settle_stop(payload["stop"])  # a worker's SIGTERM stops the run as the driver's would
         final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
         outcome.check(final)
-        outcome.trained_nothing = recorded is not None and final_path.is_file() and final_path.read_text() == recorded
+        outcome.trained_nothing = recorded is not None and final == recorded
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)
 

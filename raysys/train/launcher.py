@@ -735,8 +735,8 @@ def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
     if inside:
         print(f"[raysys] note: {' and '.join(inside)} {'are' if len(inside) > 1 else 'is'} in Ray's unpacked copy "
               "of this job's working_dir, which a job with edited source does not see again (--resume finds nothing) "
-              "and Ray may delete: "
-              "pass --storage-path (a shared folder or s3://...) and --tracking-uri (an MLflow server)", flush=True)
+              "and Ray may delete: pass --storage-path (a shared folder or s3://...) and --tracking-uri (an MLflow "
+              "server)", flush=True)
 
 
 def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:
@@ -815,7 +815,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         )
 
     final_path = run_dir / "final_metrics.json"
-    recorded = final_path.read_text() if launch.resume and storage.pull(final_path) else None
+    recorded = recorded_final(run_dir) if launch.resume else None
     with run.tracked() as outcome:
         trained = False
         try:
@@ -836,6 +836,6 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
                 pass
         metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
         outcome.check(metrics)
-        outcome.trained_nothing = recorded is not None and final_path.is_file() and final_path.read_text() == recorded
+        outcome.trained_nothing = recorded is not None and metrics == recorded
     return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)
