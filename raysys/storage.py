@@ -455,3 +455,30 @@ class Lease:
                 self.storage.fs.delete_file(self.storage.path(LEASES, self.name))
         except Exception:  # storage away: the lease expires by itself (its beats stop)
             pass
+
+
+def settle_leases(remote: Remote, what: str, say=lambda line: print(line, flush=True)) -> None:
+    """Remove the leases under ``remote`` whose holders are gone, watched all at once for 4 beats; a lease
+    still renewed is a ConfigError. A sweep resumed after a Ctrl-C finds its trials' leases left behind (a
+    trial process is killed, not ended): each trial would otherwise watch its own in turn, unsaid."""
+    from raysys.config import ConfigError
+
+    leases = {n: Lease(remote, n) for n in remote.listdir(LEASES)}
+    seen = {n: v for n, v in ((n, lease._read()) for n, lease in leases.items()) if v is not None}
+    if not seen:
+        return
+    wait = 4 * beat_s()
+    say(f"{what}: {len(seen)} run(s) still carry the leases of the process that was interrupted; watching them "
+        f"for {wait:.0f} s to be sure nothing runs them any more")
+    deadline = time.monotonic() + wait
+    while seen and time.monotonic() < deadline:
+        time.sleep(min(1.0, beat_s() / 2))
+        for n in list(seen):
+            now = leases[n]._read()
+            if now is None:
+                del seen[n]
+            elif now != seen[n]:
+                raise ConfigError(f"run '{n}' is in use by {now.get('holder')} (its lease on {remote.display} is "
+                                  "being renewed): is it still running elsewhere? (nothing was changed)")
+    for n in seen:
+        remote.fs.delete_file(remote.path(LEASES, n))

@@ -369,6 +369,14 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
 BUFFER_FILE = "tracking-buffer.jsonl"
 
 
+def _gist(e: BaseException, width: int = 200) -> str:
+    """An error's first line, cut at a word: MLflow's REST errors quote the whole urllib3 retry chain."""
+    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    if " failed with exception " in line and "Max retries exceeded" in line and "ResponseError" not in line:
+        line = line.split(" failed with exception ")[0] + " failed: no answer"
+    return line if len(line) <= width else line[:width].rsplit(" ", 1)[0] + " …"
+
+
 def is_bookkeeping(key: str) -> bool:
     """Counters that describe a session, not training (no chart of them means anything): they go to
     MLflow as tags, and stay in the run's final_metrics.json."""
@@ -461,13 +469,15 @@ class MLflowLogger:
             return self._send(rec)
         now = time.monotonic()
         if self.buffer.is_file():  # an outage: queue behind what is waiting, retry now and then
+            waiting = self.pending
             if now < self._retry_at or not self.flush():
                 return self._append(rec, now)
             self._backoff = 30.0
+            log.warning("tracking store answers again: the %d records buffered meanwhile are sent", waiting)
         try:
             self._send(rec)
         except Exception as e:
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            reason = _gist(e)
             log.warning("tracking call failed (%s%s); buffering in %s", type(e).__name__,
                         f": {reason}" if reason else "", self.buffer)
             self._append(rec, now)

@@ -120,3 +120,58 @@ def mlflow_server(tmp_path):
     server = MlflowServer(tmp_path / "mlflow-server").start()
     yield server.url
     server.stop()
+
+
+class TcpGate:
+    """A TCP forwarder in front of a server (S3, MLflow): ``close()`` makes its port refuse connections
+    (the endpoint gone, as when it restarts), ``open()`` brings it back; the server and its state stay."""
+
+    def __init__(self, target: int):
+        import socket
+
+        self.target, self.port, self.sock, self.conns = target, free_port(), None, []
+        self.socket = socket
+
+    def open(self):
+        import threading
+
+        self.sock = self.socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self.sock,), daemon=True).start()
+
+    def close(self):
+        try:
+            self.sock.shutdown(self.socket.SHUT_RDWR)  # wakes the accept() that close() alone would leave listening
+        except OSError:
+            pass
+        self.sock.close()
+        for c in self.conns:  # and the connections the client keeps alive
+            try:
+                c.shutdown(self.socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept(self, sock):
+        import threading
+
+        while True:
+            try:
+                a, _ = sock.accept()
+            except OSError:
+                return
+            b = self.socket.create_connection(("127.0.0.1", self.target))
+            self.conns += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src, dst):
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(self.socket.SHUT_RDWR)
+                except OSError:
+                    pass

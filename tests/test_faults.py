@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MlflowServer
+from conftest import MlflowServer, TcpGate
 from raysys.checkpoint import STEP_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -386,6 +386,37 @@ def test_tracking_outage_mid_run_loses_nothing(tmp_path):
         (r,) = _mlflow_runs(server.url, "raysys-deep_gpcm")
         assert r.info.status == "FINISHED"
         assert sorted(_losses(server.url, r.info.run_id)) == list(range(1, final["step"] + 1))  # every step arrived
+    finally:
+        server.stop()
+
+
+def test_an_outage_is_said_in_one_short_line_and_the_servers_return_too(tmp_path, caplog):
+    """The buffer's warning names the failed call, not urllib3's retry chain cut mid-word; when the server
+    answers again the run says so and sends what waited, in order."""
+    from raysys import tracking
+
+    server = MlflowServer(tmp_path / "server").start()
+    gate = TcpGate(server.port)  # the server's port as a client sees it: closed and opened at once
+    gate.open()
+    url = f"http://127.0.0.1:{gate.port}"
+    try:
+        run_id = tracking.start_run(url, "outage", "r")
+        logger = tracking.MLflowLogger(url, run_id, buffer=tmp_path / tracking.BUFFER_FILE)
+        logger.log_metrics({"loss": 1.0}, step=1)
+        gate.close()
+        with caplog.at_level("WARNING", logger="raysys.tracking"):
+            logger.log_metrics({"loss": 0.5}, step=2)
+            (failed,) = [r.getMessage() for r in caplog.records if "tracking call failed" in r.getMessage()]
+            assert "log-batch failed: no answer" in failed and "HTTPConnectionPool" not in failed
+            gate.open()
+            logger._retry_at = 0.0  # its back-off has passed
+            logger.log_metrics({"loss": 0.25}, step=3)
+        assert any("answers again: the 1 records" in r.getMessage() for r in caplog.records)
+        assert logger.pending == 0
+        from mlflow.tracking import MlflowClient
+
+        hist = MlflowClient(url).get_metric_history(run_id, "loss")
+        assert [(m.step, m.value) for m in hist] == [(1, 1.0), (2, 0.5), (3, 0.25)]
     finally:
         server.stop()
 

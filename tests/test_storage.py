@@ -3,6 +3,7 @@ that write to it and resume from it, and a multi-node local cluster losing the n
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, interrupt_sweep
+from conftest import TcpGate, free_port, interrupt_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "raysys-test"
@@ -47,61 +48,6 @@ def s3(tmp_path):
     proc.wait()
 
 
-class _Gate:
-    """A TCP forwarder in front of the S3 server: ``close()`` makes its port refuse connections (the
-    endpoint gone, as when it restarts), ``open()`` brings it back; the server and its objects stay."""
-
-    def __init__(self, target: int):
-        import socket
-
-        self.target, self.port, self.sock, self.conns = target, free_port(), None, []
-        self.socket = socket
-
-    def open(self):
-        import threading
-
-        self.sock = self.socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, args=(self.sock,), daemon=True).start()
-
-    def close(self):
-        try:
-            self.sock.shutdown(self.socket.SHUT_RDWR)  # wakes the accept() that close() alone would leave listening
-        except OSError:
-            pass
-        self.sock.close()
-        for c in self.conns:  # and the connections the client keeps alive
-            try:
-                c.shutdown(self.socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def _accept(self, sock):
-        import threading
-
-        while True:
-            try:
-                a, _ = sock.accept()
-            except OSError:
-                return
-            b = self.socket.create_connection(("127.0.0.1", self.target))
-            self.conns += [a, b]
-            for src, dst in ((a, b), (b, a)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    def _pipe(self, src, dst):
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(self.socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
 def test_an_upload_waits_out_a_storage_endpoint_that_restarts(s3, tmp_path, monkeypatch, caplog):
     """The endpoint goes away (connection refused) and comes back: an upload meanwhile is tried again
     and lands, where it used to fail the run at once. What the service answers (no such bucket) is
@@ -115,7 +61,7 @@ def test_an_upload_waits_out_a_storage_endpoint_that_restarts(s3, tmp_path, monk
         monkeypatch.setenv(k, v)
     uri, client = s3
     port = int(parse_qs(urlsplit(uri).query)["endpoint_override"][0].rsplit(":", 1)[1])
-    gate = _Gate(port)
+    gate = TcpGate(port)
     gate.open()
     remote = Remote(uri.replace(f"127.0.0.1:{port}", f"127.0.0.1:{gate.port}"))
     remote.check()
@@ -158,6 +104,31 @@ def _train(cwd: Path, *args: str, timeout: int = 600) -> subprocess.CompletedPro
 
 
 QUICK = ["deep_gpcm", "--preset", "quick", "--workers", "0"]
+
+
+def test_leases_left_by_killed_holders_are_settled_at_once_and_a_live_one_refused(s3, monkeypatch):
+    """What a resumed sweep does with its trials' leases: those no longer renewed are removed after one
+    shared watch (said), a renewed one refuses the resume."""
+    from raysys.config import ConfigError
+    from raysys.storage import LEASES, Lease, Remote, settle_leases
+
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RAYSYS_LEASE_BEAT_S", "0.2")
+    uri, _ = s3
+    remote = Remote(uri)
+    for name in ("sw-aaaa", "sw-bbbb"):
+        Lease(remote, name)._write()  # written, never renewed: a killed holder's
+    said = []
+    settle_leases(remote, "resume", said.append)
+    assert remote.listdir(LEASES) == [] and "2 run(s) still carry" in said[0]
+    live = Lease(remote, "sw-cccc").acquire(say=said.append)
+    try:
+        with pytest.raises(ConfigError, match="run 'sw-cccc' is in use by process"):
+            settle_leases(remote, "resume", said.append)
+    finally:
+        live.release()
+    settle_leases(remote, "resume", lambda line: pytest.fail(line))  # released cleanly: nothing to watch
 
 
 def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
@@ -291,6 +262,9 @@ def test_a_sweep_on_s3_is_interrupted_and_resumed_from_it(tmp_path, s3):
                              capture_output=True, text=True, timeout=600)
     print(resumed.stdout[-4000:], resumed.stderr[-3000:])
     assert resumed.returncode == 0 and "Recommended: trial" in resumed.stdout
+    assert "still carry the leases" in resumed.stdout  # the cut trial's lease, watched once, said
+    rec = resumed.stdout.split("Train it (from any folder):")[1].split("\n\n")[1]
+    assert "--storage-path " + shlex.quote(sweeps) in rec  # the recommended run goes where the sweep's runs went
     assert "up to 1 at once" in resumed.stdout  # its --max-concurrent, kept by the sweep
     starts: dict = {}
     for e in _sweep_events(client, "sweeps/sw"):

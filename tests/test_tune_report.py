@@ -98,3 +98,18 @@ def test_a_trials_run_ends_with_the_same_status_however_it_ran():
         assert _end_status(rec(INCOMPLETE), before) == "KILLED"
         assert _end_status(rec(UNSTABLE), before) == "KILLED"
     assert _end_status(rec(UNSTABLE, ran_to_end=True), "FINISHED") == "FINISHED"
+
+
+def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(monkeypatch):
+    from raysys.cli import build_parser
+    from raysys.tune.report import job_address
+
+    flags = ("--storage-path", "s3://bkt/sweeps", "--tracking-uri", "http://mlflow.internal:5000")
+    train, job = commands("deep_gpcm", "quick", {}, {"optim.lr": 0.01}, flags, job_address("10.0.0.5:6379"))
+    args = build_parser().parse_args(shlex.split(train)[3:])
+    assert (args.storage_path, args.tracking_uri) == ("s3://bkt/sweeps", "http://mlflow.internal:5000")
+    assert job.startswith("ray job submit --address http://10.0.0.5:8265 ") and job.endswith(train)
+    assert job_address("ray://head.example:10001") == "http://head.example:8265"
+    assert job_address("http://head:8265/") == "http://head:8265"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert job_address("auto") == job_address(None) == "http://127.0.0.1:8265"

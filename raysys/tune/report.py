@@ -75,21 +75,34 @@ def _arg(key: str, value: Any) -> str:
     return shlex.quote(f"{key}={value}")
 
 
-def commands(workload: str, preset: str, fixed: dict[str, Any], knobs: dict[str, Any]) -> tuple[str, str]:
-    """The exact `raysys train` command of a trial's config, locally and as a Ray job."""
+def job_address(address: Optional[str]) -> str:
+    """The dashboard `ray job submit` talks to, for the cluster a sweep ran on (``--address`` or
+    $RAY_ADDRESS: its head's host, Ray's default dashboard port); a local sweep: a cluster started here."""
+    addr = (address or os.environ.get("RAY_ADDRESS", "")).strip()
+    if addr.startswith(("http://", "https://")):
+        return addr.rstrip("/")
+    host = addr.split("://", 1)[-1].rsplit(":", 1)[0] if addr not in ("", "auto", "local") else ""
+    return f"http://{host or '127.0.0.1'}:8265"
+
+
+def commands(workload: str, preset: str, fixed: dict[str, Any], knobs: dict[str, Any],
+             flags: Sequence[str] = (), address: str = JOB_ADDRESS) -> tuple[str, str]:
+    """The exact `raysys train` command of a trial's config, locally and as a Ray job; ``flags`` are the
+    launch options that keep the run where the sweep's runs were (its storage and tracking store)."""
     sets = " ".join(f"--set {_arg(k, v)}" for k, v in {**fixed, **knobs}.items())
-    train = f"python -m raysys train {workload} --preset {shlex.quote(preset)} {sets}".rstrip()
-    return train, f"ray job submit --address {JOB_ADDRESS} --working-dir . -- {train}"
+    where = " ".join(shlex.quote(str(f)) for f in flags)
+    train = " ".join(filter(None, [f"python -m raysys train {workload} --preset {shlex.quote(preset)}", where, sets]))
+    return train, f"ray job submit --address {address} --working-dir . -- {train}"
 
 
 def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecord], tolerance: float,
-                        sp, throughput_metric: str, quality_metric: str) -> str:
+                        sp, throughput_metric: str, quality_metric: str, launch: tuple = ((), JOB_ADDRESS)) -> str:
     eligible = [r for r in records if r.eligible]
     if rec is None:
         return "No recommendation: no trial finished stable with a finite quality.\n"
     best = best_of(eligible).quality
     lower = "" if rec.higher_is_better else ", lower is better"
-    train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs)
+    train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs, *launch)
     return (f"Recommended: trial {rec.trial_id}, the fastest within {tolerance:g} of the best {quality_metric} "
             f"({best:.4g}{lower}): {throughput_metric} {rec.throughput:.4g}, {quality_metric} {rec.quality:.4g}.\n\n"
             f"Train it (from any folder):\n\n    cd {shlex.quote(os.getcwd())} && {train}\n\nOn a Ray cluster (with token auth on a local cluster, prefix "
@@ -113,7 +126,8 @@ def write_csv(records: Sequence[TrialRecord], path: Path, front_ids: set[str] = 
 
 
 def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_metric: str, quality_metric: str,
-              sweep_dir: Path, parent_log, budget_hit: bool = False) -> Optional[TrialRecord]:
+              sweep_dir: Path, parent_log, budget_hit: bool = False,
+              launch: tuple = ((), JOB_ADDRESS)) -> Optional[TrialRecord]:
     """Print the front and the recommendation; write them (and the plot) as parent-run artifacts, and the
     recommendation as the parent run's description."""
     from raysys.tune.plot import plot
@@ -125,7 +139,7 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
     head = (f"Sweep of {wl.name} ({sp.source}): {len(records)} trials — " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
             + (" (time budget reached)" if budget_hit else "") + f"; Pareto front: {len(front)} trial(s)")
     tbl = table(records, throughput_metric, quality_metric, front_ids, rec_id)
-    text = recommendation_text(rec, records, tolerance, sp, throughput_metric, quality_metric)
+    text = recommendation_text(rec, records, tolerance, sp, throughput_metric, quality_metric, launch)
     if any("measured_throughput" in r.extra for r in records):
         tbl += (f"\n{throughput_metric}: the median of the trials that run the same program (they differ only "
                 "in knobs that change no array shape); each trial's own measurement is in trials.csv.\n")
@@ -152,7 +166,7 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
     if rec is not None:
         # Not objective/*: sorted by an objective, the parent would rank as one more trial.
         metrics |= {"sweep/recommended_throughput": sig(rec.throughput), "sweep/recommended_quality": sig(rec.quality)}
-        train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs)
+        train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs, *launch)
         parent_log.set_tags({"raysys.recommended_trial": rec.trial_id, "raysys.recommended_run": rec.run_name,
                              "raysys.recommended_command": train[:5000]})
     parent_log.set_note(f"{head}\n\n{text}\n{tbl}")

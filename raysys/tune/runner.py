@@ -281,6 +281,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
     tracking.check_store(uri)
     _check_local_cluster(sp, opts)
+    if stored and storage.is_remote(opts.storage_path):  # a Ctrl-C kills trials without their leases' release
+        storage.settle_leases(storage.Remote(storage.join(opts.storage_path, name, "runs")), "[raysys.tune] --resume")
     tolerance = opts.tolerance if opts.tolerance is not None else float(sp.objectives.get("tolerance", obj.DEFAULT_TOLERANCE))
     throughput_metric = sp.objectives.get("throughput", wl.throughput_metric)
     quality_metric = str(sp.objectives.get("quality", wl.quality_metric))
@@ -316,8 +318,11 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     remote = storage.remote_of(sweep_dir)
     runs_storage = storage.join(opts.storage_path, name, "runs") if remote else str(sweep_dir / "runs")
+    # The recommended command keeps its run where the sweep's runs were
+    flags = (("--storage-path", opts.storage_path) if remote else ()) + \
+        (("--tracking-uri", uri) if uri != tracking.resolve_tracking_uri(None) else ())
     setup = TrialSetup(workload=registry.ref(wl), base_config=to_dict(base), sweep_name=name, sweep_dir=str(sweep_dir),
-                       runs_storage=runs_storage, sweep_storage=opts.storage_path if remote else "",
+                       runs_storage=runs_storage, sweep_storage=opts.storage_path if remote else "", train_flags=flags,
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
                        stability=sp.stability, quality_penalty=_penalty(sp), quality_mode=sp.quality_mode,
@@ -379,7 +384,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
               + _extra_flags(opts), flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", signal.SIGINT))
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
-                           budget_hit=budget_hit)
+                           budget_hit=budget_hit, launch=(flags, report.job_address(opts.address)))
     storage.push_tree(sweep_dir / "report")
     tracking.end_run(uri, parent, status="FINISHED")
     print(f"[raysys.tune] compare the trials in MLflow: {link}", flush=True)

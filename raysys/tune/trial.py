@@ -77,6 +77,9 @@ class TrialSetup:
     """'max' or 'min': which way quality is better."""
     sweep_storage: str = ""
     """The sweeps' storage URI when remote ('' for a local folder)."""
+    train_flags: tuple = ()
+    """Launch options a trial's `raysys train` command carries to run where the sweep's runs were: a remote
+    --storage-path, a --tracking-uri other than the working directory's."""
     preset: str = ""
     """The space's base preset, recorded on each trial's run with its equivalent train command."""
     fixed: tuple = ()
@@ -129,7 +132,8 @@ class TrialSetup:
 
         return {"raysys.sweep": self.sweep_name, "raysys.trial_id": trial_id, "raysys.kind": "sweep_trial",
                 "mlflow.runName": self.display_name(trial_id, knobs), "raysys.preset": self.preset,
-                "raysys.command": commands(self.workload, self.preset, dict(self.fixed), knobs)[0][:5000]}
+                "raysys.command": commands(self.workload, self.preset, dict(self.fixed), knobs,
+                                                   self.train_flags)[0][:5000]}
 
     def tracker(self, trial_id: Optional[str] = None) -> ObjectiveTracker:
         """A trial's tracker; a trial resumed after its sweep stopped starts from its last measured objectives

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -44,7 +45,11 @@ def measure_rllib_ppo(seconds: float = 60.0, num_env_runners: int = 1, envs_per_
 
     from raysys.train.launcher import init_ray
 
-    init_ray(None)
+    with warnings.catch_warnings():
+        # JAX warns at every fork of its (multithreaded) process; Ray's start-up forks only to exec its
+        # services at once, which the warning's deadlock cannot reach
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        init_ray(None)
     register_env("raysys-hackmatrix-flat", _make_env)
     t_build = time.perf_counter()
     algo = (
