@@ -2,6 +2,7 @@
 loaders, compile (slow), and CUDA paths (skipped without a GPU)."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -69,7 +70,12 @@ def test_cross_validation_runs_each_fold_under_one_parent(workdir, capsys):
     runs = client.search_runs([exp.experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "cross_validation"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 2 and "cv_mean/qwk" in parent.data.metrics
+    assert len(children) == 2 and "cv_mean/qwk" in parent.data.metrics and "| **std** |" in out
+    qwk = [c.data.metrics["eval/qwk"] for c in children]
+    assert parent.data.metrics["cv_std/qwk"] == pytest.approx(statistics.stdev(qwk), abs=1e-9)
+    # the held-out fold is each child's; the parent has the fold count instead
+    assert "data.fold" not in parent.data.params and parent.data.params["cv.folds"] == "2"
+    assert sorted(c.data.params["data.fold"] for c in children) == ["0", "1"]
 
 
 @pytest.mark.parametrize("workers,gpus,backend", [(2, 0, "gloo"), (1, 1, "nccl"), (4, 1, "nccl"), (0, 1, "nccl"),

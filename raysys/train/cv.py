@@ -30,7 +30,9 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
     parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation", **(tags or {})},
                                 resume=cfg.launch.resume)
     logger = tracking.MLflowLogger(uri, parent)
-    logger.log_params({key: v for key, v in flatten(to_dict(cfg)).items() if not key.startswith("launch.")})
+    # the parent stands for every fold: the held-out one is each child's param, k is the parent's
+    logger.log_params({key: v for key, v in flatten(to_dict(cfg)).items() if not key.startswith("launch.") and key != fold_key}
+                      | {"cv.folds": k})
     results = []
     try:
         for fold in range(k):
@@ -51,12 +53,16 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
         tracking.end_run(uri, parent, "FAILED")
         raise
     names = sorted({m for r in results for m in r.metrics if m.startswith("eval/")})
-    mean = {f"cv_mean/{m.split('/', 1)[1]}": statistics.fmean(r.metrics[m] for r in results if m in r.metrics) for m in names}
-    rows = ["| fold | " + " | ".join(n.split("/", 1)[1] for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+    vals = {m.split("/", 1)[1]: [r.metrics[m] for r in results if m in r.metrics] for m in names}
+    mean = {f"cv_mean/{n}": statistics.fmean(v) for n, v in vals.items()}
+    # the folds' spread (sample standard deviation) says whether two configurations' means differ at all
+    std = {f"cv_std/{n}": statistics.stdev(v) if len(v) > 1 else 0.0 for n, v in vals.items()}
+    rows = ["| fold | " + " | ".join(vals) + " |", "|---" * (len(names) + 1) + "|"]
     rows += [f"| {i} | " + " | ".join(f"{r.metrics.get(n, float('nan')):.4f}" for n in names) + " |" for i, r in enumerate(results)]
-    rows.append("| **mean** | " + " | ".join(f"{mean['cv_mean/' + n.split('/', 1)[1]]:.4f}" for n in names) + " |")
+    rows.append("| **mean** | " + " | ".join(f"{mean['cv_mean/' + n]:.4f}" for n in vals) + " |")
+    rows.append("| **std** | " + " | ".join(f"{std['cv_std/' + n]:.4f}" for n in vals) + " |")
     table = "\n".join(rows) + "\n"
-    logger.log_metrics(mean, step=0)
+    logger.log_metrics(mean | std, step=0)
     logger.log_text(table, "cross_validation.md")
     tracking.end_run(uri, parent, "FINISHED")
     print(f"[raysys] {k}-fold cross-validation of {wl.name}:\n{table}", flush=True)
