@@ -4,6 +4,7 @@ by ``module:attr`` from the user's folder, its members K separate MLflow child r
 
 import csv
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -283,6 +284,45 @@ def test_a_killed_vectorized_trial_starts_again_from_its_members_checkpoints(tmp
         steps = [m.step for m in client.get_metric_history(c.info.run_id, "eval/accuracy")]
         assert max(steps) == 20_000 and steps.count(100) == 1, "started over instead of resuming"
         assert c.info.status == "FINISHED"
+
+
+@pytest.mark.slow  # ~1.5 min; the default suite stops a lone trial's run the same way (test_tune_sweep)
+def test_a_vectorized_sweep_stopped_with_ctrl_c_checkpoints_every_member_at_its_step_boundary(tmp_path):
+    """Tune ends a trial by returning from its stop at once, and its process is gone within a second:
+    the program in Tune's thread died mid-step or mid-save, and each member kept only its last periodic
+    checkpoint (here: none). Now the trial's stop waits for the program to stop as Ctrl-C stops a run."""
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from conftest import interrupt_sweep
+
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project)
+    (project / "long.yaml").write_text(yaml.safe_dump({
+        "workload": "digits_jax:WORKLOAD", "preset": "quick",
+        "fixed": {"train.steps": 10_000_000, "train.checkpoint_every_minutes": 60, "train.compilation_cache_dir": ""},
+        "space": {"train.lr": {"loguniform": [1.0e-3, 1.0e-2]}, "train.seed": {"randint": [0, 1000]}},
+        "objectives": {"throughput": "perf/samples_per_s", "quality": "eval/accuracy"}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    runs = project / "raysys_runs" / "sweeps" / "cut" / "runs"
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+
+    def training() -> bool:  # both members have logged an evaluation
+        try:
+            exp = client.get_experiment_by_name("raysys-digits_jax")
+            kids = [r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+        except Exception:
+            return False
+        return len(kids) == 2 and all("eval/accuracy" in r.data.metrics for r in kids)
+
+    rc, out = interrupt_sweep(["--space", "long.yaml", "--vectorize", "2", "--num-samples", "2", "--name", "cut"],
+                              project, training, env=env, timeout=600, poll_s=1.0)
+    assert rc == 130 and "--resume" in out
+    members = sorted(p for p in runs.glob("cut-*") if p.is_dir())
+    steps = [[int(m.name.split("_")[1]) for m in p.glob("checkpoints/step_*") if (m / "meta.json").is_file()]
+             for p in members]
+    assert len(members) == 2 and all(steps), f"a member kept no checkpoint: {steps}"
+    assert steps[0] == steps[1], "the members stopped at different steps of one program"
 
 
 NARROW_ONLY = '''

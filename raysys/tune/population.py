@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import signal
 from typing import Any, Optional, Sequence
 
 from ray.tune.search import Searcher
@@ -105,9 +106,25 @@ class Reports:
     means a new chunk began). Each member's report passes its own :class:`ObjectiveTracker`."""
 
     def __init__(self, ids: list[str], trackers: list, send):
-        self.ids, self.trackers, self.send = ids, trackers, send
+        self.ids, self.trackers, self._send = ids, trackers, send
         self.pending: dict[int, dict] = {}
         self.latest: dict[int, dict] = {}  # each member's last report sent
+        self.ended: Optional[BaseException] = None
+        """What Tune's report raised once Tune ended the trial (a sweep's Ctrl-C, its end)."""
+
+    def send(self, out: dict) -> None:
+        """Tune's report. When Tune ends the trial, its report raises (SystemExit) inside the program's loop:
+        the program is asked to stop as Ctrl-C stops a run instead, at its next step boundary with every
+        member's checkpoint, and nothing more is sent (``run_population_trial`` raises it afterwards)."""
+        if self.ended is not None:
+            return
+        try:
+            self._send(out)
+        except BaseException as e:
+            from raysys import lifecycle
+
+            self.ended = e
+            lifecycle.request_stop(signal.SIGINT)
 
     def reporter(self, j: int):
         def report(metrics: dict) -> Optional[str]:
@@ -159,7 +176,7 @@ def run_population_trial(config: dict, setup) -> None:
     from raysys import workload as registry
     from raysys.session import run_population
     from raysys.tune.trial import (begin_trial, fail_permanently, log_event, release_trial_memory, reused_final,
-                                   trial_config)
+                                   trial_config, training)
 
     trial_id = tune.get_context().get_trial_id()
     begin_trial()
@@ -181,9 +198,12 @@ def run_population_trial(config: dict, setup) -> None:
             for j, cfg in zip(todo, cfgs):
                 log_event(setup.sweep_dir, f"start {ids[j]} run={cfg.launch.name} resume={cfg.launch.resume} "
                                            f"population={trial_id}")
-            results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
-                                     tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
-                                     reports=[reports.reporter(j) for j in todo])
+            with training():  # a stop of the trial waits for the members' checkpoints (trial.trainable)
+                results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
+                                         tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
+                                         reports=[reports.reporter(j) for j in todo])
+            if reports.ended is not None:  # Tune ended the trial; its members stopped with their checkpoints
+                raise reports.ended
         except Exception as e:  # the program failed, so every member did; a permanent error is not retried
             if not fail_permanently(setup, trial_id, e, lambda reason: [reports.fail(j, reason) for j in todo]):
                 raise

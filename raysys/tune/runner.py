@@ -254,6 +254,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     from raysys.tune.population import run_population_trial
     from raysys.tune.progress import OBJECTIVES_DIR, ObjectiveLog, Progress, StabilityStopper
     from raysys.tune.trial import TrialSetup, run_trial
+    from raysys.tune.trial import trainable as winds_down
 
     sp = spaces.load(opts.space, preset=opts.preset, overrides=opts.sets)
     wl = registry.get(sp.workload)
@@ -331,7 +332,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     say_if_in_ray_package(sweep_dir, uri, "sweep")
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
     fn = run_population_trial if opts.vectorize > 1 else run_trial
-    trainable = tune.with_resources(tune.with_parameters(fn, setup=setup),
+    trainable = tune.with_resources(winds_down(tune.with_parameters(fn, setup=setup)),
                                     functools.partial(trial_resources, launch))
     print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
           f"{opts.num_samples} trials{f' ({opts.vectorize} per program)' if opts.vectorize > 1 else ''}, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"

@@ -239,6 +239,42 @@ def begin_trial() -> None:
     os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(WIND_DOWN_S))
 
 
+_TRAINING: list[threading.Event] = []
+"""One event per training of this process still running (set once it has ended), for ``trainable``."""
+
+
+@contextlib.contextmanager
+def training():
+    """A trial's training, which a stop of the trial lets reach its next step boundary (``trainable``)."""
+    ended = threading.Event()
+    _TRAINING.append(ended)
+    try:
+        yield
+    finally:
+        ended.set()
+        _TRAINING.remove(ended)
+
+
+def trainable(fn) -> type:
+    """``fn`` as Tune's function trainable whose stop waits (up to WIND_DOWN_S) for the training it
+    started. Tune stops a trial (a sweep's Ctrl-C, its end) by ending its session and returning at once;
+    the trial's process is then ended within a second, and training in Tune's thread with it, mid-step
+    or mid-save. Told by its report, the training stops at its next step boundary with a checkpoint,
+    as Ctrl-C stops a run; this waits for that."""
+    from ray.tune.trainable.function_trainable import wrap_function
+
+    class WindsDown(wrap_function(fn)):
+        def cleanup(self):
+            try:
+                super().cleanup()  # ends the session: the training's next report raises
+            finally:
+                deadline = time.monotonic() + WIND_DOWN_S
+                for ended in list(_TRAINING):
+                    ended.wait(max(0.0, deadline - time.monotonic()))
+
+    return WindsDown
+
+
 def run_trial(config: dict, setup: TrialSetup) -> None:
     """The Tune function trainable. ``config`` holds exactly the sampled knobs."""
     from ray import tune
@@ -248,7 +284,8 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     setup.attach_storage()
     tracker = setup.tracker(trial_id)
     try:
-        _run_trial(config, setup, trial_id, tracker)
+        with training():
+            _run_trial(config, setup, trial_id, tracker)
     except Exception as e:
         if not fail_permanently(setup, trial_id, e, lambda reason: tune.report(tracker.failed(reason))):
             raise
