@@ -145,6 +145,9 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
         if distributed_kind(wl) is None:
             from raysys.config import ConfigError
 
+            if wl.config("default").launch.workers == 0:  # its config says so: the workers were asked for
+                raise ConfigError(f"{wl.name} trains in this process (it has no multi-worker launcher): "
+                                  f"launch.workers={cfg.launch.workers} cannot be; pass --workers 0 or leave it out")
             raise ConfigError(f"{wl.name} has no multi-worker launcher, and launch.workers is {cfg.launch.workers} "
                               "(LaunchConfig's default is 1): pass --workers 0, or give its config "
                               "launch: LaunchConfig = field(default_factory=lambda: LaunchConfig(workers=0))")

@@ -264,8 +264,15 @@ def worker_run_dir(p: dict) -> Path:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write a run file in the working copy and push it to the run's storage."""
-    Path(path).write_text(text)
+    """Write a run file in the working copy and push it to the run's storage. The file appears whole or
+    not at all: a process killed mid-write must not leave an empty config snapshot a resume reads."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
     push(path)
 
 

@@ -406,6 +406,9 @@ def get(name: str) -> Workload:
         _note_local(mod)
         register(wl, ref_)
         return register(wl, name)
+    if name.endswith(".py") and ":" not in name:
+        raise ConfigError(f"workload '{name}': name the Workload in the file too, e.g. {name}:WORKLOAD "
+                          "(path/to/file.py:attr, docs/your-workload.md)")
     raise ConfigError(f"unknown workload '{name}'; available: {', '.join(available()) or '(none)'}; "
                       "or name your own as module:attr or path/to/file.py:attr (docs/your-workload.md)")
 

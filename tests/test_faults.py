@@ -154,6 +154,7 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--name", "../../x"], "not a valid run name"),
     (["--name", "/abs/path", "--resume"], "not a valid run name"),
     (["--max-failures", "-2"], "launch.max_failures must be >= 0, got -2"),
+    (["--set", "train.seed=-1"], "train.seed must be in [0, 2**32), got -1"),
     (["--set", "train.max_steps=0"], "train.max_steps must be >= 1"),
     (["--set", "model.memory_size=0"], "model.memory_size must be >= 1"),
     (["--set", "model.chunk=0"], "model.chunk must be >= 1"),
@@ -310,6 +311,21 @@ def test_unit_checkpoint_store_finishes_an_interrupted_swap(tmp_path):
     assert store.latest() is None
     assert store.clean_stale() == [".old-step_000000003-89abcdef -> step_000000003"]
     assert store.load()[0]["x"].item() == 1.0
+
+
+def test_a_snapshot_cut_by_a_kill_is_never_what_a_resume_reads(tmp_path):
+    """Config snapshots are written whole or not at all; an empty one an older raysys left (killed
+    between open and write) is passed over for the newest whole one, where it broke every --resume."""
+    from raysys import storage
+    from raysys.train.launcher import saved_config
+
+    storage.write_text(tmp_path / "config.yaml", "train: {epochs: 2}\n")
+    storage.write_text(tmp_path / "config.resume-1.yaml", "train: {epochs: 3}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.resume-1.yaml", "config.yaml"]  # no temp left
+    (tmp_path / "config.resume-2.yaml").write_text("")  # cut by a kill
+    assert saved_config(tmp_path) == tmp_path / "config.resume-1.yaml"
+    (tmp_path / "config.resume-1.yaml").write_text("[unclosed")
+    assert saved_config(tmp_path) == tmp_path / "config.yaml"
 
 
 # ---- faults of the machine and the services --------------------------------------------------------

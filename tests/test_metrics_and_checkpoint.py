@@ -286,3 +286,24 @@ def test_the_end_of_a_run_sends_what_waited_once_the_server_is_back(tmp_path):
         assert client.get_run(run_id).info.status == "FINISHED"
     finally:
         server.stop()
+
+
+def test_a_run_whose_final_quality_is_not_finite_failed():
+    """Too few non-finite losses in a row for the loop to stop itself, but a NaN model at the end: the
+    run is FAILED (diverged), not a success with `eval/mse nan`; a quality a loop need not report
+    (a Task's, evaluated at its end) is not asked for."""
+    from raysys import lifecycle
+    from raysys.train.launcher import _Outcome
+
+    lifecycle.reset()
+    o = _Outcome()
+    o.check({"step": 10, "eval/mse": float("nan"), "stability/nonfinite_loss": 8}, quality="eval/mse", required=False)
+    assert o.failure == "diverged: its final eval/mse is nan"
+    o.check({"step": 10, "eval/mse": float("inf")}, quality="eval/mse")
+    assert o.failure == "diverged: its final eval/mse is inf"
+    o.check({"step": 10, "eval/mse": 0.5}, quality="eval/mse", required=False)
+    assert o.failure == ""
+    o.check({"step": 10}, quality="eval/mse", required=False)
+    assert o.failure == ""
+    o.check({"step": 10}, quality="eval/mse")
+    assert o.failure.startswith("no quality: ")

@@ -255,7 +255,8 @@ def test_unknown_workloads_and_specs_fail_before_anything(tmp_path):
     for spec, words in [("nope", "unknown workload 'nope'"), ("no_such_module:WORKLOAD", "no module named"),
                         ("json:WORKLOAD", "has no attribute"), ("json:dumps", "not a raysys.workload.Workload"),
                         ("./no_such_file.py:WORKLOAD", "no Python file"), ("./notes.txt:WORKLOAD", "Python module"),
-                        ("sub/json.py:WORKLOAD", "no Python file"), ("shadow/json.py:WORKLOAD", "already taken")]:
+                        ("sub/json.py:WORKLOAD", "no Python file"), ("shadow/json.py:WORKLOAD", "already taken"),
+                        ("shadow/json.py", "name the Workload in the file too, e.g. shadow/json.py:WORKLOAD")]:
         proc = _run(["python", "-m", "raysys", "train", spec, "--workers", "0"], tmp_path)
         assert proc.returncode == 2, spec
         assert words in proc.stderr, (spec, proc.stderr)
@@ -819,3 +820,16 @@ def test_a_train_fn_loops_mistakes_are_one_line(workdir, capsys, attr, line):
     assert main(["train", f"loop_mistakes:{attr}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0], err
+
+
+def test_workers_asked_of_an_in_process_loop_are_one_line(workdir, capsys):
+    """Its config already says workers=0: the line names the flag given, not the config to change."""
+    import shutil as sh
+
+    from raysys.cli import main
+
+    sh.copy(TINY, workdir / "tiny_workload.py")
+    assert main(["train", "tiny_workload:WORKLOAD", "--workers", "2"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "trains in this process (it has no multi-worker launcher): launch.workers=2 cannot be" in err
+    assert not (workdir / "raysys_runs").exists()

@@ -34,7 +34,7 @@ def _final(workdir: Path, name: str) -> dict:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", configure_logging=False)
     yield
     ray.shutdown()
 

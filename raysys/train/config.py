@@ -122,6 +122,8 @@ class TrainConfig:
                      "breakdown_every_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:  # numpy's and torch's seeds; a negative one failed after the run began
+            raise ConfigError(f"train.seed must be in [0, 2**32), got {self.seed}")
         # max_steps=0 trained nothing and reported success; a run must take at least one step
         at_least(self, "train.", 1, "max_steps", "checkpoint_every_steps")
         require(self.checkpoint_every_minutes is None or self.checkpoint_every_minutes > 0,

@@ -21,7 +21,8 @@ from raysys.train.launcher import RunResult, run_training
 
 def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult:
     if "folds" not in wl.extra:
-        raise ConfigError(f"{wl.name} has no k-fold split; --cv is not available for it")
+        raise ConfigError(f"{wl.name} has no k-fold split; --cv is not available for it (a workload opts in with "
+                          "Workload(extra={'folds': (<key of k>, <key of the held-out fold>)}), docs/your-workload.md)")
     k_key, fold_key = wl.extra["folds"]
     k = flatten(to_dict(cfg))[k_key]
     base = _resumed(wl, cfg.launch) if cfg.launch.resume else cfg.launch.name or f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import math
 import shutil
 import sys
 import time
@@ -104,11 +105,17 @@ def ray_storage(run_dir: Path) -> dict:
 
 
 def saved_config(run_dir: Path) -> Optional[Path]:
-    """The config snapshot a resume continues from: the newest of config.yaml, config.resume-N.yaml."""
-    snaps = [p for p in run_dir.glob("config.resume-*.yaml") if p.stem.split("-")[-1].isdigit()]
-    if snaps:
-        return max(snaps, key=lambda p: int(p.stem.split("-")[-1]))
-    return run_dir / "config.yaml" if (run_dir / "config.yaml").is_file() else None
+    """The config snapshot a resume continues from: the newest whole one of config.yaml,
+    config.resume-N.yaml (a process killed mid-write by an older raysys left an empty file)."""
+    snaps = sorted((p for p in run_dir.glob("config.resume-*.yaml") if p.stem.split("-")[-1].isdigit()),
+                   key=lambda p: int(p.stem.split("-")[-1]), reverse=True)
+    for snap in [*snaps, run_dir / "config.yaml"]:
+        try:
+            if isinstance(yaml.safe_load(snap.read_text()), dict):
+                return snap
+        except (OSError, yaml.YAMLError):
+            pass
+    return None
 
 
 def _next_snapshot(run_dir: Path, resume: bool) -> Path:
@@ -276,9 +283,10 @@ def init_ray(address: Optional[str]) -> None:
             raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
     else:
         # The dashboard process also serves the State API that Train V2's controller polls; it binds
-        # to 127.0.0.1 only, so nothing listens beyond this machine.
+        # to 127.0.0.1 only, so nothing listens beyond this machine. address="local": with no address,
+        # ray.init joins any cluster a `ray start` left on this machine (another user's, say).
         with ray_services_in_own_session():
-            ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet,
+            ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet,
                      configure_logging=False, runtime_env=env)
     lifecycle.reinstall_if_active()  # ray.init replaced our SIGTERM handler with its own
 
@@ -549,14 +557,19 @@ class _Outcome:
     trained_nothing: bool = False
     """A resume after the run's end that trained nothing (its recorded final metrics kept)."""
 
-    def check(self, final: dict, quality: Optional[str] = None) -> None:
+    def check(self, final: dict, quality: Optional[str] = None, required: bool = True) -> None:
         """The block's run ended with these final metrics: a diverged loss makes it FAILED, and so does
-        ending without ``quality`` (a metric its workload declares), unless it was asked to stop: a run
-        that cannot be judged did not do what it was for."""
+        ending with a non-finite ``quality`` (a metric its workload declares), or without it where
+        ``required``, unless it was asked to stop: a run that cannot be judged did not do what it was for."""
         self.failure = divergence(final) or ""
-        if quality and not self.failure and lifecycle.stop_requested() is None and quality not in final:
-            self.failure = (f"no quality: the run ended without {quality} (Workload.quality_metric), neither "
-                            "logged through its session nor in what train_fn returned")
+        if quality and not self.failure and lifecycle.stop_requested() is None:
+            if quality not in final and required:
+                self.failure = (f"no quality: the run ended without {quality} (Workload.quality_metric), neither "
+                                "logged through its session nor in what train_fn returned")
+            elif isinstance(final.get(quality), float) and not math.isfinite(final[quality]):
+                # a model whose quality is NaN learned nothing that can be judged (its loss may have gone
+                # non-finite too few times in a row for the loop to stop itself)
+                self.failure = f"diverged: its final {quality} is {final[quality]}"
 
 
 ERROR_FILE = "error.txt"
@@ -835,7 +848,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
             except OSError:
                 pass
         metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
-        outcome.check(metrics)
+        outcome.check(metrics, quality=wl.quality_metric, required=False)  # the loop evaluates at its end
         outcome.trained_nothing = recorded is not None and metrics == recorded
     return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)

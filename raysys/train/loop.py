@@ -325,7 +325,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         ray.train.report({**kept, "done": 1.0})
         return
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
-             "stability/diverged": float(diverged), **speed.rates(world), **monitor.metrics()}
+             "stability/diverged": float(diverged), **monitor.metrics(),
+             # no step this session (killed after its last checkpoint, before this): no speed to report, not 0
+             **(speed.rates(world) if step > step_at_start else {})}
     if rank == 0:
         fresh = eval_step != step and not diverged
         if fresh:  # stopped by max_steps mid-epoch: the model trained since the last evaluation is the result

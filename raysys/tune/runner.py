@@ -212,7 +212,9 @@ def _init_ray(address: Optional[str]) -> None:
         from raysys.train.launcher import ray_services_in_own_session
 
         with ray_services_in_own_session():  # a SIGTERM to the whole group reaches the driver only
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=env)
+            # "local": never a cluster a `ray start` left on this machine (ray.init's default joins it)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env=env)
 
 
 def _prepare(wl: registry.Workload, cfg: Any) -> Any:
