@@ -833,3 +833,38 @@ def test_workers_asked_of_an_in_process_loop_are_one_line(workdir, capsys):
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "trains in this process (it has no multi-worker launcher): launch.workers=2 cannot be" in err
     assert not (workdir / "raysys_runs").exists()
+
+
+BATCHNORM = '''
+import dataclasses
+
+import torch
+
+import digits_mlp
+
+
+class BNTask(digits_mlp.DigitsTask):
+    def build_model(self, cfg):
+        model = digits_mlp.MLP(cfg.model)
+        model.net.insert(1, torch.nn.BatchNorm1d(cfg.model.hidden))
+        return model
+
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_bn", task=BNTask())
+'''
+
+
+def test_a_batch_of_one_for_batchnorm_is_said_and_drop_last_trains(project):
+    """1,347 training digits in batches of 673 end each epoch with a batch of one, which BatchNorm
+    cannot train on: said in one line before the first step (it was BatchNorm's ValueError at the
+    epoch's end, restarted max_failures times); loader.drop_last leaves that batch out."""
+    (project / "digits_bn.py").write_text(BATCHNORM)
+    args = ["python", "-m", "raysys", "train", "digits_bn:WORKLOAD", "--preset", "quick", "--workers", "0",
+            "--set", "train.batch_size=673", "--set", "train.epochs=2"]
+    bad = _run([*args, "--name", "bn1"], project)
+    assert bad.returncode == 2 and "set loader.drop_last=true" in bad.stderr
+    assert "restarting" not in bad.stdout + bad.stderr
+    ok = _run([*args, "--name", "bn2", "--set", "loader.drop_last=true"], project)
+    assert ok.returncode == 0
+    final = json.loads((project / "raysys_runs" / "bn2" / "final_metrics.json").read_text())
+    assert final["step"] == 2 * 2  # two whole batches an epoch, the sample left over dropped

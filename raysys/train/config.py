@@ -72,6 +72,10 @@ class LoaderConfig:
     bucket_batches: int = 0
     """Length bucketing, for datasets with a ``lengths`` array (text): sort each window of this many
     batches of the shuffled order by length, so a batch pads little. 0 = off."""
+    drop_last: bool = False
+    """Leave out each epoch's last, partial batch of a worker (a BatchNorm layer cannot train on a batch of
+    one sample; per-batch statistics are noisy on a small one). The samples it held come first in another
+    epoch's shuffled order."""
 
     def validate(self) -> None:
         if self.num_workers < 0:

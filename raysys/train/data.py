@@ -58,7 +58,7 @@ class ShardSampler(Sampler[int]):
 
 
 def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: LoaderConfig, device: torch.device,
-                seed: int = 0) -> DataLoader:
+                seed: int = 0, train: bool = True) -> DataLoader:
     # A generator of its own: by default each new iterator draws its base seed from torch's global RNG,
     # which also drives dropout, so a run resumed mid-epoch (one iterator more) would drift off the
     # uninterrupted run's dropout masks. Seeded per epoch, loader workers get reproducible seeds too.
@@ -68,7 +68,7 @@ def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: Lo
         if cfg.prefetch_factor is not None:
             kwargs["prefetch_factor"] = cfg.prefetch_factor
     return DataLoader(ds, batch_size=batch_size, sampler=sampler, collate_fn=collate, num_workers=cfg.num_workers,
-                      pin_memory=cfg.pin_memory and device.type == "cuda", **kwargs)
+                      pin_memory=cfg.pin_memory and device.type == "cuda", drop_last=train and cfg.drop_last, **kwargs)
 
 
 def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -131,7 +131,17 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
         raise DataError(f"{wl.name}: its training set is empty (Task.datasets gave {len(train_ds)} items"
                         + (f" for {world} workers)" if len(train_ds) else ")"))
-    micro_per_epoch = math.ceil(len(sampler) / tc.batch_size)
+    per_worker = len(sampler)
+    micro_per_epoch = per_worker // tc.batch_size if cfg.loader.drop_last else math.ceil(per_worker / tc.batch_size)
+    if micro_per_epoch == 0:
+        raise ConfigError(f"loader.drop_last leaves no batch: {per_worker} training samples per worker, fewer than "
+                          f"train.batch_size={tc.batch_size}")
+    if per_worker % tc.batch_size == 1 and not cfg.loader.drop_last and any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        # said now, not as BatchNorm's ValueError at the epoch's last step, restarted max_failures times
+        raise ConfigError(f"{wl.name}: each epoch would end with a batch of one sample ({per_worker} per worker, "
+                          f"train.batch_size={tc.batch_size}), which its BatchNorm cannot train on: set "
+                          "loader.drop_last=true, or another batch size")
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
     total_steps = steps_per_epoch * tc.epochs if tc.max_steps is None else min(tc.max_steps, steps_per_epoch * tc.epochs)
     opt = build_optimizer(cfg.optim, model)
@@ -194,7 +204,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     def evaluate() -> dict[str, float]:
         nonlocal eval_loader_items
         if eval_loader_items is None:  # eval batches are fixed: build (and move) them once
-            loader = make_loader(eval_ds, tc.batch_size, ShardSampler(len(eval_ds), shuffle=False), task.collate, cfg.loader, device)
+            loader = make_loader(eval_ds, tc.batch_size, ShardSampler(len(eval_ds), shuffle=False), task.collate, cfg.loader,
+                                 device, train=False)  # every sample is evaluated (loader.drop_last is training's)
             eval_loader_items = [to_device(b, device) for b in loader]
         model.eval()
         with torch.no_grad(), _autocast(tc.precision, device):
