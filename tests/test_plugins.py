@@ -209,6 +209,24 @@ def test_an_error_in_the_users_training_code_is_kept_with_the_run(project):
                                                     "not among the metrics its evaluate() returned: accuracy")
 
 
+@pytest.mark.slow  # ~1.5 min: a sweep whose one trial fails twice
+def test_a_sweep_trial_failing_again_from_the_same_checkpoint_is_not_restarted_further(project):
+    """An error of the training code (not a worker's) meets every restart at the same step: after it
+    failed twice from the same checkpoint the trial is failed, as `raysys train` stops restarting, and
+    Tune's last restart of it is not spent (it was: 3 attempts, each from step 0)."""
+    (project / "failing.py").write_text(FAILING)
+    (project / "space.yaml").write_text("workload: failing:WORKLOAD\npreset: quick\nfixed:\n  train.epochs: 1\n"
+                                        "  launch.max_failures: 0\nspace:\n  optim.lr: {grid: [0.05]}\n")
+    proc = _run(["python", "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "1", "--name", "s",
+                 "--max-failures", "2"], project)
+    assert proc.returncode == 1, proc.stdout  # its only trial failed
+    assert "restart 1 of 2" in proc.stdout and "restart 2 of 2" not in proc.stdout
+    (line,) = [l for l in proc.stdout.splitlines() if "FAILED" in l]
+    assert "loss exploded at the 5th step (again from the same checkpoint: an error of the training code) (not restarted" in line
+    events = (project / "raysys_runs" / "sweeps" / "s" / "trial_events.log").read_text()
+    assert events.count(" start ") == 2
+
+
 SOMETIMES_BROKEN = BROKEN.replace("    def build_model(self, cfg):  # runs inside each Ray Train worker\n",
                                    "    def build_model(self, cfg):  # runs inside each trial's training\n"
                                    "        if cfg.model.hidden != 128:\n            return super().build_model(cfg)\n")

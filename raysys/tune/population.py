@@ -205,7 +205,8 @@ def run_population_trial(config: dict, setup) -> None:
             if reports.ended is not None:  # Tune ended the trial; its members stopped with their checkpoints
                 raise reports.ended
         except Exception as e:  # the program failed, so every member did; a permanent error is not retried
-            if not fail_permanently(setup, trial_id, e, lambda reason: [reports.fail(j, reason) for j in todo]):
+            if not fail_permanently(setup, trial_id, e, lambda reason: [reports.fail(j, reason) for j in todo],
+                                    runs=[ids[j] for j in todo]):
                 raise
             results = []
         finally:

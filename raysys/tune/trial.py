@@ -101,6 +101,19 @@ class TrialSetup:
         path = Path(self.runs_storage) / name
         return (path / file).is_file() if file else path.is_dir() and any(path.iterdir())
 
+    def latest_checkpoint(self, trial_id: str) -> str:
+        """The name of the trial's run's newest checkpoint folder, '' if it has none."""
+        from raysys import storage
+
+        name = self.run_name(trial_id)
+        if storage.is_remote(self.runs_storage):
+            names = storage.Remote(self.runs_storage).listdir(name, "checkpoints")
+        else:
+            folder = Path(self.runs_storage) / name / "checkpoints"
+            names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+        steps = sorted(n for n in names if n.startswith("step_"))  # zero-padded: in step order
+        return steps[-1] if steps else ""
+
     def read_run_file(self, trial_id: str, file: str) -> str:
         from raysys import storage
 
@@ -215,9 +228,32 @@ def permanent_reason(e: BaseException) -> Optional[str]:
     return None if cause is None else error_summary(f"{type(cause).__name__}: {cause}")
 
 
-def fail_permanently(setup: TrialSetup, trial_id: str, e: BaseException, report) -> bool:
-    """If ``e`` is permanent: log it and send the trial's last report (``report(reason)``); else False."""
-    reason = permanent_reason(e)
+def repeated_failure(setup: TrialSetup, trial_id: str, e: BaseException, runs: Optional[list] = None) -> Optional[str]:
+    """One line if the trial failed before with this error from the same checkpoints of its ``runs``
+    (default: its own): an error of its code, which Tune's next restart would only repeat, as
+    ``raysys train`` stops restarting (``fit_with_restarts``). Else None, and the failure is noted in
+    <sweep>/trial_events.log for the next time."""
+    from raysys import storage
+
+    line = error_summary(e)
+    at = ",".join(setup.latest_checkpoint(t) or "none" for t in (runs or [trial_id]))
+    mark = f"error {trial_id} from={at} {line}"
+    log = Path(setup.sweep_dir) / "trial_events.log"
+    storage.pull(log)
+    try:
+        seen = [ln.split(" ", 1)[-1] for ln in log.read_text().splitlines()]
+    except OSError:
+        seen = []
+    if mark in seen:
+        return f"{line} (again from the same checkpoint: an error of the training code)"
+    log_event(setup.sweep_dir, mark)
+    return None
+
+
+def fail_permanently(setup: TrialSetup, trial_id: str, e: BaseException, report, runs: Optional[list] = None) -> bool:
+    """If ``e`` is permanent, or repeats the trial's last failure (``repeated_failure``): log it and send
+    the trial's last report (``report(reason)``); else False."""
+    reason = permanent_reason(e) or repeated_failure(setup, trial_id, e, runs)
     if reason is None:
         return False
     log_event(setup.sweep_dir, f"fail {trial_id} {reason}")
