@@ -175,13 +175,17 @@ class CheckpointStore:
     def clean_stale(self) -> list[str]:
         """Finish or undo what a crash mid-save left behind (call only while holding the run's lock, so no
         other process is writing): a complete ``.tmp-step_N`` or ``.old-step_N`` whose ``step_N`` is
-        missing is moved into place; the rest of those hidden folders is removed."""
+        missing is moved into place; the rest of those hidden folders (and ``.pruned-step_N``) is removed."""
         if not self.root.is_dir():
             return []
         done = []
         for p in sorted(self.root.iterdir()):
-            m = re.fullmatch(r"\.(tmp|old)-(step_\d{9})-[0-9a-f]{8}", p.name)
+            m = re.fullmatch(r"\.(tmp|old|pruned)-(step_\d{9})-[0-9a-f]{8}", p.name)
             if not m or not p.is_dir():
+                continue
+            if m.group(1) == "pruned":  # an older checkpoint the run was removing
+                shutil.rmtree(p, ignore_errors=True)
+                done.append(f"removed {p.name}")
                 continue
             final = self.root / m.group(2)
             if (p / "meta.json").is_file() and not (final / "meta.json").is_file() and not final.exists():
@@ -252,7 +256,11 @@ class CheckpointStore:
         for stale in self.complete()[:-self.keep]:
             if self.remote is not None:
                 self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
-            shutil.rmtree(stale, ignore_errors=True)
+            # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not a
+            # step_N half deleted
+            gone = self.root / f".pruned-{stale.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(stale, gone)
+            shutil.rmtree(gone, ignore_errors=True)
         return final
 
     def load(self, path: Optional[Path] = None) -> tuple[dict, dict]:

@@ -311,6 +311,14 @@ def test_unit_checkpoint_store_finishes_an_interrupted_swap(tmp_path):
     assert store.latest() is None
     assert store.clean_stale() == [".old-step_000000003-89abcdef -> step_000000003"]
     assert store.load()[0]["x"].item() == 1.0
+    # a prune cut by a kill: the older checkpoint, moved out of sight first, is removed; the newest stays
+    store.save({"x": torch.full((1,), 4.0)}, 4)
+    assert [p.name for p in store.root.iterdir()] == ["step_000000004"]  # keep=1: step 3 pruned, nothing left over
+    half = store.root / ".pruned-step_000000002-0123abcd"
+    half.mkdir()
+    (half / "meta.json").write_text("{}")  # its state file already removed
+    assert store.clean_stale() == ["removed .pruned-step_000000002-0123abcd"]
+    assert [p.name for p in store.root.iterdir()] == ["step_000000004"] and store.load()[0]["x"].item() == 4.0
 
 
 def test_a_snapshot_cut_by_a_kill_is_never_what_a_resume_reads(tmp_path):
