@@ -679,8 +679,12 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
         experiment = launch.experiment or f"raysys-{wl.name}"
         if launch.resume and parent_run_id is None and tracking.find_run(uri, experiment, name) is None:
-            print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store): a new MLflow "
-                  "run holds this session; the earlier steps stay where they were recorded", flush=True)
+            if getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(launch.tracking_uri) == uri:
+                print(f"[raysys] note: '{name}' has no MLflow run yet (its first session ended before it made one): "
+                      "this session's holds it from here", flush=True)
+            else:
+                print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store): a new MLflow "
+                      "run holds this session; the earlier steps stay where they were recorded", flush=True)
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
                                                                  **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
