@@ -227,6 +227,22 @@ def test_a_sweep_trial_failing_again_from_the_same_checkpoint_is_not_restarted_f
     assert events.count(" start ") == 2
 
 
+@pytest.mark.slow  # ~1 min: one trial of a sweep, the sweep stopped after it
+def test_a_sweep_whose_trial_never_reports_an_objective_stops_after_it(project):
+    """A throughput the workload never logs (a train_fn that times nothing, a typo in the space): the first
+    trial to end says so, and the sweep stops there with exit 2, not after training every trial."""
+    (project / "space.yaml").write_text("workload: digits_mlp:WORKLOAD\npreset: quick\nfixed:\n  train.epochs: 1\n"
+                                        "space:\n  optim.lr: {grid: [0.01, 0.02, 0.05]}\n"
+                                        "objectives: {throughput: perf/nosuch}\n")
+    proc = _run(["python", "-m", "raysys.tune", "--space", "space.yaml", "--name", "s", "--max-concurrent", "1"],
+                project)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "raysys.tune: config error: no trial reported an objective of the space: perf/nosuch never reported")
+    events = (project / "raysys_runs" / "sweeps" / "s" / "trial_events.log").read_text()
+    assert events.count(" start ") == 1 and "--resume" not in proc.stdout
+
+
 SOMETIMES_BROKEN = BROKEN.replace("    def build_model(self, cfg):  # runs inside each Ray Train worker\n",
                                    "    def build_model(self, cfg):  # runs inside each trial's training\n"
                                    "        if cfg.model.hidden != 128:\n            return super().build_model(cfg)\n")

@@ -173,6 +173,12 @@ def test_stability_rules_and_tracker():
     out = t.update({"eval/qwk": 0.5, "done": 1})
     assert out[REASON] == ("perf/nosuch never reported (an objective of the space); this run reports "
                            "perf/samples_per_s") and out[UNSTABLE] == 1.0
+    # that verdict stops the sweep (every trial of the workload would end the same); an unstable one does not
+    from raysys.tune.progress import StabilityStopper
+
+    stopper = StabilityStopper()
+    assert stopper("t1", {UNSTABLE: 1.0, REASON: "non-finite loss"}) and not stopper.stop_all()
+    assert stopper("t2", out) and stopper.stop_all()
 
 
 def test_concurrency_is_bounded_by_the_cluster():

@@ -123,8 +123,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
     if outcome.interrupted:
         return 128 + outcome.signum  # 130 after Ctrl-C, 143 after SIGTERM
-    missing = [r.reason for r in outcome.records if "never reported (an objective of the space)" in r.reason]
-    if outcome.records and len(missing) == len(outcome.records):  # the space names a metric no trial has
+    from raysys.tune.pareto import INCOMPLETE
+    from raysys.tune.progress import MISSING_OBJECTIVE
+
+    missing = [r.reason for r in outcome.records if MISSING_OBJECTIVE in r.reason]
+    ended = [r for r in outcome.records if r.status != INCOMPLETE]  # the others were cut by the stop
+    if missing and len(missing) == len(ended):  # the space names a metric no trial has
         print(f"raysys.tune: config error: no trial reported an objective of the space: {missing[0]}", file=sys.stderr)
         return 2
     from raysys.tune.pareto import ERROR

@@ -20,15 +20,26 @@ PROGRESS_EVERY_S = 20.0
 OBJECTIVES_DIR = "objectives"  # in the sweep's folder: ObjectiveLog's files
 
 
+MISSING_OBJECTIVE = "never reported (an objective of the space)"
+"""A trial's verdict when it ended without one of the space's objectives (``ObjectiveTracker``)."""
+
+
 class StabilityStopper(Stopper):
-    """End a trial as soon as one of its reports carries the unstable verdict. It never stops the
-    whole sweep: an unstable trial is a result (recorded as such), not a failure."""
+    """End a trial as soon as one of its reports carries the unstable verdict. An unstable trial is a
+    result (recorded as such), not a failure: the sweep goes on, unless a trial ended without an
+    objective of the space at all. Every trial would (the workload never logs it): the sweep stops
+    then, not after spending its whole budget on trials it cannot rank."""
+
+    def __init__(self):
+        self.missing = False
 
     def __call__(self, trial_id: str, result: dict) -> bool:
+        if MISSING_OBJECTIVE in str(result.get(obj.REASON, "")):
+            self.missing = True
         return bool(result.get(obj.UNSTABLE))
 
     def stop_all(self) -> bool:
-        return False
+        return getattr(self, "missing", False)  # a sweep restored from an older raysys: none
 
 
 def trial_dirname(trial) -> str:

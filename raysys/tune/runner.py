@@ -254,7 +254,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     from raysys.tune import report
     from raysys.tune.population import run_population_trial
-    from raysys.tune.progress import OBJECTIVES_DIR, ObjectiveLog, Progress, StabilityStopper
+    from raysys.tune.progress import MISSING_OBJECTIVE, OBJECTIVES_DIR, ObjectiveLog, Progress, StabilityStopper
     from raysys.tune.trial import TrialSetup, run_trial
     from raysys.tune.trial import trainable as winds_down
 
@@ -371,7 +371,9 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
         pool_throughput(records, wl.population.member_knobs)
     budget_hit = opts.budget_minutes is not None and time.monotonic() - started >= 60 * opts.budget_minutes - 1
     unfinished = [r for r in records if r.status == INCOMPLETE]
-    interrupted = (bool(unfinished) or len(records) < opts.num_samples) and not budget_hit
+    # a trial without an objective of the space stops the sweep (progress.StabilityStopper): not an interruption
+    missing = not signals.get("signum") and any(MISSING_OBJECTIVE in r.reason for r in records)
+    interrupted = (bool(unfinished) or len(records) < opts.num_samples) and not budget_hit and not missing
 
     storage.push_tree(sweep_dir / OBJECTIVES_DIR)
     tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
