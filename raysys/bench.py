@@ -139,7 +139,7 @@ def _main(argv: list[str] | None) -> int:
         else:
             res = wl.bench(quick=args.quick, **({"overrides": overrides} if overrides else {}))
     except ConfigError as e:
-        print(f"raysys.bench: {e}", file=sys.stderr)
+        print(f"raysys.bench: config error: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:  # the user's data, read by the bench: one line, as train says it
         print(f"raysys.bench: data error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)

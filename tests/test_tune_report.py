@@ -100,7 +100,7 @@ def test_a_trials_run_ends_with_the_same_status_however_it_ran():
     assert _end_status(rec(UNSTABLE, ran_to_end=True), "FINISHED") == "FINISHED"
 
 
-def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(monkeypatch):
+def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(monkeypatch, tmp_path):
     from raysys.cli import build_parser
     from raysys.tune.report import job_address
 
@@ -111,5 +111,10 @@ def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(
     assert job.startswith("ray job submit --address http://10.0.0.5:8265 ") and job.endswith(train)
     assert job_address("ray://head.example:10001") == "http://head.example:8265"
     assert job_address("http://head:8265/") == "http://head:8265"
+    # a workload file of the sweep's folder: the job (run in Ray's copy of --working-dir .) names it from there
+    monkeypatch.chdir(tmp_path)
+    train, job = commands(str(tmp_path / "mine" / "wl.py") + ":WORKLOAD", "quick", {}, {})
+    assert train.startswith(f"python -m raysys train {tmp_path}/mine/wl.py:WORKLOAD ")
+    assert job.endswith("-- python -m raysys train mine/wl.py:WORKLOAD --preset quick")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert job_address("auto") == job_address(None) == "http://127.0.0.1:8265"

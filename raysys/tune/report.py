@@ -91,8 +91,15 @@ def commands(workload: str, preset: str, fixed: dict[str, Any], knobs: dict[str,
     launch options that keep the run where the sweep's runs were (its storage and tracking store)."""
     sets = " ".join(f"--set {_arg(k, v)}" for k, v in {**fixed, **knobs}.items())
     where = " ".join(shlex.quote(str(f)) for f in flags)
-    train = " ".join(filter(None, [f"python -m raysys train {workload} --preset {shlex.quote(preset)}", where, sets]))
-    return train, f"ray job submit --address {address} --working-dir . -- {train}"
+
+    def line(wl: str) -> str:
+        return " ".join(filter(None, [f"python -m raysys train {wl} --preset {shlex.quote(preset)}", where, sets]))
+
+    # a job runs in Ray's copy of --working-dir: a workload file of this folder is named from it
+    file, _, attr = workload.rpartition(":")
+    here = Path(file).resolve().is_relative_to(Path.cwd()) if file.endswith(".py") and os.path.isabs(file) else False
+    in_job = f"{os.path.relpath(file)}:{attr}" if here else workload
+    return line(shlex.quote(workload)), f"ray job submit --address {address} --working-dir . -- {line(shlex.quote(in_job))}"
 
 
 def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecord], tolerance: float,
