@@ -714,6 +714,26 @@ def test_a_resume_from_another_folder_tracks_to_the_runs_own_store(tmp_path, mon
     assert run.info.status == "FINISHED" and "raysys.preset" not in run.data.tags
 
 
+def test_a_run_killed_before_its_mlflow_run_existed_resumes_into_a_described_one(workdir, capsys):
+    """A kill between the run's config snapshot and its MLflow run (a folder with no MLflow run): the resume
+    says so (it said the run had tracked to another store), and the new MLflow run gets the Description."""
+    import shutil as sh
+
+    from raysys.cli import main
+    from raysys.tracking import NOTE_TAG
+
+    assert main(["train", f"{TINY}:WORKLOAD", "--name", "a", "--set", "train.signal_at=3"]) == 130
+    sh.copytree(workdir / "raysys_runs" / "a", workdir / "raysys_runs" / "k")  # as a kill leaves it: no MLflow run
+    (workdir / "raysys_runs" / "k" / ".raysys.lock").unlink(missing_ok=True)
+    capsys.readouterr()
+    assert main(["train", f"{TINY}:WORKLOAD", "--name", "k", "--resume", "--set", "train.signal_at=0"]) == 0
+    out = capsys.readouterr().out
+    assert "'k' has no MLflow run yet (its first session ended before it made one)" in out
+    assert "tracked to another store" not in out
+    run = _mlflow_run(workdir / "mlflow.db", "k")
+    assert run.info.status == "FINISHED" and "--name k --resume" in run.data.tags[NOTE_TAG]
+
+
 @pytest.mark.slow  # 35 s: a Ray Train worker group
 def test_a_distributed_loop_that_ran_to_its_end_after_a_signal_is_a_complete_run(workdir, capsys):
     """The same on a Ray Train worker: the driver's Ctrl-C reaches the worker's session, the loop never

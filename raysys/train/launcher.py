@@ -678,7 +678,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         cfg_file = _next_snapshot(run_dir, launch.resume)
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
         experiment = launch.experiment or f"raysys-{wl.name}"
-        if launch.resume and parent_run_id is None and tracking.find_run(uri, experiment, name) is None:
+        new_mlflow_run = created or (parent_run_id is None and tracking.find_run(uri, experiment, name) is None)
+        if launch.resume and new_mlflow_run:
             if getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(launch.tracking_uri) == uri:
                 print(f"[raysys] note: '{name}' has no MLflow run yet (its first session ended before it made one): "
                       "this session's holds it from here", flush=True)
@@ -704,7 +705,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
     logger.log_artifact(cfg_file)
     _log_dataset(wl, cfg, uri, run_id)
-    if created and "raysys.command" in (tags or {}) and tracking.NOTE_TAG not in (tags or {}):
+    if new_mlflow_run and "raysys.command" in (tags or {}) and tracking.NOTE_TAG not in (tags or {}):
         logger.set_note(f"{wl.name}, preset `{tags.get('raysys.preset', 'default')}`.\n\n"
                         f"Run again: `{tags['raysys.command']}`\n\nResume if interrupted: `{_resume_command(wl, launch, name)}`\n")
     link = tracking.ui_link(uri, tracking.experiment_of(uri, run_id), run_id)
