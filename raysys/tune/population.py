@@ -192,16 +192,20 @@ def run_population_trial(config: dict, setup) -> None:
             reports.reporter(j)(reused_final(setup, mid))
         else:
             todo.append(j)
-    if todo:
+    if not todo:
+        reports.finish()
+        return
+    # a stop of the trial waits for the members' checkpoints (trial.trainable); the sweep's signal stops
+    # them at their step boundary first, and the trial stays unfinished (trial.training)
+    with training(setup, trial_id):
         try:
             cfgs = [trial_config(setup, all_knobs[j], ids[j]) for j in todo]
             for j, cfg in zip(todo, cfgs):
                 log_event(setup.sweep_dir, f"start {ids[j]} run={cfg.launch.name} resume={cfg.launch.resume} "
                                            f"population={trial_id}")
-            with training():  # a stop of the trial waits for the members' checkpoints (trial.trainable)
-                results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
-                                         tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
-                                         reports=[reports.reporter(j) for j in todo])
+            results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
+                                     tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
+                                     reports=[reports.reporter(j) for j in todo])
             if reports.ended is not None:  # Tune ended the trial; its members stopped with their checkpoints
                 raise reports.ended
         except Exception as e:  # the program failed, so every member did; a permanent error is not retried
@@ -211,10 +215,10 @@ def run_population_trial(config: dict, setup) -> None:
             results = []
         finally:
             release_trial_memory()
-        for j, res in zip(todo, results):
-            if res.stopped_by is None:
-                reports.reporter(j)({**res.metrics, "done": 1.0})
-                log_event(setup.sweep_dir, f"end {ids[j]}")
+    for j, res in zip(todo, results):
+        if res.stopped_by is None:
+            reports.reporter(j)({**res.metrics, "done": 1.0})
+            log_event(setup.sweep_dir, f"end {ids[j]}")
     reports.finish()
 
 

@@ -17,6 +17,7 @@ import shlex
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -146,8 +147,33 @@ def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
                           f"{', '.join(diff)}. Resume with the same space file and --preset/--set, or start a new --name")
 
 
+SWEEP_WIND_DOWN_S = 120.0
+"""How long a sweep's signal waits for its trials to stop at a step boundary before Tune ends them."""
+
+
+def _wind_down_then(stop_actor, then, signame: str) -> None:
+    """Ask the trials to stop at their step boundary (``trial.SweepStop``), and call ``then`` (Tune's own
+    stop) once none is training, or after SWEEP_WIND_DOWN_S; in a thread, so Tune goes on taking the
+    trials' last reports meanwhile (a trial waits on its report)."""
+    import ray
+
+    def run() -> None:
+        print(f"[raysys.tune] {signame}: the running trials stop at their next step with a checkpoint, then the "
+              "sweep stops (send it again to stop at once)", flush=True)
+        try:
+            ray.get(stop_actor.ask.remote(), timeout=10)
+            deadline = time.monotonic() + SWEEP_WIND_DOWN_S
+            while time.monotonic() < deadline and ray.get(stop_actor.state.remote(), timeout=10)[1]:
+                time.sleep(0.5)
+        except Exception:  # Ray going away: Tune's stop is all there is
+            pass
+        then()
+
+    threading.Thread(target=run, daemon=True, name="raysys-sweep-wind-down").start()
+
+
 @contextlib.contextmanager
-def _signals_stop_like_ctrl_c():
+def _signals_stop_like_ctrl_c(stop_actor=None):
     """Tune ends a sweep cleanly on SIGINT or SIGUSR1 (trials stopped, its state saved for --resume) but
     dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends; and after one SIGINT it puts
     back the handler it found, so the echo of one signal sent to the process and then its group
@@ -166,10 +192,13 @@ def _signals_stop_like_ctrl_c():
             raise KeyboardInterrupt
         got["signum"], got["at"] = signum, time.monotonic()
         tune_stop = signal.getsignal(signal.SIGUSR1)  # installed by fit
-        if callable(tune_stop):
-            tune_stop(signal.SIGUSR1, frame)
-        else:
+        if not callable(tune_stop):
             raise KeyboardInterrupt
+        if stop_actor is None:
+            tune_stop(signal.SIGUSR1, frame)
+            return
+        # Tune's handler, in the main thread, once the trials have stopped
+        _wind_down_then(stop_actor, lambda: os.kill(os.getpid(), signal.SIGUSR1), signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     tune_sigint = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
@@ -255,7 +284,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     from raysys.tune import report
     from raysys.tune.population import run_population_trial
     from raysys.tune.progress import MISSING_OBJECTIVE, OBJECTIVES_DIR, ObjectiveLog, Progress, StabilityStopper
-    from raysys.tune.trial import TrialSetup, run_trial
+    from raysys.tune.trial import SweepStop, TrialSetup, run_trial
     from raysys.tune.trial import trainable as winds_down
 
     sp = spaces.load(opts.space, preset=opts.preset, overrides=opts.sets)
@@ -324,7 +353,11 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     # The recommended command keeps its run where the sweep's runs were
     flags = (("--storage-path", opts.storage_path) if remote else ()) + \
         (("--tracking-uri", uri) if uri != tracking.resolve_tracking_uri(None) else ())
+    # the sweep's signal reaches its trials' training first (trial.SweepStop)
+    stop_name = f"raysys-sweep-stop-{uuid.uuid4().hex[:12]}"
+    stop_actor = ray.remote(num_cpus=0)(SweepStop).options(name=stop_name).remote()
     setup = TrialSetup(workload=registry.ref(wl), base_config=to_dict(base), sweep_name=name, sweep_dir=str(sweep_dir),
+                       stop_actor=stop_name,
                        runs_storage=runs_storage, sweep_storage=opts.storage_path if remote else "", train_flags=flags,
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
@@ -358,7 +391,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                                                    opts.max_failures),
                                           ObjectiveLog(str(sweep_dir / OBJECTIVES_DIR)), *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
-    with _signals_stop_like_ctrl_c() as signals:
+    with _signals_stop_like_ctrl_c(stop_actor) as signals:
         grid = tuner.fit()
     try:  # Ray Tune's probe of the storage, left at the sweep's root; the sweep's files are raysys's
         storage.remove(sweep_dir / ".validate_storage_marker")

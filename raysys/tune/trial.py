@@ -77,6 +77,8 @@ class TrialSetup:
     """'max' or 'min': which way quality is better."""
     sweep_storage: str = ""
     """The sweeps' storage URI when remote ('' for a local folder)."""
+    stop_actor: str = ""
+    """The name of the sweep's :class:`SweepStop` actor ('' outside a sweep driver's Ray)."""
     train_flags: tuple = ()
     """Launch options a trial's `raysys train` command carries to run where the sweep's runs were: a remote
     --storage-path, a --tracking-uri other than the working directory's."""
@@ -277,18 +279,84 @@ def begin_trial() -> None:
 
 _TRAINING: list[threading.Event] = []
 """One event per training of this process still running (set once it has ended), for ``trainable``."""
+_CHILDREN: set = set()
+"""The training child processes of this trial process (``_train_in_child``), told of a sweep's stop."""
+
+
+class SweepStop:
+    """A sweep's Ctrl-C/SIGTERM as its trials see it (an actor of the driver). Tune ends a sweep by
+    stopping its trials and force-kills those not gone within 5 s, often mid-step: the driver asks here
+    first, each trial's training stops at its step boundary with a checkpoint (as Ctrl-C stops a run),
+    and Tune is told once none is still training. A trial whose training stopped stays unfinished."""
+
+    def __init__(self):
+        self.asked, self.training = False, set()
+
+    def ask(self) -> None:
+        self.asked = True
+
+    def begin(self, trial_id: str) -> bool:
+        self.training.add(trial_id)
+        return self.asked
+
+    def end(self, trial_id: str) -> None:
+        self.training.discard(trial_id)
+
+    def state(self) -> tuple[bool, list]:
+        return self.asked, sorted(self.training)
+
+
+def _idle() -> None:
+    """A trial stopped by its sweep's signal waits for Tune to end it: returning would finish it."""
+    while True:
+        time.sleep(60)
 
 
 @contextlib.contextmanager
-def training():
-    """A trial's training, which a stop of the trial lets reach its next step boundary (``trainable``)."""
-    ended = threading.Event()
+def training(setup: Optional[TrialSetup] = None, trial_id: str = ""):
+    """A trial's training, which a stop of the trial lets reach its next step boundary (``trainable``),
+    and which a stop of the whole sweep asks to stop at its next one (``SweepStop``)."""
+    from raysys import lifecycle
+
+    actor = None
+    if setup is not None and setup.stop_actor:
+        import ray
+
+        try:
+            actor = ray.get_actor(setup.stop_actor)
+        except ValueError:  # a sweep restored by an older driver: Tune's own stop only
+            actor = None
+    if actor is not None and ray.get(actor.begin.remote(trial_id)):
+        actor.end.remote(trial_id)
+        _idle()  # the sweep is stopping: this trial starts nothing
+    ended, swept = threading.Event(), threading.Event()
     _TRAINING.append(ended)
+    if actor is not None:
+        def watch() -> None:
+            while not ended.wait(0.5):
+                try:
+                    asked = ray.get(actor.state.remote(), timeout=10)[0]
+                except Exception:  # the driver is gone: Tune's own stop follows
+                    return
+                if asked:
+                    swept.set()
+                    lifecycle.request_stop(signal.SIGINT)  # this process's runs and their Ray workers
+                    for proc in list(_CHILDREN):  # a Task trained in a child process
+                        with contextlib.suppress(OSError):
+                            proc.send_signal(signal.SIGINT)
+                    return
+
+        threading.Thread(target=watch, daemon=True, name="raysys-sweep-stop").start()
     try:
         yield
     finally:
         ended.set()
         _TRAINING.remove(ended)
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.get(actor.end.remote(trial_id), timeout=10)
+            if swept.is_set():  # stopped by the sweep's signal, not by Tune (its stopper, its end)
+                _idle()
 
 
 def trainable(fn) -> type:
@@ -320,7 +388,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     setup.attach_storage()
     tracker = setup.tracker(trial_id)
     try:
-        with training():
+        with training(setup, trial_id):
             _run_trial(config, setup, trial_id, tracker)
     except Exception as e:
         if not fail_permanently(setup, trial_id, e, lambda reason: tune.report(tracker.failed(reason))):
@@ -346,6 +414,7 @@ def release_trial_memory() -> None:
 def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: ObjectiveTracker) -> None:
     from ray import tune
 
+    from raysys import lifecycle
     from raysys import workload as registry
 
     cfg = trial_config(setup, dict(config), trial_id)
@@ -367,8 +436,11 @@ def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: Objectiv
 
         result = run_custom(wl, cfg, parent_run_id=setup.parent_run_id, tags=tags,
                             report=lambda m: tune.report(tracker.update(m)))
+        if result.stopped_by is not None:  # the sweep's signal: unfinished, resumed with the sweep
+            return
         tune.report(tracker.update({**result.metrics, "done": 1.0}))
-    log_event(setup.sweep_dir, f"end {trial_id}")
+    if lifecycle.stop_requested() is None:
+        log_event(setup.sweep_dir, f"end {trial_id}")
 
 
 class QueueReports(UserCallback):
@@ -463,6 +535,7 @@ def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags
         proc = subprocess.Popen([sys.executable, "-m", "raysys.tune.child", str(payload_path), str(write_fd)],
                                 pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
+    _CHILDREN.add(proc)  # a sweep's stop reaches it (training)
     os.close(write_fd)
     permanent = None
     try:
