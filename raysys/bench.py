@@ -128,6 +128,8 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(f"--set/--config {wl.path_key}: the bench measures both paths (naive and optimized) "
                               f"itself; time one path with `python -m raysys train {args.workload} --set "
                               f"{wl.path_key}=...` (its perf/ metrics)")
+        print(f"[raysys.bench] measuring {wl.name}{' (quick)' if args.quick else ''} on {measured_on}: step times, "
+              "then a short quality run per path; the table comes at the end", flush=True)
         if wl.bench is None:
             from raysys.bench_generic import generic_bench
 

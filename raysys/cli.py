@@ -37,10 +37,10 @@ WORKLOAD_HELP = ("a built-in or installed workload (see `python -m raysys list`)
                  "path/to/lm.py:WORKLOAD (docs/your-workload.md)")
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+def _config_args(p: argparse.ArgumentParser, resume: bool = False) -> None:
     p.add_argument("workload", help=WORKLOAD_HELP)
-    p.add_argument("--preset", help="named config preset of the workload (default: default; a --resume continues "
-                                    "from the run's own config, whatever the preset)")
+    p.add_argument("--preset", help="named config preset of the workload (default: default" + (
+        "; a --resume continues from the run's own config, whatever the preset)" if resume else ")"))
     p.add_argument("--config", metavar="YAML", help="YAML file of config keys, nested or dotted, applied after the preset")
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
                    help="override one config key by dotted path, e.g. optim.lr=3e-4 (repeatable; applied last)")
@@ -58,24 +58,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a workload", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train a workload under Ray Train (or in-process with --workers 0).", epilog=EPILOG)
-    _config_args(t)
-    t.add_argument("--workers", type=int, help="data-parallel Ray Train workers; 0 = in this process (launch.workers)")
+    _config_args(t, resume=True)
+    t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="as before the command")
+    t.add_argument("--workers", type=int, help="data-parallel Ray Train workers; 0 = in this process (launch.workers; "
+                                               "default: the preset's, see `show <workload>`)")
     t.add_argument("--gpus-per-worker", type=float, help="GPUs per worker; >0 uses CUDA + NCCL (launch.gpus_per_worker)")
     t.add_argument("--address", help="Ray cluster address, e.g. auto or ray://head:10001; default: $RAY_ADDRESS or "
                                      "a Ray instance started in this process (launch.address)")
     t.add_argument("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
     t.add_argument("--experiment", type=console.name_arg, help="MLflow experiment name (default raysys-<workload>)")
-    t.add_argument("--name", type=console.name_arg, help="run name: folder under --storage-path and MLflow run name")
-    t.add_argument("--storage-path", help="folder for checkpoints and run state (shared by all nodes on a cluster)")
+    t.add_argument("--name", type=console.name_arg, help="run name: folder under --storage-path and MLflow run name "
+                                                         "(default: <workload>-<YYYYmmdd-HHMMSS>)")
+    t.add_argument("--storage-path", help="folder or storage URI (s3://, gs://) for checkpoints and run state, shared "
+                                          "by all nodes on a cluster (default: raysys_runs)")
     t.add_argument("--resume", action="store_true", help="continue run --name (or the newest run of this workload) "
                                                           "from its last checkpoint, without repeating finished steps")
     t.add_argument("--cv", action="store_true", help="k-fold cross-validation: one run per fold (children of one "
                                                       "MLflow parent run), then the per-fold table and the mean")
-    t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures)")
+    t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures; "
+                                                    "default: 2)")
     t.add_argument("--device", help="device of a workload with its own loop, e.g. cpu, cuda, auto (its `device` key)")
 
     s = sub.add_parser("show", help="print a workload's resolved config as YAML (or every key with its meaning)")
     _config_args(s)
+    s.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="as before the command")
     s.add_argument("--keys", action="store_true", help="list every config key with its value and what it does")
     ls = sub.add_parser("list", help="list the workloads (built-in and installed plug-ins) and their presets")
     ls.add_argument("workloads", nargs="*", metavar="WORKLOAD",

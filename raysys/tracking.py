@@ -302,13 +302,28 @@ def start_run(uri: str, experiment: str, run_name: str, tags: Optional[Mapping[s
             _client(uri).update_run(run_id, status="RUNNING")
             return run_id
     exp_id = get_or_create_experiment(uri, experiment)
-    all_tags = {RUN_NAME_TAG: run_name, **(tags or {})}
+    all_tags = {**source_tags(tags or {}), RUN_NAME_TAG: run_name, **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id  # MLflow's own nesting convention
     # The name shown in the UI may differ from the run's folder name (e.g. a trial's id and knobs).
     shown = all_tags.pop("mlflow.runName", run_name)
     run = _client(uri).create_run(exp_id, run_name=shown, tags=all_tags)
     return run.info.run_id
+
+
+def source_tags(tags: Mapping[str, str]) -> dict:
+    """MLflow's Source, user and code version of a run, as ``mlflow.start_run`` would set them: the user and
+    source type from MLflow's context providers, the source named by the raysys command (a trial's process
+    is Ray's worker script), and the git commit of the raysys code that ran."""
+    from mlflow.tracking.context.registry import resolve_tags
+    from mlflow.utils.git_utils import get_git_commit
+
+    out = {k: v for k, v in resolve_tags({}).items() if k in ("mlflow.user", "mlflow.source.type")}
+    out["mlflow.source.name"] = str(tags.get("raysys.command") or command_line())[:500]
+    commit = get_git_commit(str(Path(__file__).resolve().parent))
+    if commit:
+        out["mlflow.source.git.commit"] = commit
+    return out
 
 
 def experiment_of(uri: str, run_id: str) -> str:

@@ -732,6 +732,8 @@ def test_a_run_killed_before_its_mlflow_run_existed_resumes_into_a_described_one
     assert "tracked to another store" not in out
     run = _mlflow_run(workdir / "mlflow.db", "k")
     assert run.info.status == "FINISHED" and "--name k --resume" in run.data.tags[NOTE_TAG]
+    # MLflow's Source and User columns, as mlflow.start_run fills them: the raysys command, not Ray's worker script
+    assert run.data.tags["mlflow.source.name"].startswith("python -m raysys train") and run.data.tags["mlflow.user"]
 
 
 @pytest.mark.slow  # 35 s: a Ray Train worker group

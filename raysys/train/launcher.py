@@ -838,6 +838,9 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
         trained = False
         try:
             with console.live(remote=launch.workers > 0) as sink:
+                if launch.workers > 0 and not callbacks:  # a sweep's trial says nothing on the sweep's console
+                    # placing the workers and building their data takes seconds to a minute: not a hang
+                    sink.message(f"[raysys] starting {launch.workers} Ray Train worker(s); progress from their first step")
                 fit_with_restarts(make_trainer, launch.max_failures, run_dir, sink)
             lifecycle.settle_stop(stop)  # a worker's SIGTERM stops the run as the driver's would
             trained = True
