@@ -65,7 +65,9 @@ def step_throughput(batch: dict, n_questions: int, n_cats: int, repeats: int, de
     out = {"max_abs_logit_diff": max(diffs.values())}
     for k, ts in times.items():
         med = statistics.median(ts)
-        out[k] = {"step_s": med, "throughput": B / med, "responses_per_s": n_valid / med, "steps_timed": len(ts),
+        # throughput in responses/s: the unit of a run's perf/tokens_per_s and its progress line
+        out[k] = {"step_s": med, "throughput": n_valid / med, "responses_per_s": n_valid / med,
+                  "sequences_per_s": B / med, "steps_timed": len(ts),
                   "max_abs_logit_diff_vs_naive": diffs[k]}
     return out
 
@@ -167,7 +169,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
             quality[path] = {k.split("/")[-1]: v for k, v in result.metrics.items() if k.startswith("eval/")}
             quality[path]["train_seconds"] = time.perf_counter() - t0
 
-    res = {"workload": "deep_gpcm", "throughput_unit": "samples/s (train step, same batch)", "quality_metric": "qwk",
+    res = {"workload": "deep_gpcm", "throughput_unit": "responses/s, one train step", "quality_metric": "qwk",
            "batch": {"size": int(batch["questions"].shape[0]), "max_len": int(batch["questions"].shape[1]),
                      "valid_responses": int(batch["mask"].sum())},
            "speedup": speed["naive"]["step_s"] / speed["optimized"]["step_s"], "extra": extra}
