@@ -339,8 +339,10 @@ def _summary(wl: registry.Workload, result: Any) -> str:
     m = result.metrics
 
     def fmt(key: str) -> str:
+        from raysys.tune.report import fmt_value
+
         v = m.get(key)
-        return f"{v:.4g}" if isinstance(v, (int, float)) else "n/a"
+        return fmt_value(float(v)) if isinstance(v, (int, float)) else "n/a"  # 18,402 rather than 1.84e+04
 
     line = (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
             f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {storage.where(result.run_dir)}")

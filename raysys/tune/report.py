@@ -111,7 +111,8 @@ def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecor
     lower = "" if rec.higher_is_better else ", lower is better"
     train, job = commands(sp.workload, sp.preset, sp.fixed, rec.knobs, *launch)
     return (f"Recommended: trial {rec.trial_id}, the fastest within {tolerance:g} of the best {quality_metric} "
-            f"({best:.4g}{lower}): {throughput_metric} {rec.throughput:.4g}, {quality_metric} {rec.quality:.4g}.\n\n"
+            f"({fmt_value(best)}{lower}): {throughput_metric} {fmt_value(rec.throughput)}, {quality_metric} "
+            f"{fmt_value(rec.quality)}.\n\n"
             f"Train it (from any folder):\n\n    cd {shlex.quote(os.getcwd())} && {train}\n\nOn a Ray cluster (with token auth on a local cluster, prefix "
             f"RAY_AUTH_MODE=token):\n\n    {job}\n\n"
             "(The sweep's fixed overrides are included, e.g. fewer epochs: raise them for a full run.)\n")
