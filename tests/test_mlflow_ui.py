@@ -128,6 +128,9 @@ def _link(stdout: str, pattern: str, ui: str) -> str:
     return m.group(1).replace("http://127.0.0.1:5000", ui)
 
 
+# ~1.5 min (a browser, an `mlflow ui`, a run and a sweep); the default suite checks the same runs' form through
+# MLflow's client (test_tune_sweep, test_plugin_population's assert_like_a_lone_trial)
+@pytest.mark.slow
 def test_a_new_user_lands_on_the_sweep_and_finds_the_recommended_trial(workdir, mlflow_ui, browser):
     from mlflow.tracking import MlflowClient
 
