@@ -12,6 +12,7 @@ run must append to the run it already has.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -315,15 +316,18 @@ def source_tags(tags: Mapping[str, str]) -> dict:
     """MLflow's Source, user and code version of a run, as ``mlflow.start_run`` would set them: the user and
     source type from MLflow's context providers, the source named by the raysys command (a trial's process
     is Ray's worker script), and the git commit of the raysys code that ran."""
+    return {**_process_tags(), "mlflow.source.name": str(tags.get("raysys.command") or command_line())[:500]}
+
+
+@functools.lru_cache(maxsize=1)
+def _process_tags() -> dict:
+    """The part of ``source_tags`` that is the same for every run of this process (git asked once)."""
     from mlflow.tracking.context.registry import resolve_tags
     from mlflow.utils.git_utils import get_git_commit
 
     out = {k: v for k, v in resolve_tags({}).items() if k in ("mlflow.user", "mlflow.source.type")}
-    out["mlflow.source.name"] = str(tags.get("raysys.command") or command_line())[:500]
     commit = get_git_commit(str(Path(__file__).resolve().parent))
-    if commit:
-        out["mlflow.source.git.commit"] = commit
-    return out
+    return out | ({"mlflow.source.git.commit": commit} if commit else {})
 
 
 def experiment_of(uri: str, run_id: str) -> str:

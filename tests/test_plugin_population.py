@@ -232,6 +232,19 @@ def test_sweep_bench_runs_a_plugins_sweep_both_ways(tmp_path):
     assert out["wall_s"]["one_trial_each"] > 0 and out["wall_s"]["vectorized"] > 0
 
 
+def _digits_jax_sweep(tmp_path, space: str, fixed: dict) -> tuple[Path, dict]:
+    """A copy of the digits_jax example with a one-program space (lr and seed), and the sweep's environment."""
+    import yaml
+
+    project = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, project)
+    (project / space).write_text(yaml.safe_dump({
+        "workload": "digits_jax:WORKLOAD", "preset": "quick", "fixed": {**fixed, "train.compilation_cache_dir": ""},
+        "space": {"train.lr": {"loguniform": [1.0e-3, 1.0e-2]}, "train.seed": {"randint": [0, 1000]}},
+        "objectives": {"throughput": "perf/samples_per_s", "quality": "eval/accuracy"}}))
+    return project, {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+
+
 @pytest.mark.timeout(900)
 def test_a_killed_vectorized_trial_starts_again_from_its_members_checkpoints(tmp_path):
     """The trial's process is killed (as the OOM killer would) once every member has a checkpoint: Tune
@@ -241,17 +254,10 @@ def test_a_killed_vectorized_trial_starts_again_from_its_members_checkpoints(tmp
     import signal
     import time
 
-    import yaml
     from mlflow.tracking import MlflowClient
 
-    project = tmp_path / "my_project"
-    shutil.copytree(EXAMPLE, project)
-    (project / "one_program.yaml").write_text(yaml.safe_dump({
-        "workload": "digits_jax:WORKLOAD", "preset": "quick",
-        "fixed": {"train.steps": 20_000, "train.checkpoint_every_minutes": 0.01, "train.compilation_cache_dir": ""},
-        "space": {"train.lr": {"loguniform": [1.0e-3, 1.0e-2]}, "train.seed": {"randint": [0, 1000]}},
-        "objectives": {"throughput": "perf/samples_per_s", "quality": "eval/accuracy"}}))
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    project, env = _digits_jax_sweep(tmp_path, "one_program.yaml",
+                                     {"train.steps": 20_000, "train.checkpoint_every_minutes": 0.01})
     proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", "--space", "one_program.yaml", "--vectorize", "3",
                              "--num-samples", "3", "--name", "kill"], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -291,19 +297,11 @@ def test_a_vectorized_sweep_stopped_with_ctrl_c_checkpoints_every_member_at_its_
     """Tune ends a trial by returning from its stop at once, and its process is gone within a second:
     the program in Tune's thread died mid-step or mid-save, and each member kept only its last periodic
     checkpoint (here: none). Now the trial's stop waits for the program to stop as Ctrl-C stops a run."""
-    import yaml
     from mlflow.tracking import MlflowClient
 
     from conftest import interrupt_sweep
 
-    project = tmp_path / "my_project"
-    shutil.copytree(EXAMPLE, project)
-    (project / "long.yaml").write_text(yaml.safe_dump({
-        "workload": "digits_jax:WORKLOAD", "preset": "quick",
-        "fixed": {"train.steps": 10_000_000, "train.checkpoint_every_minutes": 60, "train.compilation_cache_dir": ""},
-        "space": {"train.lr": {"loguniform": [1.0e-3, 1.0e-2]}, "train.seed": {"randint": [0, 1000]}},
-        "objectives": {"throughput": "perf/samples_per_s", "quality": "eval/accuracy"}}))
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    project, env = _digits_jax_sweep(tmp_path, "long.yaml", {"train.steps": 10_000_000, "train.checkpoint_every_minutes": 60})
     runs = project / "raysys_runs" / "sweeps" / "cut" / "runs"
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
 
