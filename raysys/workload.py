@@ -75,6 +75,13 @@ class TorchTask(Protocol):
     def evaluate(self, model: torch.nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, float]:
         """Quality metrics over already-on-device eval batches."""
 
+    # Optional, each (the loop looks them up with getattr; see raysys.train.optim):
+    #   param_groups(model, cfg) -> list[dict]: torch parameter groups (no weight decay on biases and
+    #       norms, another LR for an embedding) for the optimizer the config's ``optim`` section builds;
+    #   optimizer(model, cfg) -> torch.optim.Optimizer: an optimizer of your own instead;
+    #   scheduler(optimizer, cfg, total_steps): a torch LR scheduler stepped after each optimizer step,
+    #       or a ReduceLROnPlateau (its mode the quality's direction) stepped after each evaluation.
+
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 

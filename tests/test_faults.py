@@ -353,11 +353,16 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
     runs = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
     assert [r.info.status for r in runs] == ["FAILED"]
     assert "EFBIG" in runs[0].data.tags["raysys.error"]
+    run_dir = tmp_path / "raysys_runs" / "full"
+    traceback = (run_dir / "error.txt").read_text()
+    assert "Traceback" in traceback
     again = _train(tmp_path, "deep_gpcm", "--name", "full", "--resume")
     assert again.returncode == 0 and "done: run 'full'" in again.stdout
     (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
     assert r.info.status == "FINISHED" and "raysys.error" not in r.data.tags  # the failure is history (events.log)
-    assert "failed: " in (tmp_path / "raysys_runs" / "full" / "events.log").read_text()
+    assert "failed: " in (run_dir / "events.log").read_text()
+    # a finished run's folder reads as finished: the failed session's traceback is kept under another name
+    assert not (run_dir / "error.txt").exists() and (run_dir / "error.earlier.txt").read_text() == traceback
 
 
 def test_a_tracking_url_that_is_no_mlflow_server_is_one_line_and_creates_nothing(tmp_path):

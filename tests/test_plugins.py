@@ -924,3 +924,101 @@ def test_a_batch_of_one_for_batchnorm_is_said_and_drop_last_trains(project):
     assert ok.returncode == 0
     final = json.loads((project / "raysys_runs" / "bn2" / "final_metrics.json").read_text())
     assert final["step"] == 2 * 2  # two whole batches an epoch, the sample left over dropped
+
+
+OWN_OPTIMIZER = '''
+import dataclasses
+
+import torch
+
+import digits_mlp
+
+
+class GroupsTask(digits_mlp.DigitsTask):
+    def param_groups(self, model, cfg):
+        # nanoGPT's split: weight decay on matrices, none on biases
+        return [{"params": [p for p in model.parameters() if p.ndim >= 2]},
+                {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+
+    def scheduler(self, optimizer, cfg, total_steps):
+        # no epoch ever improves on the best by a whole 1.0 of accuracy: the LR halves at each evaluation after the first
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0,
+                                                          threshold=1.0, threshold_mode="abs")
+
+
+class WrongModeTask(GroupsTask):
+    def scheduler(self, optimizer, cfg, total_steps):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min")
+
+
+class LeftOutTask(digits_mlp.DigitsTask):
+    def param_groups(self, model, cfg):
+        return [{"params": [p for p in model.parameters() if p.ndim >= 2]}]
+
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_own", task=GroupsTask())
+WRONG_MODE = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_wrong", task=WrongModeTask())
+LEFT_OUT = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_left", task=LeftOutTask())
+'''
+
+
+def test_a_tasks_own_param_groups_and_plateau_schedule_train_and_resume(project):
+    """Task.param_groups (no weight decay on biases) under the config's optimizer, and a ReduceLROnPlateau
+    stepped with the quality metric after each evaluation: its state (the best so far) comes back with a
+    resume, so the third epoch's evaluation halves the LR again rather than counting as a first best. A plateau
+    whose mode is the quality's opposite, and groups that leave a parameter out, are one line, exit 2."""
+    from mlflow.tracking import MlflowClient
+
+    (project / "digits_own.py").write_text(OWN_OPTIMIZER)
+    args = ["python", "-m", "raysys", "train", "digits_own:WORKLOAD", "--preset", "quick", "--workers", "0",
+            "--name", "own", "--set", "optim.lr=0.08", "--set", "optim.weight_decay=0.01"]
+    assert _run([*args, "--set", "train.epochs=2"], project).returncode == 0
+    assert _run([*args, "--set", "train.epochs=4", "--resume"], project).returncode == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-digits_own").experiment_id])
+    per_epoch = {int(m.value) for m in client.get_metric_history(run.info.run_id, "train/epoch")}
+    lrs = sorted({(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/lr")})
+    assert per_epoch >= {1, 2, 3, 4} and lrs[0][1] == 0.08
+    # the LR of epoch 4: halved after the evaluations of epochs 2 and 3, not after epoch 1's (its first best)
+    assert lrs[-1][1] == pytest.approx(0.02)
+    assert run.data.metrics["eval/accuracy"] > 0.8
+
+    bad = _run(["python", "-m", "raysys", "train", "digits_own:WRONG_MODE", "--preset", "quick", "--workers", "0"], project)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "raysys: config error: digits_wrong: its ReduceLROnPlateau has mode='min', but it is stepped with "
+        "eval/accuracy, which is maximised: use mode='max'")
+    bad = _run(["python", "-m", "raysys", "train", "digits_own:LEFT_OUT", "--preset", "quick", "--workers", "0"], project)
+    assert bad.returncode == 2 and "Task.param_groups leaves out trainable parameters net.0.bias, net.3.bias, net.6.bias: they would never " in bad.stderr
+
+
+def test_param_groups_keep_their_own_options_under_the_configs_optimizer():
+    import torch
+
+    from raysys.config import ConfigError
+    from raysys.train.config import OptimConfig
+    from raysys.train.optim import task_optimizer
+
+    class Task:
+        def param_groups(self, model, cfg):
+            return [{"params": [model.weight]}, {"params": (model.bias,), "weight_decay": 0.0, "lr": 1e-4}]
+
+    class Cfg:
+        optim = OptimConfig(name="adamw", lr=3e-3, weight_decay=0.1)
+
+    opt = task_optimizer(Task(), Cfg(), torch.nn.Linear(3, 2), "t")
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(3e-3, 0.1), (1e-4, 0.0)]
+
+    class Twice(Task):
+        def param_groups(self, model, cfg):
+            return [{"params": list(model.parameters())}, {"params": [model.bias]}]
+
+    with pytest.raises(ConfigError, match="more than one group"):
+        task_optimizer(Twice(), Cfg(), torch.nn.Linear(3, 2), "t")
+
+    class Own:
+        def optimizer(self, model, cfg):
+            return torch.optim.RMSprop(model.parameters(), lr=0.01)
+
+    assert isinstance(task_optimizer(Own(), Cfg(), torch.nn.Linear(3, 2), "t"), torch.optim.RMSprop)

@@ -479,10 +479,22 @@ class OpenRun:
         lifecycle.RunLock.release_dir(self.run_dir)
         if status == "FINISHED":  # an earlier session's failure is history now: events.log keeps it
             self.logger.delete_tag("raysys.error")
+            self._retire_error_file()
         if not self.logger.end(status):
             console.Sink().message(f"[raysys] the tracking store did not answer (a server away, a full disk): "
                                    f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
                                    f"{self.logger.buffer.name}; they are sent on --resume of this run")
+
+    def _retire_error_file(self) -> None:
+        """A finished run has no error.txt: the traceback of the session that failed before this resume
+        is kept as error.earlier.txt (moved, not deleted), so the run folder no longer reads as failed."""
+        path = self.run_dir / ERROR_FILE
+        try:
+            if storage.pull(path):
+                storage.write_text(self.run_dir / EARLIER_ERROR_FILE, path.read_text())
+                storage.remove(path)
+        except Exception as e:  # storage away: the stale file is only misleading, never worth failing the run
+            log.warning("could not move %s of run %s aside: %s", ERROR_FILE, self.name, e)
 
     def resume_command(self) -> str:
         return _resume_command(self.wl, self.cfg.launch, self.name)
@@ -573,6 +585,7 @@ class _Outcome:
 
 
 ERROR_FILE = "error.txt"
+EARLIER_ERROR_FILE = "error.earlier.txt"
 
 
 def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:

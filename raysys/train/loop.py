@@ -28,7 +28,7 @@ from raysys.config import ConfigError, from_dict
 from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
 from raysys.train.data import ShardSampler, make_loader, to_device
-from raysys.train.optim import build_optimizer, build_scheduler
+from raysys.train.optim import is_plateau, task_optimizer, task_scheduler
 
 
 def _ray_context() -> tuple[int, int]:
@@ -84,6 +84,14 @@ def _broadcast_flags(flags: tuple[bool, ...], world: int, device: torch.device) 
     t = torch.tensor([int(f) for f in flags], device=device)
     torch.distributed.broadcast(t, src=0)
     return tuple(bool(v) for v in t.tolist())
+
+
+def _broadcast_value(value: float, world: int, device: torch.device) -> float:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.broadcast(t, src=0)
+    return float(t.item())
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
@@ -142,10 +150,14 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         raise ConfigError(f"{wl.name}: each epoch would end with a batch of one sample ({per_worker} per worker, "
                           f"train.batch_size={tc.batch_size}), which its BatchNorm cannot train on: set "
                           "loader.drop_last=true, or another batch size")
+    if world > 1 and device.type == "cpu" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        raise ConfigError(f"{wl.name}: its model has SyncBatchNorm, which torch synchronises on GPUs only, and its "
+                          f"{world} workers train on CPUs: set launch.gpus_per_worker, or keep plain BatchNorm")
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
     total_steps = steps_per_epoch * tc.epochs if tc.max_steps is None else min(tc.max_steps, steps_per_epoch * tc.epochs)
-    opt = build_optimizer(cfg.optim, model)
-    sched = build_scheduler(cfg.optim, opt, total_steps)
+    opt = task_optimizer(task, cfg, model, wl.name)
+    sched = task_scheduler(task, cfg, opt, total_steps, wl.name, wl.quality_metric, wl.quality_mode)
+    plateau = is_plateau(sched)  # stepped with the quality after each evaluation, not at each step
     scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
     timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None, every=tc.breakdown_every_steps)
     monitor = StabilityMonitor(spike_factor=tc.spike_factor)
@@ -271,7 +283,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                     nonfinite_streak += 1
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
-                sched.step()
+                if not plateau:
+                    sched.step()
             timer.end_step()
             speed.update(time.perf_counter() - t0, samples, tokens)
             monitor.observe(loss_val, float(gn))
@@ -279,7 +292,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             diverged = nonfinite_streak >= MAX_NONFINITE
 
             if step % tc.log_every_steps == 0 or diverged:
-                metrics = {"train/loss": loss_val, "train/lr": sched.get_last_lr()[0], "train/epoch": epoch + micro_done / micro_per_epoch,
+                metrics = {"train/loss": loss_val, "train/lr": opt.param_groups[0]["lr"], "train/epoch": epoch + micro_done / micro_per_epoch,
                            **speed.rates(world), **monitor.metrics()}
                 logger.log_metrics(metrics, step)
                 if rank == 0:
@@ -303,11 +316,15 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if exhausted and not diverged:  # epoch finished: evaluate, report, checkpoint at the boundary
             epoch += 1
             micro_done = 0
-            metrics = {"train/loss": loss_val, "train/lr": sched.get_last_lr()[0], "train/epoch": float(epoch),
+            metrics = {"train/loss": loss_val, "train/lr": opt.param_groups[0]["lr"], "train/epoch": float(epoch),
                        **speed.rates(world), **monitor.metrics()}
-            if rank == 0 and (epoch % tc.eval_every_epochs == 0 or epoch == tc.epochs):
+            evals = epoch % tc.eval_every_epochs == 0 or epoch == tc.epochs
+            if rank == 0 and evals:
                 last_eval, eval_step = evaluate(), step
                 metrics.update(last_eval)
+            if plateau and evals:  # rank 0 evaluates; every rank steps with its quality, so their LRs stay equal
+                q = last_eval.get(wl.quality_metric, last_eval.get("eval/quality", 0.0))
+                sched.step(_broadcast_value(q, world, device))
             logger.log_metrics(metrics, step)
             metrics["step"] = step
             if rank == 0:

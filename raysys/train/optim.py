@@ -1,21 +1,94 @@
-"""Optimizers and learning-rate schedules from an :class:`OptimConfig`."""
+"""Optimizers and learning-rate schedules from an :class:`OptimConfig`, or from a task's own hooks.
+
+A task may bring its own (each optional, see :class:`raysys.workload.TorchTask`):
+
+* ``param_groups(model, cfg)``: parameter groups (no weight decay for biases and norms, a smaller LR
+  for an embedding) for the optimizer the config's ``optim`` section builds, so ``optim.lr`` and the
+  rest stay knobs a sweep can search;
+* ``optimizer(model, cfg)``: the optimizer itself (Lion, Adafactor, one of your own);
+* ``scheduler(optimizer, cfg, total_steps)``: an LR scheduler stepped once per optimizer step, or a
+  ``ReduceLROnPlateau`` stepped with the task's quality metric after each evaluation.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any, Optional
 
 import torch
 
+from raysys.config import ConfigError
 from raysys.train.config import OptimConfig
 
 
-def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, groups: Optional[list[dict]] = None) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` names, over ``groups`` (torch's parameter groups: each a dict with
+    ``params`` and any per-group options) or else over every trainable parameter of ``model``."""
+    flat = ([p for g in groups for p in g["params"]] if groups is not None
+            else [p for p in model.parameters() if p.requires_grad])
+    params = groups if groups is not None else flat
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **fused_kwargs(params))
+    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **fused_kwargs(flat))
+
+
+def task_optimizer(task: Any, cfg: Any, model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    """The task's own optimizer, or the config's over the task's parameter groups, or the config's."""
+    own = getattr(task, "optimizer", None)
+    if own is not None:
+        opt = own(model, cfg)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"{name}: Task.optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        _check_covered(model, [p for g in opt.param_groups for p in g["params"]], name, "Task.optimizer")
+        return opt
+    make_groups = getattr(task, "param_groups", None)
+    if make_groups is None:
+        return build_optimizer(cfg.optim, model)
+    groups = [dict(g) for g in make_groups(model, cfg)]
+    if not groups or not all("params" in g for g in groups):
+        raise ConfigError(f"{name}: Task.param_groups must return a non-empty list of dicts, each with 'params' "
+                          "(torch's parameter groups)")
+    for g in groups:
+        g["params"] = list(g["params"])
+    _check_covered(model, [p for g in groups for p in g["params"]], name, "Task.param_groups")
+    return build_optimizer(cfg.optim, model, groups)
+
+
+def _check_covered(model: torch.nn.Module, given: list, name: str, hook: str) -> None:
+    """Every trainable parameter in exactly one group: one left out would silently never train, and
+    torch only refuses a duplicate."""
+    ids = {id(p) for p in given}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"{name}: {hook} leaves out trainable parameters {', '.join(missing[:3])}{more}: they would "
+                          "never train (freeze them with requires_grad=False)")
+    if len(ids) != len(given):
+        raise ConfigError(f"{name}: {hook} puts a parameter in more than one group")
+
+
+def task_scheduler(task: Any, cfg: Any, opt: torch.optim.Optimizer, total_steps: int, name: str,
+                   quality: str, mode: str) -> Any:
+    """The task's own LR scheduler, or the config's schedule. A ``ReduceLROnPlateau`` watches the task's
+    quality metric, so its mode must be the metric's direction: one the other way round would cut the
+    LR each time the model improved."""
+    own = getattr(task, "scheduler", None)
+    if own is None:
+        return build_scheduler(cfg.optim, opt, total_steps)
+    sched = own(opt, cfg, total_steps)
+    if not (callable(getattr(sched, "step", None)) and callable(getattr(sched, "state_dict", None))):
+        raise ConfigError(f"{name}: Task.scheduler returned {type(sched).__name__}, not a torch LR scheduler")
+    if is_plateau(sched) and sched.mode != mode:
+        raise ConfigError(f"{name}: its ReduceLROnPlateau has mode='{sched.mode}', but it is stepped with {quality}, "
+                          f"which is {'maximised' if mode == 'max' else 'minimised'}: use mode='{mode}'")
+    return sched
+
+
+def is_plateau(sched: Any) -> bool:
+    """Stepped with a metric after each evaluation, not once per optimizer step."""
+    return isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def fused_kwargs(params) -> dict:
