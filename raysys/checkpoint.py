@@ -268,12 +268,29 @@ class CheckpointStore:
         path = path or self.latest()
         if path is None:
             raise CheckpointError(f"no checkpoint in {self.root}")
-        if self.remote is not None and not (path / "meta.json").is_file():
+        if self.remote is not None and not any((path / n).is_file() for n in STATE_FILES):
             remote, name = self.remote
             state_file = next((n for n in STATE_FILES if remote.kind(name, "checkpoints", path.name, n) == "file"),
                               STATE_FILES[-1])
-            for f in (state_file, "meta.json"):  # meta.json last here too
-                remote.get(path / f, name, "checkpoints", path.name, f)
+            remote.get(path / state_file, name, "checkpoints", path.name, state_file)  # then meta.json, below
+        meta = self.meta(path)
+        diff = self.differences(meta)
+        if diff:
+            refuse_different(path, [f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items()])
+        try:
+            state = read_state(path)
+        except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt or unsafe to load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                "It was left untouched; move it aside to resume from an earlier one.") from None
+        return state, meta
+
+
+    def meta(self, path: Path) -> dict:
+        """The checkpoint's meta.json (alone: its state is not fetched from remote storage), which must be
+        this workload's."""
+        if self.remote is not None and not (path / "meta.json").is_file():
+            self.remote[0].get(path / "meta.json", self.remote[1], "checkpoints", path.name, "meta.json")
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError) as e:
@@ -282,17 +299,17 @@ class CheckpointStore:
             raise CheckpointError(
                 f"checkpoint {path} belongs to workload '{meta.get('workload')}', not '{self.workload}'; "
                 "refusing to resume from it")
-        diff = _diff(_without(meta.get("identity", {}), self.local), self.identity)  # older ones recorded them
-        if diff:
-            raise CheckpointError(f"checkpoint {path} was written with a different config: {'; '.join(diff)}. "
-                                  "Resume with the same settings, or start a new run (another --name).")
-        try:
-            state = read_state(path)
-        except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt or unsafe to load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-                "It was left untouched; move it aside to resume from an earlier one.") from None
-        return state, meta
+        return meta
+
+    def differences(self, meta: dict) -> dict[str, tuple[Any, Any]]:
+        """Dotted identity key -> (the checkpoint's value, this config's), where they differ."""
+        a, b = flatten(_without(meta.get("identity", {}), self.local)), flatten(self.identity)  # older ones recorded them
+        return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def refuse_different(path: Path, diff: list[str]) -> None:
+    raise CheckpointError(f"checkpoint {path} was written with a different config: {'; '.join(diff)}. "
+                          "Resume with the same settings, or start a new run (another --name).")
 
 
 def _os_error(e: BaseException) -> Optional[OSError]:
@@ -316,6 +333,3 @@ def _without(identity: dict, keys: tuple[str, ...]) -> dict:
     return out
 
 
-def _diff(saved: dict, current: dict) -> list[str]:
-    a, b = flatten(saved), flatten(current)
-    return [f"{k}: checkpoint={a.get(k)!r} now={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]

@@ -8,7 +8,8 @@ nodes), so the display is drawn once, by the driver, wherever the workers are.
 
 On a terminal the display is a tqdm bar updating in place (step, ETA, loss, throughput); elsewhere
 (CI logs, ``ray job logs``, a pipe) it is plain lines, at most one per tenth of the run or per
-minute, so the length of the output does not grow with the length of the run.
+minute, so the length of the output does not grow with the length of the run; milestones (an
+epoch's evaluation) are always a line of their own, in both.
 """
 
 from __future__ import annotations
@@ -142,15 +143,25 @@ class Console:
             return False
 
     # ---- events ------------------------------------------------------------------------------
-    def progress(self, name: str, done: float, total: Optional[float], text: str = "", unit: str = "step") -> None:
+    def progress(self, name: str, done: float, total: Optional[float], text: str = "", unit: str = "step",
+                 keep: bool = False) -> None:
+        """``keep``: a milestone (an epoch's evaluation) that stays readable: a line above the bar on a
+        terminal, where the bar's next step would overwrite it, and never left out of a plain log."""
         with self._lock:
             if self.tty:
                 self._draw_bar(name, done, total, text, unit)
+                if keep:
+                    self._bar.write(f"[{name}] {text}", file=self.stream)
             else:
-                self._plain(name, done, total, text)
+                self._plain(name, done, total, text, force=keep)
 
     def message(self, text: str) -> None:
         with self._lock:
+            if self._bar is not None and self._bar.total and self._bar.n >= self._bar.total:
+                # the run's end (its breakdown, its summary): the finished bar stays where it is, above
+                # them, rather than being drawn again below each of them
+                self._bar.close()
+                self._bar = None
             if self._bar is not None:
                 self._bar.write(text, file=self.stream)
             else:
@@ -159,7 +170,7 @@ class Console:
     def handle(self, event: dict) -> None:
         if event.get("kind") == "progress":
             self.progress(event["name"], event["done"], event.get("total"), event.get("text", ""),
-                          event.get("unit", "step"))
+                          event.get("unit", "step"), event.get("keep", False))
         else:
             self.message(event.get("text", ""))
 
@@ -190,12 +201,12 @@ class Console:
         self._bar.set_postfix_str(text, refresh=False)
         self._bar.refresh()
 
-    def _plain(self, name: str, done: float, total: Optional[float], text: str) -> None:
+    def _plain(self, name: str, done: float, total: Optional[float], text: str, force: bool = False) -> None:
         now = time.monotonic()
         frac = done / total if total else 0.0
         first = self._first.setdefault(name, (done, now))
         last = self._last_plain.get(name)
-        due = (last is None or (total and (frac - last[0] >= PLAIN_EVERY_FRACTION or done >= total))
+        due = (force or last is None or (total and (frac - last[0] >= PLAIN_EVERY_FRACTION or done >= total))
                or now - last[1] >= PLAIN_EVERY_S)
         if not due:
             return
@@ -233,8 +244,10 @@ class Sink:
     def __init__(self, queue: Any = None):
         self.handle = queue
 
-    def progress(self, name: str, done: float, total: Optional[float], text: str = "", unit: str = "step") -> None:
-        self._send({"kind": "progress", "name": name, "done": done, "total": total, "text": text, "unit": unit})
+    def progress(self, name: str, done: float, total: Optional[float], text: str = "", unit: str = "step",
+                 keep: bool = False) -> None:
+        self._send({"kind": "progress", "name": name, "done": done, "total": total, "text": text, "unit": unit,
+                    "keep": keep})
 
     def message(self, text: str) -> None:
         self._send({"kind": "message", "text": text})

@@ -10,7 +10,7 @@ import math
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 MAX_NONFINITE = 20  # consecutive non-finite losses after which the training loop declares a run diverged
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "other")
@@ -130,7 +130,7 @@ class StabilityMonitor:
         self.nonfinite_grad = 0
         self.spikes = 0
         self.burst = 0
-        self.grad_norms: list[float] = []
+        self.grad_norms: deque[float] = deque(maxlen=200)  # the statistics are of the latest 200
 
     def observe(self, loss: float, grad_norm: Optional[float]) -> None:
         if not math.isfinite(loss):
@@ -145,13 +145,19 @@ class StabilityMonitor:
             self.burst = max(self.burst, sum(self.flags))
             self.recent.append(loss)
         if grad_norm is not None:
-            if math.isfinite(grad_norm):
-                self.grad_norms.append(grad_norm)
+            self.observe_grad_norms((grad_norm,))
+
+    def observe_grad_norms(self, values: Iterable[float]) -> None:
+        """Every update's gradient norm, for a loop that observes one loss per several updates (a mean
+        over a log line): the statistics are then of updates, not of per-line maxima."""
+        for v in values:
+            if math.isfinite(v):
+                self.grad_norms.append(float(v))
             else:
                 self.nonfinite_grad += 1
 
     def metrics(self) -> dict[str, float]:
-        g = self.grad_norms[-200:]
+        g = self.grad_norms
         out = {
             "stability/nonfinite_loss": float(self.nonfinite_loss),
             "stability/nonfinite_grad": float(self.nonfinite_grad),
@@ -170,13 +176,14 @@ class StabilityMonitor:
     def state_dict(self) -> dict:
         return {"recent": list(self.recent), "flags": list(self.flags), "nonfinite_loss": self.nonfinite_loss,
                 "nonfinite_grad": self.nonfinite_grad, "spikes": self.spikes, "burst": self.burst,
-                "grad_norms": self.grad_norms[-200:]}
+                "grad_norms": list(self.grad_norms)}
 
     def load_state_dict(self, d: dict) -> None:
         self.recent.extend(d["recent"])
         self.flags.extend(d.get("flags", ()))  # checkpoints from before the windowed count have none
         self.nonfinite_loss, self.nonfinite_grad = d["nonfinite_loss"], d["nonfinite_grad"]
-        self.spikes, self.grad_norms = d["spikes"], list(d["grad_norms"])
+        self.spikes = d["spikes"]
+        self.grad_norms.extend(d["grad_norms"])
         self.burst = d.get("burst", sum(self.flags))
 
 

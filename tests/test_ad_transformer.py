@@ -224,6 +224,19 @@ def test_a_run_resumes_from_another_folder_on_a_copy_of_its_histories_but_not_on
     assert proc.returncode == 2 and "different config: data.digest" in proc.stderr
 
 
+def test_a_resume_that_changes_the_source_ppo_is_refused_before_it_generates_histories(tmp_path, data_dir):
+    """The histories a changed source.* would need take minutes to generate, and the checkpoint refuses the
+    run anyway: refused first, with nothing generated."""
+    common = ["ad_transformer", "--preset", "quick", "--workers", "0", "--name", "s", "--set",
+              f"data.data_dir={data_dir}", "--set", "eval.episodes=2", "--set", "eval.last_episodes=1"]
+    assert _train(tmp_path, *common, "--set", "train.max_steps=2").returncode == 0
+    before = sorted(p.name for p in data_dir.iterdir())
+    proc = _train(tmp_path, *common, "--resume", "--set", "source.lr=0.001", timeout=120)
+    assert proc.returncode == 2
+    assert "different config: source.lr: checkpoint=0.0003 now=0.001" in proc.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in data_dir.iterdir()) == before
+
+
 @pytest.mark.slow  # ~2 min: two Ray Train workers
 def test_two_ddp_workers_match_one_on_the_same_global_batches(tmp_path, data_dir):
     common = ["ad_transformer", "--preset", "quick", "--set", f"data.data_dir={data_dir}", "--set", "model.dropout=0",

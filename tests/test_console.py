@@ -60,6 +60,10 @@ def test_main_job_on_a_terminal_shows_a_bar_and_a_summary(tmp_path):
     lines = out.replace("\r\n", "\n").split("\n")
     assert len(lines) <= 40, f"{len(lines)} lines"
     assert re.search(r"\[raysys\] done: run '.*' \| eval/qwk [\d.-]+ \| perf/tokens_per_s", out)
+    # the epoch's evaluation is a line of its own above the bar; the finished bar is not drawn again
+    # below the breakdown and the summary that follow it
+    assert re.search(r"\[deep_gpcm\] epoch 1/1 done, loss [\d.]+ \| qwk [\d.-]+", out)
+    assert out.rfind("%|") < out.find("step-time breakdown")
 
 
 def test_piped_progress_is_plain_and_bounded_whatever_the_run_length():
@@ -82,6 +86,21 @@ def test_piped_progress_is_plain_and_bounded_whatever_the_run_length():
         # a second run in the same process starts its own count
         con.progress("wl", 1, 10)
         assert out.getvalue().splitlines()[-1].startswith("[wl] 1/10")
+
+
+def test_an_epochs_evaluation_is_never_throttled_out_of_a_plain_log():
+    """A piped run prints a line per tenth of the run: the epochs' evaluations between them were lost."""
+    import io
+
+    from raysys.console import Console
+
+    out = io.StringIO()
+    con = Console(out, tty=False)
+    for step in range(1, 101):
+        end = step % 4 == 0  # 25 epochs of 4 steps
+        con.progress("wl", step, 100, f"epoch {step // 4}/25 done | acc {step / 100}" if end else "loss 1", keep=end)
+    evals = [l for l in out.getvalue().splitlines() if " done | acc " in l]
+    assert len(evals) == 25 and evals[-1].startswith("[wl] 100/100 (100%) epoch 25/25 done | acc 1.0")
 
 
 def test_an_empty_name_is_refused_not_replaced_by_the_default():

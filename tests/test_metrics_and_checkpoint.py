@@ -48,6 +48,23 @@ def test_stability_monitor():
     assert out["stability/nonfinite_grad"] == 1 and out["stability/grad_norm_max"] == 1.0 and m.diverged
 
 
+def test_grad_norm_statistics_are_of_updates_when_a_loss_covers_several():
+    """mpn_dqn observes one mean TD loss per log line of many updates: its grad-norm mean was a mean
+    of the lines' maxima. The statistics are of the latest 200 updates, and survive a resume."""
+    m = StabilityMonitor()
+    for line in range(3):
+        m.observe(1.0, None)
+        m.observe_grad_norms([1.0, 1.0, 1.0, 5.0, float("nan")])
+    out = m.metrics()
+    assert out["stability/grad_norm_mean"] == 2.0 and out["stability/grad_norm_max"] == 5.0
+    assert out["stability/nonfinite_grad"] == 3 and out["stability/nonfinite_loss"] == 0
+    m.observe_grad_norms([0.5] * 300)
+    assert m.metrics()["stability/grad_norm_mean"] == 0.5
+    again = StabilityMonitor()
+    again.load_state_dict(m.state_dict())
+    assert again.metrics() == m.metrics()
+
+
 def test_loss_spikes_are_counted_within_a_window_not_since_the_start():
     # Rare real spikes over a long run: the total grows, the burst (most within 50 losses) does not.
     rare = StabilityMonitor()

@@ -65,6 +65,9 @@ def test_cross_validation_runs_each_fold_under_one_parent(workdir, capsys):
     assert main([*QUICK, "--cv", "--name", "cv", "--set", "data.n_folds=2", "--set", "train.epochs=1"]) == 0
     out = capsys.readouterr().out
     assert "2-fold cross-validation" in out and "| **mean** |" in out
+    # one breakdown table: the other fold's is named, not repeated
+    assert out.count("| phase | ms/step | share |") == 1
+    assert f"[deep_gpcm] step-time breakdown: {workdir / 'raysys_runs' / 'cv-fold1' / 'breakdown.md'}" in out
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("raysys-deep_gpcm")
     runs = client.search_runs([exp.experiment_id])

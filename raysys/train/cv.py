@@ -42,7 +42,7 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
             again = cfg.launch.resume and _exists(wl, dataclasses.replace(cfg.launch, name=name, resume=True))
             fold_cfg = apply_overrides(cfg, {fold_key: fold, "launch.name": name, "launch.resume": again})
             result = run_training(registry.ref(wl), fold_cfg, parent_run_id=parent,
-                                  tags={**(tags or {}), "raysys.kind": "cv_fold"})
+                                  tags={**(tags or {}), "raysys.kind": "cv_fold", "raysys.cv_fold": str(fold)})
             results.append(result)
             if result.stopped_by is not None:  # Ctrl-C/SIGTERM: no later fold starts, and no mean of a part
                 tracking.end_run(uri, parent, "KILLED")

@@ -633,6 +633,28 @@ def _same_place(uri: str) -> str:
     return f"{u.scheme.lower()}://{u.netloc}/{u.path.strip('/')}?{sorted(parse_qsl(u.query))}"
 
 
+def _refuse_before_prepare(wl: registry.Workload, cfg: Any, run_dir: Path, changes: str) -> None:
+    """A resume that changed a key of the checkpoint's identity is refused now, not after ``prepare``, which may
+    make data for minutes (the ad_transformer's PPO histories) for a run that cannot go on. Only a key given
+    anew on this resume counts (``changes``: 'key: old -> new; ...'): ``prepare`` fills in others (an absolute
+    path), and the checkpoint's own check after it sees those."""
+    store = CheckpointStore(run_dir, wl.name, identity_of(wl, cfg), local_keys=wl.extra.get("local_keys", ()))
+    latest = store.latest()
+    if latest is None:
+        return
+    given = {part.split(":", 1)[0] for part in changes.split("; ")}
+    diff = {k: v for k, v in store.differences(store.meta(latest)).items() if k in given and not _same_path(*v)}
+    if diff:
+        from raysys.checkpoint import refuse_different
+
+        refuse_different(latest, [f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items()])
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    """Two spellings of one file (relative now, absolute in the checkpoint)."""
+    return isinstance(a, str) and isinstance(b, str) and bool(a) and bool(b) and Path(a).resolve() == Path(b).resolve()
+
+
 def _prepare(prepare, cfg: Any) -> Any:
     """Make or validate the data once, before any run folder or MLflow run exists; a data problem is one
     line (DataError), not a traceback."""
@@ -670,6 +692,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     if launch.resume:
         _hold(run_dir, name, launch, create=False)
         lifecycle.arm(_resume_command(wl, launch, name))  # from here a signal stops the run with a checkpoint
+    if launch.resume and (tags or {}).get("raysys.resume_changes"):
+        _refuse_before_prepare(wl, cfg, run_dir, tags["raysys.resume_changes"])
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
@@ -833,7 +857,9 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     def make_trainer():
         payload = {"workload": registry.ref(wl), "config": cfg_dict, "run_dir": str(run_dir),
                    **storage.payload(run_dir), "identity": identity,
-                   "tracking_uri": uri, "run_id": run_id, "console": sink.handle, "stop": stop, "cwd": os.getcwd()}
+                   "tracking_uri": uri, "run_id": run_id, "console": sink.handle, "stop": stop, "cwd": os.getcwd(),
+                   # --cv: the first fold's breakdown table is on the console; the others' are alike
+                   "brief_breakdown": (tags or {}).get("raysys.cv_fold", "0") != "0"}
         return TorchTrainer(
             train_loop_per_worker,
             train_loop_config=payload,

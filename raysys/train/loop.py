@@ -331,7 +331,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 text = f"epoch {epoch}/{tc.epochs} done, loss {loss_val:.4f}"
                 if last_eval:
                     text += f" | {task.quality_metric} {last_eval.get('eval/quality', float('nan')):.4g}"
-                sink.progress(wl.name, step, total_steps, text)
+                sink.progress(wl.name, step, total_steps, text, keep=bool(evals))
             save_checkpoint()
             last_ckpt_time = time.monotonic()
             ray.train.report(metrics)
@@ -374,7 +374,10 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
         what = ("of this quality run (its first steps included; the bench's ratio is timed apart)"
                 if os.environ.get(BENCH_ENV) else "(measured)")
-        sink.message(f"[{wl.name}] step-time breakdown {what}:\n{breakdown}")
+        if payload.get("brief_breakdown"):
+            sink.message(f"[{wl.name}] step-time breakdown: {storage.where(run_dir)}/breakdown.md")
+        else:
+            sink.message(f"[{wl.name}] step-time breakdown {what}:\n{breakdown}")
     ray.train.report({**final, "done": 1.0})
 
 

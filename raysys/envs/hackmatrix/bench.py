@@ -59,7 +59,7 @@ def kernel_census(num_envs: int = 256, params: EnvParams | None = None) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m raysys.envs.hackmatrix.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--num-envs", type=int, nargs="+", default=[256, 2048])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)

@@ -322,7 +322,7 @@ def _bench(quick: bool = False) -> dict:
 
 WORKLOAD = Workload(
     name="ad_source",
-    description="The AD transformer's source PPO on Darkroom, every goal's learner in one JAX program (seed 003)",
+    description="The AD transformer's source PPO on Darkroom, every goal's learner in one JAX program",
     config_cls=ADSourceConfig,
     presets=PRESETS,
     bench=_bench,

@@ -340,7 +340,7 @@ def _dataset(cfg: ADConfig) -> dict:
 
 WORKLOAD = Workload(
     name="ad_transformer",
-    description="Algorithm-distillation transformer on Darkroom: PPO histories in JAX, in-context RL (seed 003)",
+    description="Algorithm-distillation transformer on Darkroom: PPO histories in JAX, in-context RL",
     config_cls=ADConfig,
     presets=PRESETS,
     bench=_bench,

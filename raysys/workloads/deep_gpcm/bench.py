@@ -188,7 +188,8 @@ if __name__ == "__main__":  # python -m raysys.workloads.deep_gpcm.bench --batch
     from raysys.workloads.deep_gpcm.model import triton_available
     from raysys.workloads.deep_gpcm.workload import DeepGPCMTask, parity
 
-    ap = argparse.ArgumentParser(description="training-step times of every path at the data's longest T, then the "
+    ap = argparse.ArgumentParser(prog="python -m raysys.workloads.deep_gpcm.bench",
+                                 description="training-step times of every path at the data's longest T, then the "
                                              "optimized step's profile (the GPU figures of issue #14, alone)")
     ap.add_argument("--batch", type=int, nargs="+", default=[256], help="batch sizes")
     ap.add_argument("--repeats", type=int, default=10)

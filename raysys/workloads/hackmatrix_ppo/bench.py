@@ -308,7 +308,8 @@ if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description="where one PPO update's time goes: env step, policy, learning")
+    ap = argparse.ArgumentParser(prog="python -m raysys.workloads.hackmatrix_ppo.bench",
+                                 description="where one PPO update's time goes: env step, policy, learning")
     ap.add_argument("--profile", type=int, nargs="+", default=[256], metavar="NUM_ENVS")
     ap.add_argument("--steps", type=int, default=128, help="env steps per update")
     ap.add_argument("--repeats", type=int, default=3)

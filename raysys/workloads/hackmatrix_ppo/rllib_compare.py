@@ -85,7 +85,9 @@ def measure_rllib_ppo(seconds: float = 60.0, num_env_runners: int = 1, envs_per_
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m raysys.workloads.hackmatrix_ppo.rllib_compare",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--runners", type=int, default=1)
     ap.add_argument("--envs", type=int, default=8)

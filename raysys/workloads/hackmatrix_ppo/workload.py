@@ -344,7 +344,7 @@ def _bench(quick: bool = False) -> dict:
 
 WORKLOAD = Workload(
     name="hackmatrix_ppo",
-    description="PPO on HackMatrix in pure JAX: one jitted lax.scan per chunk of updates, envs sharded over devices (seed 001)",
+    description="PPO on HackMatrix in pure JAX: one jitted lax.scan per chunk of updates, envs sharded over devices",
     config_cls=HackMatrixPPOConfig,
     presets=PRESETS,
     bench=_bench,

@@ -166,7 +166,8 @@ if __name__ == "__main__":  # python -m raysys.workloads.mpn_dqn.bench: the RLli
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description="raysys rollout actors vs RLlib EnvRunners on ContextDecisionMaking-v0")
+    ap = argparse.ArgumentParser(prog="python -m raysys.workloads.mpn_dqn.bench",
+                                 description="raysys rollout actors vs RLlib EnvRunners on ContextDecisionMaking-v0")
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--envs", type=int, default=8, help="envs per actor")
     ap.add_argument("--steps", type=int, default=256, help="vector steps per sample call")

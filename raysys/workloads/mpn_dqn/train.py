@@ -325,7 +325,8 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                     m["losses/grad_norm"], m["losses/grad_norm_max"] = float(gns.mean()), float(gns.max())
                     # TD losses are noisy per update: judge spikes on the per-log-line mean
                     # and count every non-finite update loss (observe counts a non-finite mean once)
-                    monitor.observe(m["losses/td_loss"], m["losses/grad_norm_max"])
+                    monitor.observe(m["losses/td_loss"], None)
+                    monitor.observe_grad_norms(gns.tolist())  # stability/grad_norm_* of updates, not of line maxima
                     bad = int((~torch.isfinite(ls)).sum())
                     monitor.nonfinite_loss += bad - (bad > 0)
                     m |= monitor.metrics()

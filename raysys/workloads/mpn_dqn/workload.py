@@ -228,7 +228,7 @@ def _bench(quick: bool = False) -> dict:
 
 WORKLOAD = Workload(
     name="mpn_dqn",
-    description="Recurrent plastic (MPN) DQN on NeuroGym ContextDecisionMaking with sequence replay (seed 000)",
+    description="Recurrent plastic (MPN) DQN on NeuroGym ContextDecisionMaking with sequence replay",
     config_cls=MPNDQNConfig,
     presets=PRESETS,
     bench=_bench,

@@ -297,7 +297,7 @@ def _dataset(cfg: PointerGeneratorConfig) -> dict:
 
 WORKLOAD = Workload(
     name="pointer_generator",
-    description="Pointer-generator summarizer of clinical notes: copy attention, batched beam search, ROUGE (seed 002)",
+    description="Pointer-generator summarizer of clinical notes: copy attention, batched beam search, ROUGE",
     config_cls=PointerGeneratorConfig,
     presets=PRESETS,
     bench=_bench,
