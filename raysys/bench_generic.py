@@ -65,7 +65,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
                   overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device
     from raysys.train.launcher import set_threads
-    from raysys.train.optim import build_optimizer
+    from raysys.train.optim import task_optimizer
 
     if wl.task is None:
         raise ConfigError(f"{wl.name} trains with its own loop (train_fn) and has no bench: give "
@@ -96,7 +96,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     for p in paths:
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every path
         models[p] = task.build_model(cfgs[p]).to(device)
-        opts[p] = build_optimizer(cfgs[p].optim, models[p])
+        opts[p] = task_optimizer(task, cfgs[p], models[p], wl.name)  # the task's own, as its runs train
     parity = None
     if len(paths) == 2:
         a, b = models["naive"], models["optimized"]

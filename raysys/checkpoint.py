@@ -142,14 +142,22 @@ class CheckpointWriteError(OSError):
     copy is removed; earlier checkpoints are untouched, so the run resumes from the last one."""
 
 
+class Superseded(CheckpointError):
+    """A worker of a session that ended (its driver killed) tried to save into a run that a new session
+    (a --resume) holds now: the fence that keeps it from writing over the new session's checkpoints."""
+
+
 class CheckpointStore:
     def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2,
-                 local_keys: tuple[str, ...] = ()):
+                 local_keys: tuple[str, ...] = (), holder: Optional[str] = None):
         """``identity``: the config subset a checkpoint must match to be resumed (model shape, data).
         ``local_keys``: dotted keys of it the workload declares machine-local (``Workload.extra["local_keys"]``:
         where its data is on this machine, not what the run is), so a run resumes from another folder or
-        machine."""
+        machine. ``holder``: on a Ray worker, the session its run folder's lock named when it started
+        (``lifecycle.holder_of``); a save finding another there writes nothing (:class:`Superseded`)."""
         from raysys import storage
+
+        self.run_dir, self.holder = Path(run_dir), holder
 
         self.root = Path(run_dir) / "checkpoints"
         # a run on remote storage (raysys.storage): the folder here is a working copy, the storage the truth
@@ -201,6 +209,13 @@ class CheckpointStore:
         return done[-1] if done else None
 
     def save(self, state: dict, step: int, extra_meta: Optional[dict] = None) -> Path:
+        if self.holder is not None:
+            from raysys.lifecycle import holder_of
+
+            now = holder_of(self.run_dir)
+            if now is not None and now != self.holder:
+                raise Superseded(f"run folder {self.run_dir} is now held by {now}, not by this worker's session "
+                                 f"({self.holder}), which has ended: checkpoint step {step} is not written")
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:09d}"
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"

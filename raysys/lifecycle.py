@@ -93,6 +93,16 @@ class RunLock:
             lock.release()
 
 
+def holder_of(run_dir: Path) -> Optional[str]:
+    """What the run folder's lock says of the session holding it ('process N on host'), or None where the
+    lock lives elsewhere (a run on remote storage). Its workers carry it: a worker of a session that was
+    killed may train on for seconds, and must not write into a run another session has taken over."""
+    try:
+        return (Path(run_dir) / LOCK_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) -> RunLock:
     """Make a new run's folder and lock it. Of two processes creating the same run at once, one gets
     the lock first and the other is refused (by the lock, or by the folder it then finds in use)."""

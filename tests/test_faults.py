@@ -299,6 +299,29 @@ def test_foreign_and_moved_aside_folders_are_kept_and_stale_ones_cleaned(tmp_pat
     assert "removed .tmp-step_000000007-0123abcd" in events and "resumed" in events
 
 
+def test_a_killed_sessions_workers_write_nothing_into_the_run_a_resume_holds(tmp_path):
+    """A SIGKILLed driver's Ray workers train on for a second or more (audit G saw step_5 and step_6 written
+    after the kill). They carry the session the run folder's lock named when they started; once a resume
+    holds the folder, their saves are refused and write nothing."""
+    from raysys import lifecycle
+    from raysys.checkpoint import CheckpointStore, Superseded
+
+    run = tmp_path / "r"
+    first = lifecycle.create_run_dir(run, "r")
+    holder = lifecycle.holder_of(run)
+    assert holder == f"process {os.getpid()} on {os.uname().nodename}"
+    worker = CheckpointStore(run, "wl", {}, holder=holder)
+    worker.save({"x": 1}, 1)
+    first.release()  # the driver is killed: its lock goes with it
+    (run / lifecycle.LOCK_FILE).write_text("process 99999999 on elsewhere\n")  # a --resume now holds the run
+    with pytest.raises(Superseded, match="now held by process 99999999 on elsewhere"):
+        worker.save({"x": 2}, 2)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000000001"]
+    # in-process and remote-storage stores carry no holder: they save as before
+    CheckpointStore(run, "wl", {}).save({"x": 3}, 3)
+    assert lifecycle.holder_of(tmp_path / "nowhere") is None
+
+
 def test_unit_checkpoint_store_finishes_an_interrupted_swap(tmp_path):
     import torch
 

@@ -42,7 +42,7 @@ def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Sess
                                     buffer=run_dir / tracking.BUFFER_FILE)
               if rank == 0 else tracking.NullLogger())
     run = OpenRun(wl, cfg, payload["config"], payload["name"], run_dir, payload["identity"],
-                  payload["tracking_uri"], payload["run_id"], logger)
+                  payload["tracking_uri"], payload["run_id"], logger, holder=payload.get("holder"))
     set_threads(cfg.launch)
     return cfg, Session(run, rank=rank, world_size=world_size, sink=console.Sink(payload.get("console")),
                         stop=payload.get("stop"))
@@ -110,7 +110,8 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     with run.tracked() as outcome, console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
-                   "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor(), "cwd": os.getcwd()}
+                   "run_id": run.run_id, "console": sink.handle, "stop": lifecycle.stop_flag_actor(), "cwd": os.getcwd(),
+                   "holder": lifecycle.holder_of(run.run_dir)}  # a fence against this session's orphaned workers
         fit_with_restarts(lambda: _trainer(kind, launch, run, payload, use_gpu, resources, failure, backend),
                           launch.max_failures, run.run_dir, sink)
         lifecycle.settle_stop(payload["stop"])  # a worker's SIGTERM stops the run as the driver's would

@@ -470,10 +470,12 @@ class OpenRun:
     logger: tracking.MLflowLogger
     snapshot: Optional[Path] = None
     """This session's config snapshot (``config.yaml`` or ``config.resume-N.yaml``)."""
+    holder: Optional[str] = None
+    """On a Ray worker: the session that started it, as the run folder's lock named it (``lifecycle.holder_of``)."""
 
     def store(self, keep: int = 2) -> CheckpointStore:
         return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep,
-                               local_keys=self.wl.extra.get("local_keys", ()))
+                               local_keys=self.wl.extra.get("local_keys", ()), holder=self.holder)
 
     def finish(self, status: str) -> None:
         lifecycle.RunLock.release_dir(self.run_dir)
@@ -859,7 +861,8 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
                    **storage.payload(run_dir), "identity": identity,
                    "tracking_uri": uri, "run_id": run_id, "console": sink.handle, "stop": stop, "cwd": os.getcwd(),
                    # --cv: the first fold's breakdown table is on the console; the others' are alike
-                   "brief_breakdown": (tags or {}).get("raysys.cv_fold", "0") != "0"}
+                   "brief_breakdown": (tags or {}).get("raysys.cv_fold", "0") != "0",
+                   "holder": lifecycle.holder_of(run_dir) if launch.workers > 0 else None}
         return TorchTrainer(
             train_loop_per_worker,
             train_loop_config=payload,
