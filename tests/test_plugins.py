@@ -983,13 +983,16 @@ def test_a_tasks_own_param_groups_and_plateau_schedule_train_and_resume(project)
     assert lrs[-1][1] == pytest.approx(0.02)
     assert run.data.metrics["eval/accuracy"] > 0.8
 
-    bad = _run(["python", "-m", "raysys", "train", "digits_own:WRONG_MODE", "--preset", "quick", "--workers", "0"], project)
+    bad = _run(["python", "-m", "raysys", "train", "digits_own:WRONG_MODE", "--preset", "quick", "--workers", "0",
+                "--name", "wrong"], project)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == (
         "raysys: config error: digits_wrong: its ReduceLROnPlateau has mode='min', but it is stepped with "
         "eval/accuracy, which is maximised: use mode='max'")
+    assert not (project / "raysys_runs" / "wrong").exists()  # found before the run existed
     bad = _run(["python", "-m", "raysys", "train", "digits_own:LEFT_OUT", "--preset", "quick", "--workers", "0"], project)
-    assert bad.returncode == 2 and "Task.param_groups leaves out trainable parameters net.0.bias, net.3.bias, net.6.bias: they would never " in bad.stderr
+    assert bad.returncode == 2
+    assert "Task.param_groups leaves out trainable parameters net.0.bias, net.3.bias, net.6.bias: they would " in bad.stderr
 
 
 def test_param_groups_keep_their_own_options_under_the_configs_optimizer():
@@ -1022,3 +1025,64 @@ def test_param_groups_keep_their_own_options_under_the_configs_optimizer():
             return torch.optim.RMSprop(model.parameters(), lr=0.01)
 
     assert isinstance(task_optimizer(Own(), Cfg(), torch.nn.Linear(3, 2), "t"), torch.optim.RMSprop)
+
+
+def test_hook_mistakes_are_one_line_and_torchs_other_group_forms_are_taken():
+    import torch
+
+    from raysys.config import ConfigError
+    from raysys.train.config import OptimConfig
+    from raysys.train.optim import task_optimizer, task_scheduler
+
+    class Cfg:
+        optim = OptimConfig(name="sgd", lr=0.1)
+
+    def groups(fn):
+        return type("Task", (), {"param_groups": lambda self, model, cfg: fn(model)})()
+
+    net = torch.nn.Linear(3, 2)
+    # what torch itself takes: the parameters, or a group whose 'params' is one tensor
+    assert len(task_optimizer(groups(lambda m: m.parameters()), Cfg(), net, "t").param_groups) == 1
+    opt = task_optimizer(groups(lambda m: [{"params": m.weight}, {"params": m.bias, "lr": 0.01}]), Cfg(), net, "t")
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+    with pytest.raises(ConfigError, match="returned nothing \\(a missing return\\?\\)"):
+        task_optimizer(groups(lambda m: None), Cfg(), net, "t")
+    both = type("Task", (), {"param_groups": lambda s, m, c: [], "optimizer": lambda s, m, c: None})()
+    with pytest.raises(ConfigError, match="both Task.optimizer and Task.param_groups"):
+        task_optimizer(both, Cfg(), net, "t")
+    other = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    stray = type("Task", (), {"scheduler": lambda s, o, c, n: torch.optim.lr_scheduler.StepLR(other, 1)})()
+    with pytest.raises(ConfigError, match="another optimizer"):
+        task_scheduler(stray, Cfg(), torch.optim.SGD(net.parameters(), lr=0.1), 10, "t", "eval/q", "max")
+
+
+def test_a_schedule_fixed_to_the_runs_length_is_rebuilt_when_a_resume_changes_it():
+    """OneCycleLR restored with its old total_steps fails past it (torch's ValueError), and a cosine climbs
+    back to its peak: rebuilt for the new length and taken to the run's step, the LR is the new schedule's."""
+    import torch
+
+    from raysys.train.optim import fast_forward
+
+    class Task:
+        def scheduler(self, opt, cfg, total_steps):
+            return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total_steps)
+
+    def new_opt():
+        torch.manual_seed(0)
+        return torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1, momentum=0.9)
+
+    first = new_opt()
+    sched = Task().scheduler(first, None, 44)
+    for _ in range(20):
+        first.step(), sched.step()
+    resumed = new_opt()
+    Task().scheduler(resumed, None, 88)  # the loop builds it before the checkpoint is loaded
+    resumed.load_state_dict(first.state_dict())
+    sched = fast_forward(Task(), None, resumed, 88, 20)
+    alone = new_opt()
+    ref = Task().scheduler(alone, None, 88)
+    for _ in range(20):
+        alone.step(), ref.step()
+    assert resumed.param_groups[0]["lr"] == pytest.approx(alone.param_groups[0]["lr"])
+    for _ in range(88 - 20 - 1):  # to the new end, where the restored state failed at its step 45
+        resumed.step(), sched.step()

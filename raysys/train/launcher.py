@@ -489,11 +489,12 @@ class OpenRun:
 
     def _retire_error_file(self) -> None:
         """A finished run has no error.txt: the traceback of the session that failed before this resume
-        is kept as error.earlier.txt (moved, not deleted), so the run folder no longer reads as failed."""
-        path = self.run_dir / ERROR_FILE
+        is added to error.earlier.txt (moved, not deleted), so the run folder no longer reads as failed."""
+        path, earlier = self.run_dir / ERROR_FILE, self.run_dir / EARLIER_ERROR_FILE
         try:
             if storage.pull(path):
-                storage.write_text(self.run_dir / EARLIER_ERROR_FILE, path.read_text())
+                before = earlier.read_text() + "\n" if storage.pull(earlier) else ""
+                storage.write_text(earlier, before + path.read_text())
                 storage.remove(path)
         except Exception as e:  # storage away: the stale file is only misleading, never worth failing the run
             log.warning("could not move %s of run %s aside: %s", ERROR_FILE, self.name, e)
@@ -672,11 +673,13 @@ def _prepare(prepare, cfg: Any) -> Any:
 
 
 def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optional[str] = None,
-             tags: Optional[dict] = None, fits: Optional[Callable[[Any, dict], None]] = None) -> OpenRun:
+             tags: Optional[dict] = None, fits: Optional[Callable[[Any, dict], None]] = None,
+             check: Optional[Callable[[Any], None]] = None) -> OpenRun:
     """Validate everything, then create: the run folder (locked), the config snapshot and the MLflow run
     (reopened when resuming). Any problem found before the folder exists leaves nothing behind.
     ``fits(cfg, state)``: raises a CheckpointError when a resume's changed config cannot take the
-    checkpoint's state (a shape outside the checkpoint's identity)."""
+    checkpoint's state (a shape outside the checkpoint's identity). ``check(cfg)``: the workload's own
+    check of the prepared config, which raises a ConfigError (before anything exists)."""
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
@@ -697,6 +700,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     if launch.resume and (tags or {}).get("raysys.resume_changes"):
         _refuse_before_prepare(wl, cfg, run_dir, tags["raysys.resume_changes"])
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
+    if check is not None:
+        check(cfg)
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
     if launch.resume:
@@ -827,6 +832,36 @@ def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:
     return fits
 
 
+def _hooks_work(wl: registry.Workload) -> Optional[Callable[[Any], None]]:
+    """For a task with its own optimizer hooks: the mistakes ``optim.task_optimizer`` and ``task_scheduler``
+    refuse (a parameter left out, a plateau's mode) are found here, on a model built on torch's meta device,
+    before the run exists, not in its workers after. The hooks' own errors are left to the workers, which
+    meet them again with their tracebacks."""
+    from raysys.train.optim import hooks_used
+
+    task = wl.task
+    if not hooks_used(task):
+        return None
+
+    def check(cfg: Any) -> None:
+        import torch
+
+        from raysys.train.optim import task_optimizer, task_scheduler
+
+        try:
+            task.datasets(cfg)  # a model may take a size from its data (a vocabulary)
+            with torch.device("meta"):
+                model = task.build_model(cfg)
+            opt = task_optimizer(task, cfg, model, wl.name)
+            task_scheduler(task, cfg, opt, 1000, wl.name, wl.quality_metric, wl.quality_mode)
+        except ConfigError:
+            raise
+        except Exception:  # not buildable here (an op without a meta kernel): the workers find out
+            return
+
+    return check
+
+
 def _log_dataset(wl: registry.Workload, cfg: Any, uri: str, run_id: str) -> None:
     """The workload's data as the run's MLflow input, where it names one (``Workload.dataset``)."""
     info = wl.dataset(cfg) if wl.dataset is not None else None
@@ -844,7 +879,8 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     wl = registry.get(wl_name)
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
-    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl.task, tags))
+    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl.task, tags),
+                   check=_hooks_work(wl))
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
 

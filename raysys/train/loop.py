@@ -28,7 +28,7 @@ from raysys.config import ConfigError, from_dict
 from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
 from raysys.train.data import ShardSampler, make_loader, to_device
-from raysys.train.optim import is_plateau, task_optimizer, task_scheduler
+from raysys.train.optim import fast_forward, hooks_used, is_plateau, task_optimizer, task_scheduler
 
 
 def _ray_context() -> tuple[int, int]:
@@ -158,6 +158,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     opt = task_optimizer(task, cfg, model, wl.name)
     sched = task_scheduler(task, cfg, opt, total_steps, wl.name, wl.quality_metric, wl.quality_mode)
     plateau = is_plateau(sched)  # stepped with the quality after each evaluation, not at each step
+    own_schedule = getattr(task, "scheduler", None) is not None
     scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
     timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None, every=tc.breakdown_every_steps)
     monitor = StabilityMonitor(spike_factor=tc.spike_factor)
@@ -172,16 +173,21 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     latest = store.latest()
     if latest is not None:
         state, meta = store.load(latest)
+        # a task's own schedule fixed to the run's length (OneCycleLR, a cosine's T_max) is rebuilt for a new one
+        stretched = own_schedule and not plateau and state.get("total_steps", total_steps) != total_steps
         try:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
+            if stretched:
+                sched = fast_forward(task, cfg, opt, total_steps, state["step"])
+            else:
+                sched.load_state_dict(state["scheduler"])
         except (RuntimeError, ValueError, KeyError) as e:  # a setting outside the checkpoint's identity changed
             from raysys.checkpoint import CheckpointError  # (a shape, the optimizer): no restart fixes it
 
             raise CheckpointError(f"checkpoint {latest.name} does not fit the model or optimizer this config builds: "
                                   f"{_first_mismatch(str(e))}. Resume with the run's settings, or start a new run "
                                   "(another --name)") from None
-        sched.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         timer.load_state_dict(state["timer"])
         monitor.load_state_dict(state["monitor"])
@@ -193,11 +199,17 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             where = f"epoch {min(epoch + 1, tc.epochs)}/{tc.epochs}" if epoch < tc.epochs else f"{epoch} epochs done"
             sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, {where})")
             _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
+            if stretched:
+                sink.message(f"[{wl.name}] the run's length changed ({state['total_steps']} -> {total_steps} steps): "
+                             f"Task.scheduler's schedule is rebuilt for {total_steps} and taken to step {step}")
 
     if rank == 0 and world > 1:  # where rank 0 runs, for audits of restarts after a lost node
         _event(run_dir, f"worker group of {world} started; rank 0 on node {ray.get_runtime_context().get_node_id()}")
     logger = (MLflowLogger(payload["tracking_uri"], payload["run_id"], buffer=run_dir / BUFFER_FILE)
               if rank == 0 and payload.get("run_id") else NullLogger())
+    if rank == 0 and hooks_used(task):  # the optim.* params describe the config's optimizer, not this one
+        logger.set_tags(hooks_used(task) | {"raysys.optimizer": type(opt).__name__,
+                                            "raysys.scheduler": type(sched).__name__})
     stop_requested = StopPoller(payload.get("stop"))  # the driver's SIGINT/SIGTERM, seen at step boundaries
     eval_loader_items = None
 
@@ -210,7 +222,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
                         "rng": _rng_state(), "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
-                        "loss": loss_val},
+                        "loss": loss_val, "total_steps": total_steps},
                        step, {"epoch": epoch})
 
     def evaluate() -> dict[str, float]:
@@ -292,7 +304,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             diverged = nonfinite_streak >= MAX_NONFINITE
 
             if step % tc.log_every_steps == 0 or diverged:
-                metrics = {"train/loss": loss_val, "train/lr": opt.param_groups[0]["lr"], "train/epoch": epoch + micro_done / micro_per_epoch,
+                metrics = {"train/loss": loss_val, "train/lr": opt.param_groups[0]["lr"],
+                           "train/epoch": epoch + micro_done / micro_per_epoch,
                            **speed.rates(world), **monitor.metrics()}
                 logger.log_metrics(metrics, step)
                 if rank == 0:

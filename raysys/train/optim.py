@@ -36,24 +36,37 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, groups: Optional[l
 
 def task_optimizer(task: Any, cfg: Any, model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
     """The task's own optimizer, or the config's over the task's parameter groups, or the config's."""
-    own = getattr(task, "optimizer", None)
+    own, make_groups = getattr(task, "optimizer", None), getattr(task, "param_groups", None)
+    if own is not None and make_groups is not None:  # else param_groups would silently never be used
+        raise ConfigError(f"{name}: its task defines both Task.optimizer and Task.param_groups; param_groups are for "
+                          "the config's optimizer: build your groups inside Task.optimizer instead")
     if own is not None:
         opt = own(model, cfg)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(f"{name}: Task.optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer")
         _check_covered(model, [p for g in opt.param_groups for p in g["params"]], name, "Task.optimizer")
         return opt
-    make_groups = getattr(task, "param_groups", None)
     if make_groups is None:
         return build_optimizer(cfg.optim, model)
-    groups = [dict(g) for g in make_groups(model, cfg)]
-    if not groups or not all("params" in g for g in groups):
-        raise ConfigError(f"{name}: Task.param_groups must return a non-empty list of dicts, each with 'params' "
-                          "(torch's parameter groups)")
-    for g in groups:
-        g["params"] = list(g["params"])
+    groups = _groups(make_groups(model, cfg), name)
     _check_covered(model, [p for g in groups for p in g["params"]], name, "Task.param_groups")
     return build_optimizer(cfg.optim, model, groups)
+
+
+def _groups(raw: Any, name: str) -> list[dict]:
+    """What torch takes as parameter groups: dicts with 'params' (a tensor or an iterable of them), or
+    the parameters themselves (``model.parameters()``: one group)."""
+    items = list(raw) if raw is not None and not isinstance(raw, (torch.Tensor, dict, str)) else None
+    if items and all(isinstance(p, torch.Tensor) for p in items):
+        return [{"params": items}]
+    if not items or not all(isinstance(g, dict) and "params" in g for g in items):
+        got = "nothing (a missing return?)" if raw is None else type(raw).__name__
+        raise ConfigError(f"{name}: Task.param_groups returned {got}: it must return torch's parameter groups, a "
+                          "non-empty list of dicts each with 'params' (or the parameters themselves)")
+    groups = [dict(g) for g in items]
+    for g in groups:
+        g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+    return groups
 
 
 def _check_covered(model: torch.nn.Module, given: list, name: str, hook: str) -> None:
@@ -80,10 +93,34 @@ def task_scheduler(task: Any, cfg: Any, opt: torch.optim.Optimizer, total_steps:
     sched = own(opt, cfg, total_steps)
     if not (callable(getattr(sched, "step", None)) and callable(getattr(sched, "state_dict", None))):
         raise ConfigError(f"{name}: Task.scheduler returned {type(sched).__name__}, not a torch LR scheduler")
+    if getattr(sched, "optimizer", opt) is not opt:  # it would schedule an optimizer that never steps
+        raise ConfigError(f"{name}: Task.scheduler returned a scheduler of another optimizer than the one it was given")
     if is_plateau(sched) and sched.mode != mode:
         raise ConfigError(f"{name}: its ReduceLROnPlateau has mode='{sched.mode}', but it is stepped with {quality}, "
                           f"which is {'maximised' if mode == 'max' else 'minimised'}: use mode='{mode}'")
     return sched
+
+
+def fast_forward(task: Any, cfg: Any, opt: torch.optim.Optimizer, total_steps: int, step: int) -> Any:
+    """The task's own scheduler for a run whose length changed on a resume: built for ``total_steps``
+    and stepped ``step`` times, to where the run is. The checkpoint's state would keep the old length
+    (OneCycleLR then fails past it; a cosine climbs back to its peak after it)."""
+    import warnings
+
+    for g in opt.param_groups:  # the schedule starts from the LR it started from, not the one reached
+        g["lr"] = g.get("initial_lr", g["lr"])
+    sched = task.scheduler(opt, cfg, total_steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": no step is taken here
+        for _ in range(step):
+            sched.step()
+    return sched
+
+
+def hooks_used(task: Any) -> dict[str, str]:
+    """The task's own optimizer hooks, as the run's MLflow tags: its ``optim.*`` params then do not say all."""
+    hooks = [h for h in ("param_groups", "optimizer", "scheduler") if getattr(task, h, None) is not None]
+    return {"raysys.optimizer_hooks": ", ".join(f"Task.{h}" for h in hooks)} if hooks else {}
 
 
 def is_plateau(sched: Any) -> bool:
