@@ -21,7 +21,8 @@ from raysys.config import ConfigError
 from raysys.train.config import OptimConfig
 
 
-def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, groups: Optional[list[dict]] = None) -> torch.optim.Optimizer:
+def build_optimizer(cfg: OptimConfig, model: torch.nn.Module,
+                    groups: Optional[list[dict]] = None) -> torch.optim.Optimizer:
     """The optimizer ``cfg`` names, over ``groups`` (torch's parameter groups: each a dict with
     ``params`` and any per-group options) or else over every trainable parameter of ``model``."""
     flat = ([p for g in groups for p in g["params"]] if groups is not None
