@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a workload", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train a workload under Ray Train (or in-process with --workers 0).", epilog=EPILOG)
     _config_args(t, resume=True)
-    t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="as before the command")
+    t.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="also show Ray's and Ray Train's own logs (as `python -m raysys -v`)")
     t.add_argument("--workers", type=int, help="data-parallel Ray Train workers; 0 = in this process (launch.workers; "
                                                "default: the preset's, see `show <workload>`)")
     t.add_argument("--gpus-per-worker", type=float, help="GPUs per worker; >0 uses CUDA + NCCL (launch.gpus_per_worker)")
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="print a workload's resolved config as YAML (or every key with its meaning)")
     _config_args(s)
-    s.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="as before the command")
+    s.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="also show Ray's and Ray Train's own logs (as `python -m raysys -v`)")
     s.add_argument("--keys", action="store_true", help="list every config key with its value and what it does")
     ls = sub.add_parser("list", help="list the workloads (built-in and installed plug-ins) and their presets")
     ls.add_argument("workloads", nargs="*", metavar="WORKLOAD",
