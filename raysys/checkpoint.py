@@ -291,7 +291,7 @@ class CheckpointStore:
         meta = self.meta(path)
         diff = self.differences(meta)
         if diff:
-            refuse_different(path, [f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items()])
+            refuse_different(path, diff)
         try:
             state = read_state(path)
         except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message
@@ -322,8 +322,10 @@ class CheckpointStore:
         return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
-def refuse_different(path: Path, diff: list[str]) -> None:
-    raise CheckpointError(f"checkpoint {path} was written with a different config: {'; '.join(diff)}. "
+def refuse_different(path: Path, diff: dict[str, tuple[Any, Any]]) -> None:
+    """``diff``: what :meth:`CheckpointStore.differences` found."""
+    said = "; ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items())
+    raise CheckpointError(f"checkpoint {path} was written with a different config: {said}. "
                           "Resume with the same settings, or start a new run (another --name).")
 
 

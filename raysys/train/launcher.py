@@ -650,7 +650,7 @@ def _refuse_before_prepare(wl: registry.Workload, cfg: Any, run_dir: Path, chang
     if diff:
         from raysys.checkpoint import refuse_different
 
-        refuse_different(latest, [f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items()])
+        refuse_different(latest, diff)
 
 
 def _same_path(a: Any, b: Any) -> bool:
@@ -807,18 +807,13 @@ def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:
     is built as a worker builds it (data first), on torch's meta device: shapes, no memory."""
 
     def fits(cfg: Any, state: dict) -> None:
-        import torch
-
         saved = state.get("model") if isinstance(state, dict) else None
         if not isinstance(saved, dict):
             return
-        try:
-            task.datasets(cfg)  # a model may take a size from its data (a vocabulary)
-            with torch.device("meta"):
-                model = task.build_model(cfg)
-            want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        except Exception:  # not buildable here: the workers build it, and a mismatch fails there in one line
+        model = _meta_model(task, cfg)
+        if model is None:  # not buildable here: the workers build it, and a mismatch fails there in one line
             return
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}
         odd = next((k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)), None)
         if odd is None:
@@ -844,22 +839,33 @@ def _hooks_work(wl: registry.Workload) -> Optional[Callable[[Any], None]]:
         return None
 
     def check(cfg: Any) -> None:
-        import torch
-
         from raysys.train.optim import task_optimizer, task_scheduler
 
+        model = _meta_model(task, cfg)
+        if model is None:
+            return
         try:
-            task.datasets(cfg)  # a model may take a size from its data (a vocabulary)
-            with torch.device("meta"):
-                model = task.build_model(cfg)
             opt = task_optimizer(task, cfg, model, wl.name)
             task_scheduler(task, cfg, opt, 1000, wl.name, wl.quality_metric, wl.quality_mode)
         except ConfigError:
             raise
-        except Exception:  # not buildable here (an op without a meta kernel): the workers find out
+        except Exception:  # a hook of its own failing on meta tensors: the workers find out, with its traceback
             return
 
     return check
+
+
+def _meta_model(task: Any, cfg: Any) -> Any:
+    """The model a worker would build from ``cfg`` (data first: a model may take a size from it, a
+    vocabulary), on torch's meta device: shapes, no memory. None where it cannot be built here."""
+    import torch
+
+    try:
+        task.datasets(cfg)
+        with torch.device("meta"):
+            return task.build_model(cfg)
+    except Exception:
+        return None
 
 
 def _log_dataset(wl: registry.Workload, cfg: Any, uri: str, run_id: str) -> None:

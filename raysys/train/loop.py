@@ -207,9 +207,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         _event(run_dir, f"worker group of {world} started; rank 0 on node {ray.get_runtime_context().get_node_id()}")
     logger = (MLflowLogger(payload["tracking_uri"], payload["run_id"], buffer=run_dir / BUFFER_FILE)
               if rank == 0 and payload.get("run_id") else NullLogger())
-    if rank == 0 and hooks_used(task):  # the optim.* params describe the config's optimizer, not this one
-        logger.set_tags(hooks_used(task) | {"raysys.optimizer": type(opt).__name__,
-                                            "raysys.scheduler": type(sched).__name__})
+    hooks = hooks_used(task)
+    if rank == 0 and hooks:  # the optim.* params describe the config's optimizer, not this one
+        logger.set_tags(hooks | {"raysys.optimizer": type(opt).__name__, "raysys.scheduler": type(sched).__name__})
     stop_requested = StopPoller(payload.get("stop"))  # the driver's SIGINT/SIGTERM, seen at step boundaries
     eval_loader_items = None
 
