@@ -64,7 +64,7 @@ def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[di
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,
                   overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device
-    from raysys.train.launcher import set_threads
+    from raysys.train.runtime import set_threads
     from raysys.train.optim import task_optimizer
 
     if wl.task is None:

@@ -260,7 +260,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
         return 1
     except Exception as e:
         from raysys.checkpoint import CheckpointError, CheckpointWriteError
-        from raysys.train.launcher import find_cause
+        from raysys.train.failures import find_cause
 
         root = find_cause(e, (CheckpointError, ConfigError))
         if root is not None:

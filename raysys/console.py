@@ -37,12 +37,12 @@ def exit_with(code: int):
     """End a raysys command's process with ``code``. The interpreter's last garbage collections over the
     objects Ray, Tune and MLflow leave behind took 2.3 s of a sweep's exit on a 2-core machine; the process
     is ending, so they are skipped (atexit handlers still run). Ray is shut down first, without the
-    delays of its own exit hook (``launcher.shutdown_ray``)."""
+    delays of its own exit hook (``runtime.shutdown_ray``)."""
     import gc
 
     global _frozen
     if "ray" in sys.modules:  # this command started or joined Ray: leave it without Ray's exit delays
-        from raysys.train.launcher import shutdown_ray
+        from raysys.train.runtime import shutdown_ray
 
         shutdown_ray()
     gc.freeze()

@@ -15,7 +15,9 @@ from raysys import console, storage
 from raysys.checkpoint import CheckpointStore
 from raysys.lifecycle import StopPoller, reached_end, stop_requested
 from raysys.console import Sink
-from raysys.train.launcher import OpenRun, RunResult, _event, init_ray, open_run, recorded_final, set_threads
+from raysys.train.failures import record_event
+from raysys.train.launcher import OpenRun, RunResult, open_run, recorded_final
+from raysys.train.runtime import init_ray, set_threads
 from raysys.workload import _FromTask
 
 
@@ -127,7 +129,7 @@ class Session:
             self.last_metrics = dict(meta.get("last_metrics") or {})
             self.last_step = int(meta.get("last_step") or meta.get("step") or 0)
         if self.is_main and not self.resumed:
-            _event(self.run_dir, f"resumed step={meta.get('step')} from={latest.name}")
+            record_event(self.run_dir, f"resumed step={meta.get('step')} from={latest.name}")
         self.resumed = True
         return state
 

@@ -335,7 +335,7 @@ def test_a_file_named_workload_trains_and_sweeps_in_other_processes(project, tmp
 
 def test_permanent_errors_are_found_inside_rays_wrappers():
     from raysys.config import ConfigError
-    from raysys.train.launcher import permanent_cause
+    from raysys.train.failures import permanent_cause
 
     class Wrapped(RuntimeError):
         def __init__(self, failures):
@@ -376,7 +376,7 @@ def test_threads_knob_and_the_in_process_default():
     import torch
 
     from raysys.train.config import LaunchConfig
-    from raysys.train.launcher import set_threads
+    from raysys.train.runtime import set_threads
 
     before = torch.get_num_threads()
     try:

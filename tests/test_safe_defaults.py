@@ -26,7 +26,7 @@ def test_local_ray_serves_its_http_apis_on_loopback_only():
     cluster configs firewall them."""
     import ray
 
-    from raysys.train.launcher import init_ray
+    from raysys.train.runtime import init_ray
 
     assert not ray.is_initialized()
     init_ray(None)

@@ -86,7 +86,7 @@ def test_cross_validation_runs_each_fold_under_one_parent(workdir, capsys):
 def test_workers_that_can_share_a_gpu_all_reduce_with_gloo(workers, gpus, backend, capsys):
     """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", ray-project/ray#48012), and Ray
     packs fractional GPUs onto one device: such runs all-reduce with gloo, and say so once."""
-    from raysys.train.launcher import process_group_backend
+    from raysys.train.runtime import process_group_backend
 
     assert process_group_backend(workers, gpus) == backend
     assert ("NCCL refuses" in capsys.readouterr().out) == (backend == "gloo" and gpus > 0)

@@ -27,9 +27,10 @@ from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import from_dict
 from raysys.session import Session
-from raysys.train.launcher import (OpenRun, RunResult, fit_with_restarts, init_ray, open_run, process_group_backend,
-                                   ray_storage, recorded_final, set_threads, train_logging,
-                                   work_where_the_driver_works)
+from raysys.train.failures import fit_with_restarts
+from raysys.train.launcher import OpenRun, RunResult, open_run, ray_storage, recorded_final
+from raysys.train.runtime import (init_ray, process_group_backend, set_threads, train_logging,
+                                  work_where_the_driver_works)
 
 
 def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Session]:

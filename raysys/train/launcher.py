@@ -14,7 +14,6 @@ import logging
 import os
 import math
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +23,12 @@ import yaml
 
 from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
-from raysys.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError
+from raysys.checkpoint import CheckpointError, CheckpointStore
 from raysys.config import ConfigError, flatten, to_dict
 from raysys.metrics import divergence
+from raysys.train.failures import error_line, fit_with_restarts, record_event
+from raysys.train.runtime import (check_local_resources, check_ray_address, init_ray, joins_cluster,
+                                  process_group_backend, train_logging, use_jax_platforms)
 
 log = logging.getLogger(__name__)
 
@@ -127,224 +129,6 @@ def _next_snapshot(run_dir: Path, resume: bool) -> Path:
     return run_dir / f"config.resume-{n}.yaml"
 
 
-def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
-    """One line in seconds, where ``ray.init`` would retry for minutes, when nothing listens at ``address``
-    (or $RAY_ADDRESS): a Ray cluster's GCS (``host:port``, port 6379 unless given) or Ray Client server
-    (``ray://host:port``, port 10001 unless given). ``auto``, ``local`` and no address start or find Ray
-    by themselves."""
-    import socket
-    from urllib.parse import urlsplit
-
-    addr = (address or os.environ.get("RAY_ADDRESS", "")).strip()
-    if addr in ("", "auto", "local"):
-        return
-    scheme, _, rest = addr.rpartition("://")
-    if scheme in ("http", "https"):
-        where = "--address" if address else "$RAY_ADDRESS"
-        raise ConfigError(f"{where} {addr}: an http address is a Ray dashboard's, where `ray job submit` sends jobs; "
-                          "a command joins a cluster at its GCS address, host:port (port 6379 unless given), at "
-                          "ray://host:10001, or with auto (nothing was created)")
-    if scheme not in ("", "ray"):
-        return
-    try:
-        parts = urlsplit("//" + rest)
-        host, port = parts.hostname, parts.port or (10001 if scheme == "ray" else 6379)
-    except ValueError as e:
-        raise ConfigError(f"Ray address {addr!r}: {e}") from None
-    if not host:
-        raise ConfigError(f"Ray address {addr!r} names no host; give host:port, ray://host:port or auto")
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise ConfigError(f"no Ray cluster answers at {addr} ({host}:{port}: {reason}); start one with "
-                          "`ray start --head`, or leave out --address and $RAY_ADDRESS to run Ray in this process "
-                          "(nothing was created)") from None
-
-
-def joins_cluster(address: Optional[str]) -> bool:
-    """Whether ``init_ray`` joins a running cluster (``--address`` or $RAY_ADDRESS) rather than starting Ray here."""
-    return (address or os.environ.get("RAY_ADDRESS", "")).strip() not in ("", "local")
-
-
-def join_refused(addr: str, e: BaseException) -> str:
-    """One line for a ``ray.init`` that reached the cluster at ``addr`` and was refused (its exception chain)."""
-    chain = []
-    while e is not None and len(chain) < 8:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    text = " ".join(str(c) for c in chain)
-    if "InvalidAuthToken" in text or "authentication token" in text.lower():
-        return (f"the Ray cluster at {addr} asks for its auth token: set RAY_AUTH_MODE=token and give the token "
-                "(~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN), as for `ray job submit` "
-                "(nothing was created)")
-    first = next((line.strip() for line in str(chain[0]).splitlines() if line.strip()), type(chain[0]).__name__)
-    return f"could not join the Ray cluster at {addr}: {first[:300]} (nothing was created)"
-
-
-def local_gpus() -> int:
-    """GPUs a Ray started in this process would see: $CUDA_VISIBLE_DEVICES when set, else the NVIDIA
-    device files (what NVML counts), without importing torch, JAX or Ray."""
-    import glob
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def check_local_resources(launch: Any) -> None:
-    """Ray Train waits, silently and for ever, for resources a cluster does not have. A Ray started in
-    this process has this machine's, so a run that asks for more fails here, in one line, before
-    anything is created. A cluster (--address, $RAY_ADDRESS) may grow, and is not checked."""
-    addr = (getattr(launch, "address", None) or os.environ.get("RAY_ADDRESS", "")).strip()
-    if launch.workers <= 0 or addr not in ("", "local") or "ray" in sys.modules and sys.modules["ray"].is_initialized():
-        return
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    need_gpu, need_cpu = launch.workers * launch.gpus_per_worker, launch.workers * launch.cpus_per_worker
-    if need_gpu > 0 and need_gpu > (have_gpu := local_gpus()):
-        raise ConfigError(f"--workers {launch.workers} x --gpus-per-worker {launch.gpus_per_worker:g} needs {need_gpu:g} "
-                          f"GPU(s); this machine has {have_gpu}, and the Ray started here has no more. Use fewer, "
-                          "--gpus-per-worker 0 for the CPU, or --address of a cluster with GPUs (nothing was created)")
-    if need_cpu > cpus:
-        raise ConfigError(f"--workers {launch.workers} x launch.cpus_per_worker {launch.cpus_per_worker:g} needs "
-                          f"{need_cpu:g} CPUs; this machine has {cpus}, and the Ray started here has no more. Use "
-                          "fewer, or --address of a bigger cluster (nothing was created)")
-
-
-@contextlib.contextmanager
-def ray_services_in_own_session():
-    """Around the ``ray.init`` that starts Ray here: its processes (the GCS, the raylet and through it
-    every worker, the dashboard) get a session of their own. A SIGTERM to this command's whole process
-    group (``timeout``, Slurm's scancel, a systemd stop) then reaches this driver only, which stops the
-    run at a step boundary with a checkpoint. Before, the same signal killed the GCS at once: no
-    checkpoint, the MLflow run left RUNNING, and the driver waited 60 s for a GCS that was gone. Ray
-    already keeps SIGINT from them (it blocks it), and they still die with this process (Ray's
-    fate sharing). Ray has no option for this, so its process class is wrapped for the call."""
-    try:
-        from ray._private import services
-    except ImportError:
-        services = None
-    base = getattr(services, "ConsolePopen", None)
-    if base is None or sys.platform == "win32":
-        yield
-        return
-
-    class _OwnSession(base):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("start_new_session", True)
-            super().__init__(*args, **kwargs)
-
-    services.ConsolePopen = _OwnSession
-    try:
-        yield
-    finally:
-        services.ConsolePopen = base
-
-
-def process_group_backend(workers: int, gpus_per_worker: float) -> str:
-    """torch.distributed backend of the Train workers: gloo on CPUs, NCCL on GPUs, except where
-    workers hold a fraction of a GPU each: Ray may then place two ranks on one device, and NCCL
-    refuses that ("Duplicate GPU detected", ray-project/ray#48012). gloo all-reduces CUDA tensors
-    through the host, so such a run trains, slower, and says why once."""
-    if gpus_per_worker <= 0:
-        return "gloo"
-    if workers > 1 and gpus_per_worker < 1:
-        print(f"[raysys] {workers} workers x {gpus_per_worker:g} GPU can share a GPU, which NCCL refuses: "
-              "gradients are all-reduced with gloo", flush=True)
-        return "gloo"
-    return "nccl"
-
-
-def init_ray(address: Optional[str]) -> None:
-    """Connect to ``address`` / $RAY_ADDRESS, or start Ray in this process with quiet defaults."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    check_ray_address(address)
-    # Train V2's preemption watcher polls every 5 s and dominates teardown of short local runs.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    # Train V2 reroutes a worker's print() into its logger *and* tees it to the wrapped stdout, so
-    # every progress line reached the console twice; workers inherit this from the local raylet.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    # Workers' and actors' own output stays in Ray's log files: progress reaches the console through
-    # raysys.console. `-v` forwards it all, as Ray does by default.
-    quiet = not console.verbose()
-    # a plug-in imported from a local file travels to every node's workers (registry.runtime_env)
-    env = registry.runtime_env()
-    if joins_cluster(address):
-        try:
-            ray.init(address=address, log_to_driver=not quiet, runtime_env=env,
-                     logging_level=logging.WARNING if quiet else logging.INFO)
-        except Exception as e:  # it listens, but will not have us: say why in one line
-            ray.shutdown()
-            raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
-    else:
-        # The dashboard process also serves the State API that Train V2's controller polls; it binds
-        # to 127.0.0.1 only, so nothing listens beyond this machine. address="local": with no address,
-        # ray.init joins any cluster a `ray start` left on this machine (another user's, say).
-        with ray_services_in_own_session():
-            ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet,
-                     configure_logging=False, runtime_env=env)
-    lifecycle.reinstall_if_active()  # ray.init replaced our SIGTERM handler with its own
-
-
-def shutdown_ray() -> None:
-    """End this process's Ray as a command's last step, about 1.5 s sooner than Ray's exit hook. That
-    hook first sleeps 0.5 s so that workers' output reaches the console (raysys forwards it only with
-    ``-v``, and then leaves the exit to Ray). Then the autoscaler's monitor of an in-process cluster
-    used its whole 1 s SIGTERM grace before Ray killed it: it keeps nothing here, so it is killed at
-    once, and the other processes stop as Ray stops them."""
-    import ray
-
-    if not ray.is_initialized() or console.verbose():
-        return
-    from ray._private import ray_constants, worker
-
-    node = getattr(worker, "_global_node", None)
-    if node is not None and node.is_head():
-        for info in getattr(node, "all_processes", {}).get(ray_constants.PROCESS_TYPE_MONITOR, []):
-            info.process.kill()
-    ray.shutdown()
-
-
-def train_logging():
-    """Ray Train's own INFO lines ('Reporting training result N: TrainingReport(...)') only with -v."""
-    from ray.train import LoggingConfig
-
-    return LoggingConfig(log_level="INFO" if console.verbose() else "WARNING")
-
-
-def work_where_the_driver_works(payload: dict) -> None:
-    """In a Ray Train worker: work in the driver's folder (``payload["cwd"]``), as a run with
-    ``--workers 0`` does, so that a relative data path names the same file and data made once there is
-    found, not made again. Ray Train starts its workers in a folder of its own; a worker on a machine
-    without the driver's folder stays there."""
-    cwd = payload.get("cwd")
-    if cwd and os.path.isdir(cwd):
-        os.chdir(cwd)
-
-
-def set_threads(launch: Any) -> None:
-    """torch intra-op threads of this process: ``launch.threads``, or for an in-process run one per
-    physical core (half the logical CPUs this process may use; on a busy 2-core machine 1 thread ran
-    5x faster than 2). Ray workers keep Ray's default (their ``cpus_per_worker``) unless it is set.
-    A process that has not imported torch (a JAX workload's) does not import it for this (1-2 s):
-    torch, if it comes later, starts with ``OMP_NUM_THREADS`` threads, set here."""
-    n = getattr(launch, "threads", None)
-    if n is None and launch.workers == 0:
-        n = max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else None
-    if not n:
-        return
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(int(n))
-    else:
-        os.environ["OMP_NUM_THREADS"] = str(int(n))
-
-
 def recorded_final(run_dir: Path) -> Optional[dict]:
     """The final metrics a run recorded when it last finished (``final_metrics.json``), or None. A resumed
     run that has nothing left to train keeps them: rewriting them would replace its measured speed with
@@ -354,101 +138,6 @@ def recorded_final(run_dir: Path) -> Optional[dict]:
         return json.loads(path.read_text()) if storage.pull(path) else None
     except (OSError, ValueError):
         return None
-
-
-PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError)
-"""Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint, a full disk)."""
-
-
-def find_cause(e: BaseException, types: tuple) -> Optional[BaseException]:
-    """The first error of ``types`` in ``e`` and Ray's wrappers around it (worker failures, causes)."""
-    seen: set[int] = set()
-    stack = [e]
-    while stack:
-        err = stack.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, types):
-            return err
-        failures = getattr(err, "worker_failures", None)
-        if isinstance(failures, dict):
-            stack.extend(failures.values())
-        stack.extend([err.__cause__, err.__context__])
-    return None
-
-
-def error_line(e: BaseException) -> str:
-    """``Type: message`` of the error a user should read: the first failed worker's own error, not
-    Ray's wrapper around it (whose first line names no error)."""
-    for _ in range(8):
-        failures = getattr(e, "worker_failures", None)
-        if isinstance(failures, dict) and failures:
-            e = failures[min(failures)]
-            continue
-        cause = getattr(e, "cause", None)  # a RayTaskError around the task's own exception
-        if isinstance(cause, BaseException) and cause is not e:
-            e = cause
-            continue
-        break
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
-
-
-def permanent_cause(e: BaseException) -> Optional[BaseException]:
-    """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
-    return find_cause(e, PERMANENT)
-
-
-def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_dir: Path, sink: Any = None) -> Any:
-    """``make_trainer().fit()``, restarted from the run's last checkpoint after a worker failure, up to
-    ``max_failures`` times. Ray's own FailureConfig would retry every error alike; here a config error,
-    an unknown workload or bad data fails at once with its own message (the trainers are built with
-    ``max_failures=0``; node preemptions keep Ray's separate budget)."""
-    attempt, last = 0, None
-    while True:
-        try:
-            trainer = make_trainer()
-            if lifecycle.handles_signals() and hasattr(trainer, "_register_sigint_handler"):
-                # Train V2's fit() replaces the SIGINT handler with one that aborts the controller (the
-                # workers die mid-step); ours lets them checkpoint at the next step boundary instead.
-                trainer._register_sigint_handler = lambda controller: None
-            return trainer.fit()
-        except Exception as e:
-            cause = permanent_cause(e)
-            if cause is not None:
-                raise cause from None
-            line = error_line(e)
-            at = _latest_step(run_dir)
-            if attempt >= max_failures:
-                raise
-            if last == (line, at):  # the same error again from the same checkpoint: the code's, not a node's
-                (sink or console.Sink()).message(f"[raysys] the same error again from the same checkpoint: not "
-                                                 "restarted further (an error of the training code, not of a worker)")
-                raise
-            last = (line, at)
-            attempt += 1
-            _event(run_dir, f"restart {attempt}/{max_failures} after: {line}")
-            (sink or console.Sink()).message(f"[raysys] training failed ({line}); restarting from the last "
-                                             f"checkpoint ({attempt}/{max_failures}, launch.max_failures)")
-
-
-def _latest_step(run_dir: Path) -> Optional[str]:
-    """The name of the run's newest complete checkpoint, or None."""
-    try:
-        latest = CheckpointStore(run_dir, "", {}).latest()
-    except Exception:
-        return None
-    return latest.name if latest is not None else None
-
-
-def _event(run_dir: Path, line: str) -> None:
-    """Append to <run>/events.log: resumes and restarts, for users and tests to audit a run."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    storage.pull(run_dir / "events.log")  # a remote run: append to what other processes wrote
-    with open(run_dir / "events.log", "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
-    storage.push(run_dir / "events.log")
 
 
 class DataError(ConfigError):
@@ -515,7 +204,7 @@ class OpenRun:
                 log.warning("could not record the failure of run %s in %s: %s", self.name, what, e)
 
         keep("MLflow", lambda: self.logger.set_tags({"raysys.error": line[:5000]}))
-        keep("events.log", lambda: _event(self.run_dir, f"failed: {line}"))
+        keep("events.log", lambda: record_event(self.run_dir, f"failed: {line}"))
         if isinstance(why, BaseException):
             import traceback
 
@@ -706,7 +395,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
     if launch.resume:
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
-            _event(run_dir, f"checkpoint cleanup: {line}")
+            record_event(run_dir, f"checkpoint cleanup: {line}")
         if store.latest() is not None:
             state, _ = store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
             if fits is not None and (tags or {}).get("raysys.resume_changes"):  # the same config fits by itself
@@ -744,7 +433,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     if launch.resume and logger.pending:
         sent = logger.pending
         if logger.flush():
-            _event(run_dir, f"tracking buffer sent ({sent} records)")
+            record_event(run_dir, f"tracking buffer sent ({sent} records)")
     logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
     logger.log_artifact(cfg_file)
@@ -765,20 +454,6 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
 
 BENCH_ENV = "RAYSYS_IN_BENCH"
 """Set by ``python -m raysys.bench``: its quality runs live in temporary stores it removes."""
-
-
-def use_jax_platforms(platforms: str) -> None:
-    """--workers 0: this process is the run's JAX process, so ``launch.jax_platforms`` applies here (it went
-    to the workers only, and was silently ignored); a platform this machine lacks is one line, now."""
-    import jax
-
-    try:
-        jax.config.update("jax_platforms", platforms)
-        have = jax.devices()[0].platform
-    except RuntimeError as e:
-        raise ConfigError(f"launch.jax_platforms={platforms}: {str(e).splitlines()[0][:300]}") from None
-    if have not in platforms.replace("cuda", "gpu").split(",") and have not in platforms.split(","):
-        raise ConfigError(f"launch.jax_platforms={platforms}: JAX in this process already runs on {have}")
 
 
 RAY_PACKAGE = "/runtime_resources/working_dir_files/"  # where Ray unpacks a job's --working-dir

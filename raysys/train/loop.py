@@ -101,7 +101,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     for noisy in ("ray.train.v2._internal.execution.train_fn_utils", "ray.train.v2._internal.execution.context"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from raysys.lifecycle import StopPoller
-    from raysys.train.launcher import _event, recorded_final, set_threads, work_where_the_driver_works
+    from raysys.train.failures import record_event
+    from raysys.train.launcher import recorded_final
+    from raysys.train.runtime import set_threads, work_where_the_driver_works
 
     # the schedule counts optimizer steps taken or skipped (a non-finite loss, fp16's scaler): torch's
     # warning about a skipped first step says nothing the run's stability metrics do not
@@ -198,13 +200,13 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         if rank == 0:  # the epoch as the progress bar counts it (from 1), and where in it the run is
             where = f"epoch {min(epoch + 1, tc.epochs)}/{tc.epochs}" if epoch < tc.epochs else f"{epoch} epochs done"
             sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, {where})")
-            _event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
+            record_event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
             if stretched:
                 sink.message(f"[{wl.name}] the run's length changed ({state['total_steps']} -> {total_steps} steps): "
                              f"Task.scheduler's schedule is rebuilt for {total_steps} and taken to step {step}")
 
     if rank == 0 and world > 1:  # where rank 0 runs, for audits of restarts after a lost node
-        _event(run_dir, f"worker group of {world} started; rank 0 on node {ray.get_runtime_context().get_node_id()}")
+        record_event(run_dir, f"worker group of {world} started; rank 0 on node {ray.get_runtime_context().get_node_id()}")
     logger = (MLflowLogger(payload["tracking_uri"], payload["run_id"], buffer=run_dir / BUFFER_FILE)
               if rank == 0 and payload.get("run_id") else NullLogger())
     hooks = hooks_used(task)

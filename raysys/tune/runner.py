@@ -25,7 +25,8 @@ from typing import Any, Optional
 from raysys import lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
-from raysys.train.launcher import check_ray_address, say_if_in_ray_package, storage_root
+from raysys.train.launcher import say_if_in_ray_package, storage_root
+from raysys.train.runtime import check_ray_address
 from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
@@ -227,7 +228,7 @@ def _init_ray(address: Optional[str]) -> None:
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     if ray.is_initialized():
         return
-    from raysys.train.launcher import join_refused, joins_cluster
+    from raysys.train.runtime import join_refused, joins_cluster
 
     # Trial output goes to per-trial logs and our progress lines; the driver stays readable.
     env = registry.runtime_env()  # a plug-in from a local file travels to every trial's node
@@ -238,7 +239,7 @@ def _init_ray(address: Optional[str]) -> None:
             ray.shutdown()
             raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
     else:
-        from raysys.train.launcher import ray_services_in_own_session
+        from raysys.train.runtime import ray_services_in_own_session
 
         with ray_services_in_own_session():  # a SIGTERM to the whole group reaches the driver only
             # "local": never a cluster a `ray start` left on this machine (ray.init's default joins it)
@@ -261,7 +262,7 @@ def _check_local_cluster(sp: spaces.SweepSpace, opts: SweepOptions) -> None:
 
     if opts.address or os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
         return
-    from raysys.train.launcher import local_gpus
+    from raysys.train.runtime import local_gpus
 
     need_cpu, need_gpu = footprint(sp, sp.base_config())
     gpus = local_gpus() if need_gpu > 0 else 0

@@ -13,7 +13,7 @@ Every report passes through an :class:`ObjectiveTracker` first. Each trial's tra
 named ``<sweep>-<trial id>`` under ``<sweep dir>/runs/``: a resumed sweep restarts an unfinished
 trial with the same name, so its run continues from its own last checkpoint.
 
-An error no restart can fix (``launcher.PERMANENT``: a config error from the trial's knobs, an
+An error no restart can fix (``failures.PERMANENT``: a config error from the trial's knobs, an
 unusable checkpoint, a full disk) ends the trial at once with a last report naming it
 (``sweep/failed``), instead of a raise that Tune would retry ``--max-failures`` times.
 """
@@ -222,7 +222,7 @@ class ChildFailed(RuntimeError):
 
 def permanent_reason(e: BaseException) -> Optional[str]:
     """One line naming the error in ``e`` that a restart cannot fix, or None if a restart might."""
-    from raysys.train.launcher import permanent_cause
+    from raysys.train.failures import permanent_cause
 
     if isinstance(e, ChildFailed):
         return str(e)

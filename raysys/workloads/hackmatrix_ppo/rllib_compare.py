@@ -43,7 +43,7 @@ def measure_rllib_ppo(seconds: float = 60.0, num_env_runners: int = 1, envs_per_
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
     from ray.tune.registry import register_env
 
-    from raysys.train.launcher import init_ray
+    from raysys.train.runtime import init_ray
 
     with warnings.catch_warnings():
         # JAX warns at every fork of its (multithreaded) process; Ray's start-up forks only to exec its

@@ -150,7 +150,7 @@ def rollout_vs_rllib(num_actors: int = 2, envs_per_actor: int = 8, steps_per_cal
     actors x envs, steps per call and CPUs per actor, interleaved in this process."""
     from raysys import workload as registry
     from raysys.rl.rollout import compare_with_rllib
-    from raysys.train.launcher import init_ray
+    from raysys.train.runtime import init_ray
     from raysys.workloads.mpn_dqn.train import env_factory, policy_factory
 
     init_ray(None)

@@ -100,7 +100,7 @@ class Collector:
             self.pool, self.worker = None, RolloutWorker(env_factory(cfg), policy_factory(cfg), **kw)
             torch.set_num_threads(threads)  # ...which must not throttle the learner sharing this process
         else:
-            from raysys.train.launcher import init_ray
+            from raysys.train.runtime import init_ray
 
             init_ray(cfg.launch.address)
             self.worker = None

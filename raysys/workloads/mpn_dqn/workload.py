@@ -148,7 +148,7 @@ class MPNDQNConfig:
         # last: the config's own limits first; then, the learner running in this process (--workers 0),
         # what this machine lacks is said now, not after the run exists
         if self.launch.workers == 0:
-            from raysys.train.launcher import local_gpus
+            from raysys.train.runtime import local_gpus
 
             here = "cuda" if local_gpus() else "cpu"
             dev = here if self.device == "auto" else self.device.split(":")[0]

@@ -1,0 +1,107 @@
+"""When a run fails: which errors a restart cannot fix, the one line a user reads, the restarts
+from the last checkpoint, and the run's ``events.log`` (resumes, restarts, failures)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from raysys import console, lifecycle, storage
+from raysys.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError
+from raysys.config import ConfigError
+
+
+PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError)
+"""Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint, a full disk)."""
+
+
+def find_cause(e: BaseException, types: tuple) -> Optional[BaseException]:
+    """The first error of ``types`` in ``e`` and Ray's wrappers around it (worker failures, causes)."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, types):
+            return err
+        failures = getattr(err, "worker_failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+        stack.extend([err.__cause__, err.__context__])
+    return None
+
+
+def error_line(e: BaseException) -> str:
+    """``Type: message`` of the error a user should read: the first failed worker's own error, not
+    Ray's wrapper around it (whose first line names no error)."""
+    for _ in range(8):
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict) and failures:
+            e = failures[min(failures)]
+            continue
+        cause = getattr(e, "cause", None)  # a RayTaskError around the task's own exception
+        if isinstance(cause, BaseException) and cause is not e:
+            e = cause
+            continue
+        break
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def permanent_cause(e: BaseException) -> Optional[BaseException]:
+    """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
+    return find_cause(e, PERMANENT)
+
+
+def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_dir: Path, sink: Any = None) -> Any:
+    """``make_trainer().fit()``, restarted from the run's last checkpoint after a worker failure, up to
+    ``max_failures`` times. Ray's own FailureConfig would retry every error alike; here a config error,
+    an unknown workload or bad data fails at once with its own message (the trainers are built with
+    ``max_failures=0``; node preemptions keep Ray's separate budget)."""
+    attempt, last = 0, None
+    while True:
+        try:
+            trainer = make_trainer()
+            if lifecycle.handles_signals() and hasattr(trainer, "_register_sigint_handler"):
+                # Train V2's fit() replaces the SIGINT handler with one that aborts the controller (the
+                # workers die mid-step); ours lets them checkpoint at the next step boundary instead.
+                trainer._register_sigint_handler = lambda controller: None
+            return trainer.fit()
+        except Exception as e:
+            cause = permanent_cause(e)
+            if cause is not None:
+                raise cause from None
+            line = error_line(e)
+            at = _latest_step(run_dir)
+            if attempt >= max_failures:
+                raise
+            if last == (line, at):  # the same error again from the same checkpoint: the code's, not a node's
+                (sink or console.Sink()).message("[raysys] the same error again from the same checkpoint: not "
+                                                 "restarted further (an error of the training code, not of a worker)")
+                raise
+            last = (line, at)
+            attempt += 1
+            record_event(run_dir, f"restart {attempt}/{max_failures} after: {line}")
+            (sink or console.Sink()).message(f"[raysys] training failed ({line}); restarting from the last "
+                                             f"checkpoint ({attempt}/{max_failures}, launch.max_failures)")
+
+
+def _latest_step(run_dir: Path) -> Optional[str]:
+    """The name of the run's newest complete checkpoint, or None."""
+    try:
+        latest = CheckpointStore(run_dir, "", {}).latest()
+    except Exception:
+        return None
+    return latest.name if latest is not None else None
+
+
+def record_event(run_dir: Path, line: str) -> None:
+    """Append to <run>/events.log: resumes and restarts, for users and tests to audit a run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    storage.pull(run_dir / "events.log")  # a remote run: append to what other processes wrote
+    with open(run_dir / "events.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+    storage.push(run_dir / "events.log")
