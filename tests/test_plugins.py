@@ -971,8 +971,12 @@ def test_a_tasks_own_param_groups_and_plateau_schedule_train_and_resume(project)
 
     (project / "digits_own.py").write_text(OWN_OPTIMIZER)
     args = ["python", "-m", "raysys", "train", "digits_own:WORKLOAD", "--preset", "quick", "--workers", "0",
-            "--name", "own", "--set", "optim.lr=0.08", "--set", "optim.weight_decay=0.01"]
-    assert _run([*args, "--set", "train.epochs=2"], project).returncode == 0
+            "--name", "own", "--set", "optim.lr=0.08", "--set", "optim.weight_decay=0.01",
+            "--set", "optim.schedule=cosine"]  # replaced by Task.scheduler: said to change nothing
+    first = _run([*args, "--set", "train.epochs=2"], project)
+    assert first.returncode == 0
+    assert ("[raysys] note: optim.schedule='cosine' changes nothing: digits_own's Task.scheduler never reads it "
+            "(the run's MLflow params still show the value)") in first.stdout
     assert _run([*args, "--set", "train.epochs=4", "--resume"], project).returncode == 0
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("raysys-digits_own").experiment_id])
@@ -1054,6 +1058,50 @@ def test_hook_mistakes_are_one_line_and_torchs_other_group_forms_are_taken():
     stray = type("Task", (), {"scheduler": lambda s, o, c, n: torch.optim.lr_scheduler.StepLR(other, 1)})()
     with pytest.raises(ConfigError, match="another optimizer"):
         task_scheduler(stray, Cfg(), torch.optim.SGD(net.parameters(), lr=0.1), 10, "t", "eval/q", "max")
+
+
+def test_optim_values_a_tasks_own_hooks_never_read_are_named():
+    """--set optim.lr (or a sweep's knob) changes nothing when Task.optimizer builds its own without reading it:
+    the fields the hooks replace and never read are found by building them once with cfg.optim watched."""
+    import dataclasses
+
+    import torch
+
+    from raysys.train.config import OptimConfig
+    from raysys.train.optim import unread_optim
+
+    @dataclasses.dataclass
+    class Cfg:
+        optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+
+    class Fixed:
+        def optimizer(self, model, cfg):
+            return torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class ReadsLr:
+        def optimizer(self, model, cfg):
+            return torch.optim.RMSprop(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+
+        def scheduler(self, opt, cfg, total_steps):
+            return torch.optim.lr_scheduler.LinearLR(opt, total_iters=cfg.optim.warmup_steps or 1)
+
+    class AllOfIt:
+        def optimizer(self, model, cfg):
+            return torch.optim.SGD(model.parameters(), **{k: v for k, v in vars(cfg.optim).items() if k == "lr"})
+
+    class Fails:
+        def optimizer(self, model, cfg):
+            raise RuntimeError("needs a real device")
+
+    net = torch.nn.Linear(3, 2)
+    assert unread_optim(Fixed(), Cfg(), net, "t") == ["name", "lr", "weight_decay", "betas", "momentum", "nesterov"]
+    assert unread_optim(ReadsLr(), Cfg(), net, "t") == ["name", "betas", "momentum", "nesterov", "schedule",
+                                                          "min_lr_ratio", "restart_period", "restart_mult"]
+    assert unread_optim(AllOfIt(), Cfg(), net, "t") == []  # vars(): every field counts as read
+    assert unread_optim(Fails(), Cfg(), net, "t") == []  # no verdict
+    assert unread_optim(object(), Cfg(), net, "t") == []  # no hooks: the config's optimizer reads them all
+    groups = type("G", (), {"param_groups": lambda s, m, c: m.parameters()})()
+    assert unread_optim(groups, Cfg(), net, "t") == []  # param_groups keep the config's optimizer
 
 
 def test_a_schedule_fixed_to_the_runs_length_is_rebuilt_when_a_resume_changes_it():

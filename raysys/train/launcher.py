@@ -526,8 +526,32 @@ def _hooks_work(wl: registry.Workload) -> Optional[Callable[[Any], None]]:
             raise
         except Exception:  # a hook of its own failing on meta tensors: the workers find out, with its traceback
             return
+        say_unread_optim(task, cfg, model, wl.name)
 
     return check
+
+
+def say_unread_optim(task: Any, cfg: Any, model: Any, name: str, knobs: Optional[set] = None,
+                     prefix: str = "[raysys]") -> None:
+    """One note naming the ``optim`` values a task's own optimizer or scheduler never reads: a ``--set``, a
+    preset's value (those that differ from the section's defaults) or, with ``knobs``, a sweep's knob that
+    changes nothing."""
+    from raysys.train.optim import unread_optim
+
+    unread = unread_optim(task, cfg, model, name)
+    default = type(cfg.optim)()
+    given = [f for f in unread if (f"optim.{f}" in knobs if knobs is not None else getattr(cfg.optim, f) != getattr(default, f))]
+    if not given:
+        return
+    hooks = " and ".join(f"Task.{h}" for h in ("optimizer", "scheduler") if getattr(task, h, None) is not None)
+    if knobs is not None:
+        print(f"{prefix} note: the space searches {', '.join(f'optim.{f}' for f in given)}, which {name}'s {hooks} "
+              "never reads: trials that differ only there train alike", flush=True)
+    else:
+        print(f"{prefix} note: {', '.join(f'optim.{f}={getattr(cfg.optim, f)!r}' for f in given)} "
+              f"change{'s' if len(given) == 1 else ''} nothing: "
+              f"{name}'s {hooks} never reads {'it' if len(given) == 1 else 'them'} (the run's MLflow params still "
+              "show the value)", flush=True)
 
 
 def _meta_model(task: Any, cfg: Any) -> Any:

@@ -124,6 +124,47 @@ def hooks_used(task: Any) -> dict[str, str]:
     return {"raysys.optimizer_hooks": ", ".join(f"Task.{h}" for h in hooks)} if hooks else {}
 
 
+OPTIMIZER_FIELDS = ("name", "lr", "weight_decay", "betas", "momentum", "nesterov")
+"""The ``optim`` fields the config's optimizer is built from, which ``Task.optimizer`` replaces."""
+SCHEDULE_FIELDS = ("schedule", "warmup_steps", "min_lr_ratio", "restart_period", "restart_mult")
+"""The ``optim`` fields of the config's schedule, which ``Task.scheduler`` replaces."""
+
+
+def unread_optim(task: Any, cfg: Any, model: torch.nn.Module, name: str) -> list[str]:
+    """The ``optim`` fields a task's own optimizer or scheduler replaces and never reads: a value given to one
+    (``--set optim.lr=...``, a sweep's knob) changes nothing. Found by building them once, with ``cfg.optim``
+    watched; a hook that fails here gives no verdict (an empty list)."""
+    replaced = (OPTIMIZER_FIELDS if getattr(task, "optimizer", None) is not None else ()) + \
+               (SCHEDULE_FIELDS if getattr(task, "scheduler", None) is not None else ())
+    if not replaced:
+        return []
+    import copy
+    import dataclasses
+
+    reads: set[str] = set()
+    section = cfg.optim
+
+    class Watched(type(section)):
+        def __getattribute__(self, key):
+            if key == "__dict__":  # vars(cfg.optim): every field read
+                reads.update(f.name for f in dataclasses.fields(section))
+            elif not key.startswith("_"):
+                reads.add(key)
+            return super().__getattribute__(key)
+
+    watched = copy.copy(section)
+    watched.__class__ = Watched
+    seen = copy.copy(cfg)
+    object.__setattr__(seen, "optim", watched)  # not dataclasses.replace: a __post_init__ would read every field
+    try:
+        opt = task_optimizer(task, seen, model, name)
+        if getattr(task, "scheduler", None) is not None:
+            task.scheduler(opt, seen, 1000)
+    except Exception:
+        return []
+    return [f for f in replaced if f not in reads]
+
+
 def is_plateau(sched: Any) -> bool:
     """Stepped with a metric after each evaluation, not once per optimizer step."""
     return isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)

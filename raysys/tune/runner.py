@@ -255,6 +255,18 @@ def _prepare(wl: registry.Workload, cfg: Any) -> Any:
     return launcher._prepare(wl.task.prepare if wl.task is not None else wl.extra.get("prepare"), cfg)
 
 
+def _say_unread_knobs(wl: registry.Workload, base: Any, knobs: dict) -> None:
+    """A note when the space searches an ``optim`` knob that the task's own optimizer or scheduler never reads."""
+    from raysys.train import launcher
+    from raysys.train.optim import hooks_used
+
+    if wl.task is None or not hooks_used(wl.task) or not any(k.startswith("optim.") for k in knobs):
+        return
+    model = launcher._meta_model(wl.task, base)
+    if model is not None:
+        launcher.say_unread_optim(wl.task, base, model, wl.name, knobs=set(knobs), prefix="[raysys.tune]")
+
+
 def _check_local_cluster(sp: spaces.SweepSpace, opts: SweepOptions) -> None:
     """A Ray started here has this machine's CPUs and GPUs: a trial that cannot fit them is said before the
     data or the tracking store are made (a cluster's resources are known once Ray is up)."""
@@ -321,6 +333,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     quality_metric = str(sp.objectives.get("quality", wl.quality_metric))
 
     base = _prepare(wl, sp.base_config())
+    _say_unread_knobs(wl, base, sp.knobs)
     experiment = base.launch.experiment or f"raysys-{wl.name}"
     opening = tracking.open_in_background(uri)  # the store's set-up overlaps Ray's start
     try:
