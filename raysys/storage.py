@@ -268,11 +268,15 @@ def write_text(path: Path, text: str) -> None:
     not at all: a process killed mid-write must not leave an empty config snapshot a resume reads."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half copy left in the run folder
+        tmp.unlink(missing_ok=True)
+        raise
     push(path)
 
 

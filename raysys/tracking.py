@@ -12,6 +12,7 @@ run must append to the run it already has.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -390,7 +391,9 @@ BUFFER_FILE = "tracking-buffer.jsonl"
 
 def _gist(e: BaseException, width: int = 200) -> str:
     """An error's first line, cut at a word: MLflow's REST errors quote the whole urllib3 retry chain."""
-    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    # SQLAlchemy puts its advice first and the database's own words (a full disk) after it
+    line = next((ln for ln in lines if not ln.startswith("(raised as a result of Query-invoked autoflush")), "")
     if " failed with exception " in line and "Max retries exceeded" in line and "ResponseError" not in line:
         line = line.split(" failed with exception ")[0] + " failed: no answer"
     return line if len(line) <= width else line[:width].rsplit(" ", 1)[0] + " …"
@@ -465,7 +468,13 @@ class MLflowLogger:
         sent = 0
         try:
             for line in lines:
-                self._send(json.loads(line))
+                try:
+                    rec = json.loads(line)
+                except ValueError:  # cut by a full disk (an older raysys): it must not hold back the rest
+                    log.warning("tracking: a record cut short in %s is dropped: %.80s", self.buffer, line)
+                    sent += 1
+                    continue
+                self._send(rec)
                 sent += 1
         except Exception:
             self._write_rest(lines[sent:])
@@ -492,7 +501,8 @@ class MLflowLogger:
             if now < self._retry_at or not self.flush():
                 return self._append(rec, now)
             self._backoff = 30.0
-            log.warning("tracking store answers again: the %d records buffered meanwhile are sent", waiting)
+            if waiting:
+                log.warning("tracking store answers again: the %d records buffered meanwhile are sent", waiting)
         try:
             self._send(rec)
         except Exception as e:
@@ -505,8 +515,23 @@ class MLflowLogger:
         if now >= self._retry_at:
             self._retry_at, self._backoff = now + self._backoff, min(self._backoff * 2, 300.0)
         self.buffer.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.buffer, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
+        existed = self.buffer.is_file()
+        data = (json.dumps(rec, default=str) + "\n").encode()
+        fd = os.open(self.buffer, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except OSError as e:  # a full disk: no half record may stay behind to be sent (or to block the rest)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                if not existed:
+                    with contextlib.suppress(OSError):
+                        self.buffer.unlink()
+                raise OSError(e.errno, e.strerror, str(self.buffer)) from e
+        finally:
+            os.close(fd)
         from raysys import storage
 
         storage.push(self.buffer)  # a run on remote storage: the buffer outlives this process's working copy

@@ -388,6 +388,52 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
     assert not (run_dir / "error.txt").exists() and (run_dir / "error.earlier.txt").read_text() == traceback
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 200 MB file system of its own (tmpfs), for a disk that really fills: ENOSPC for every writer at
+    once (the checkpoint, the MLflow store, the tracking buffer), not one file's size limit."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow  # ~1 min; needs a tmpfs mount (root)
+def test_a_disk_that_fills_mid_run_fails_in_one_line_and_the_run_resumes(small_disk):
+    """The run's folder and its sqlite MLflow store share a disk that fills after the first checkpoint: the
+    run ends in one line naming the full disk (not SQLAlchemy's advice about autoflush), with the command
+    that resumes it; nothing half written is left behind; once space is freed the resume goes on from that
+    checkpoint and the MLflow run ends FINISHED."""
+    args = ["deep_gpcm", "--workers", "0", "--name", "full", "--set", "train.epochs=6",
+            "--set", "train.checkpoint_every_steps=20"]
+    proc = _start(small_disk, *args)
+    ckpts = small_disk / "raysys_runs" / "full" / "checkpoints"
+    _wait_for(ckpts, proc, 20)
+    with open(small_disk / "filler", "wb") as f:  # every byte left
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+    out, err = proc.communicate(timeout=300)
+    print(out[-3000:], err[-3000:], sep="\n")
+    _one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 1,
+                    "I/O error: ENOSPC No space left on device", "resume it with:")
+    assert "python -m raysys train deep_gpcm --name full --resume" in err
+    run_dir = small_disk / "raysys_runs" / "full"
+    assert not [p for p in run_dir.rglob("*") if p.name.startswith(".tmp-") or p.name.endswith(".tmp")]
+    (small_disk / "filler").unlink()
+    again = _train(small_disk, "deep_gpcm", "--name", "full", "--resume")
+    assert again.returncode == 0 and "resumed from" in again.stdout
+    (run,) = _mlflow_runs(f"sqlite:///{small_disk / 'mlflow.db'}", "raysys-deep_gpcm")
+    assert run.info.status == "FINISHED" and run.data.metrics["train/epoch"] == 6
+
+
 def test_a_tracking_url_that_is_no_mlflow_server_is_one_line_and_creates_nothing(tmp_path):
     """A web server that is not MLflow (a wrong port): before, it passed the check, and the first MLflow call
     failed after ~10 s with exit 1 and a resume hint for a run that never existed (a server answering 500:

@@ -278,6 +278,47 @@ def test_buffered_artifacts_are_sent_from_the_run_folder_of_the_process_that_sen
     assert client.get_run(run_id).data.tags["after"] == "yes"
 
 
+def test_a_full_disk_leaves_no_half_record_in_the_tracking_buffer_and_a_cut_one_blocks_nothing(tmp_path):
+    """A record the buffer cannot take whole (the disk fills mid-write: here a file-size limit) is taken
+    back out, and the error names the buffer; a record an older raysys left cut short is dropped when the
+    buffer is sent, not held in front of the rest for ever."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from mlflow.tracking import MlflowClient
+
+    from raysys import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = tracking.start_run(uri, "disk", "r")
+    buffer = tmp_path / "run" / tracking.BUFFER_FILE
+    buffer.parent.mkdir()
+    first = '{"kind": "metrics", "data": {"loss": 1.0}, "step": 1}\n'
+    buffer.write_text(first)
+    child = textwrap.dedent(f"""
+        import errno, resource, signal
+        from raysys.tracking import MLflowLogger
+        logger = MLflowLogger({uri!r}, {run_id!r}, buffer={str(buffer)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG
+        limit = {len(first) + 30}
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        try:
+            logger._append({{"kind": "metrics", "data": {{"loss": 0.5, "pad": "x" * 200}}, "step": 2}}, 0.0)
+        except OSError as e:
+            print(errno.errorcode[e.errno], e.filename)
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["EFBIG", str(buffer)], out.stderr
+    assert buffer.read_text() == first  # the 30 bytes that fitted were taken back out
+    with open(buffer, "a") as f:  # what an older raysys left: a record cut by the full disk, then one more
+        f.write('{"kind": "metrics", "data": {"lo\n{"kind": "metrics", "data": {"loss": 0.25}, "step": 3}\n')
+    logger = tracking.MLflowLogger(uri, run_id, buffer=buffer)
+    assert logger.flush() and not buffer.exists()
+    hist = MlflowClient(uri).get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in hist] == [(1, 1.0), (3, 0.25)]
+
+
 def test_the_end_of_a_run_sends_what_waited_once_the_server_is_back(tmp_path):
     """An outage that ends before the run does: the run's close tries the buffer at once, whatever the
     backoff of the last failed try, so the run ends FINISHED with every metric instead of waiting for a

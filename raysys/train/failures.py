@@ -16,8 +16,10 @@ PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError)
 """Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint, a full disk)."""
 
 
-def find_cause(e: BaseException, types: tuple) -> Optional[BaseException]:
-    """The first error of ``types`` in ``e`` and Ray's wrappers around it (worker failures, causes)."""
+def find_cause(e: BaseException, types: tuple, where: Optional[Callable[[BaseException], bool]] = None
+               ) -> Optional[BaseException]:
+    """The first error of ``types`` (for which ``where`` holds) in ``e`` and Ray's wrappers around it
+    (worker failures, causes)."""
     seen: set[int] = set()
     stack = [e]
     while stack:
@@ -25,7 +27,7 @@ def find_cause(e: BaseException, types: tuple) -> Optional[BaseException]:
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
-        if isinstance(err, types):
+        if isinstance(err, types) and (where is None or where(err)):
             return err
         failures = getattr(err, "worker_failures", None)
         if isinstance(failures, dict):

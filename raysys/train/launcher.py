@@ -171,7 +171,13 @@ class OpenRun:
         if status == "FINISHED":  # an earlier session's failure is history now: events.log keeps it
             self.logger.delete_tag("raysys.error")
             self._retire_error_file()
-        if not self.logger.end(status):
+        try:
+            ended = self.logger.end(status)
+        except Exception as e:  # nowhere to keep the close (a full disk): never in place of the run's own error
+            log.warning("could not close the MLflow run of %s as %s (%s): it stays RUNNING until a --resume of the "
+                        "run ends it", self.name, status, e)
+            return
+        if not ended:
             console.Sink().message(f"[raysys] the tracking store did not answer (a server away, a full disk): "
                                    f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
                                    f"{self.logger.buffer.name}; they are sent on --resume of this run")
