@@ -260,13 +260,13 @@ def _main(argv: Optional[list[str]] = None) -> int:
         return 1
     except Exception as e:
         from raysys.checkpoint import CheckpointError, CheckpointWriteError
-        from raysys.train.failures import find_cause
+        from raysys.train.failures import disk_error, find_cause
 
         root = find_cause(e, (CheckpointError, ConfigError))
         if root is not None:
             print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)
             return 2
-        line = _environment_error(find_cause(e, (CheckpointWriteError,)) or _disk_error(e) or _service_error(e)
+        line = _environment_error(find_cause(e, (CheckpointWriteError,)) or disk_error(e) or _service_error(e)
                                   or find_cause(e, (OSError,)))
         if line and not lifecycle.armed():  # before the run existed: nothing to resume, and bad input
             print(f"raysys: {line} (nothing was created)", file=sys.stderr)
@@ -303,17 +303,6 @@ def _traceback_tail(e: BaseException, frames: int = 3) -> str:
     shown = (own or groups)[-frames:]
     return "\n".join(["Traceback (its last frames; -v or the run's error.txt for all of it):",
                       *[line for g in shown for line in g], *lines[end:]])
-
-
-def _disk_error(e: BaseException) -> Optional[BaseException]:
-    """A full, read-only or failing disk in ``e``'s chain: named before the tracking error it also caused
-    (a store on that disk fails first, in SQLAlchemy's words)."""
-    import errno
-
-    from raysys.train.failures import find_cause
-
-    disk = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
-    return find_cause(e, (OSError,), lambda err: err.errno in disk and type(err).__module__ != "requests.exceptions")
 
 
 def _service_error(e: BaseException) -> Optional[BaseException]:

@@ -353,6 +353,18 @@ def test_permanent_errors_are_found_inside_rays_wrappers():
     except RuntimeError as e:
         assert isinstance(permanent_cause(e), ImportError)
     assert permanent_cause(Wrapped({0: RuntimeError("actor died")})) is None
+    # a full disk under whatever wrote to it (the tracking buffer, a store): a restart would meet it again
+    import errno
+
+    full = OSError(errno.ENOSPC, "No space left on device", "run/tracking-buffer.jsonl")
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("(sqlite3.OperationalError) database or disk is full") from e
+    except RuntimeError as e:
+        assert permanent_cause(Wrapped({0: e})) is full
+    assert permanent_cause(Wrapped({0: OSError(errno.ECONNRESET, "reset")})) is None  # a lost peer: restartable
 
 
 def test_sgd_with_nesterov_and_the_quality_metric_named_once():

@@ -3,6 +3,7 @@ from the last checkpoint, and the run's ``events.log`` (resumes, restarts, failu
 
 from __future__ import annotations
 
+import errno
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -53,9 +54,18 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+"""A full disk, a quota, a read-only file system, a file-size limit: a restart meets them again."""
+
+
+def disk_error(e: BaseException) -> Optional[BaseException]:
+    """A full or read-only disk in ``e``'s chain (a checkpoint, the tracking buffer, a sqlite store's file)."""
+    return find_cause(e, (OSError,), lambda err: err.errno in DISK_ERRNOS and type(err).__module__ != "requests.exceptions")
+
+
 def permanent_cause(e: BaseException) -> Optional[BaseException]:
     """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
-    return find_cause(e, PERMANENT)
+    return find_cause(e, PERMANENT) or disk_error(e)
 
 
 def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_dir: Path, sink: Any = None) -> Any:
