@@ -259,15 +259,14 @@ def _main(argv: Optional[list[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1
     except Exception as e:
-        from raysys.checkpoint import CheckpointError, CheckpointWriteError
-        from raysys.train.failures import disk_error, find_cause
+        from raysys.checkpoint import CheckpointError
+        from raysys.train.failures import environment_line, find_cause
 
         root = find_cause(e, (CheckpointError, ConfigError))
         if root is not None:
             print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)
             return 2
-        line = _environment_error(find_cause(e, (CheckpointWriteError,)) or disk_error(e) or _service_error(e)
-                                  or find_cause(e, (OSError,)))
+        line = environment_line(e)
         if line and not lifecycle.armed():  # before the run existed: nothing to resume, and bad input
             print(f"raysys: {line} (nothing was created)", file=sys.stderr)
             return 2
@@ -303,34 +302,6 @@ def _traceback_tail(e: BaseException, frames: int = 3) -> str:
     shown = (own or groups)[-frames:]
     return "\n".join(["Traceback (its last frames; -v or the run's error.txt for all of it):",
                       *[line for g in shown for line in g], *lines[end:]])
-
-
-def _service_error(e: BaseException) -> Optional[BaseException]:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e).__module__.split(".")[0] in ("mlflow", "requests", "urllib3"):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _environment_error(e: Optional[BaseException]) -> Optional[str]:
-    """A one-line account of errors that come from the machine or a service, not from raysys: disk
-    (full, read-only, permissions) and the tracking server. Anything else keeps its traceback."""
-    import errno
-
-    if e is None:
-        return None
-    if isinstance(e, OSError) and e.errno is not None and type(e).__module__ != "requests.exceptions":
-        if isinstance(e.strerror, str) and e.strerror.startswith("could not write"):
-            return f"I/O error: {e.strerror}"
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        return f"I/O error: {errno.errorcode.get(e.errno, e.errno)} {e.strerror}{where}"
-    if type(e).__module__.split(".")[0] in ("mlflow", "requests", "urllib3"):
-        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        return f"tracking error: {msg}"
-    return None
 
 
 def _summary(wl: registry.Workload, result: Any) -> str:

@@ -388,6 +388,51 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
     assert not (run_dir / "error.txt").exists() and (run_dir / "error.earlier.txt").read_text() == traceback
 
 
+def test_tunes_state_is_written_whole_or_not_at_all(tmp_path):
+    """Ray Tune copies a sweep's state into its folder with pyarrow, in place: a disk that filled mid-copy
+    cut the last good experiment_state-*.json, and --resume started the sweep afresh. Through raysys's file
+    system a write that fails (here past a file-size limit) keeps the earlier file and leaves no temporary
+    one; a whole write replaces it, with the mode an open() would give."""
+    import textwrap
+
+    import pyarrow.fs as pafs
+
+    from raysys.tune.whole_files import TMP_SUFFIX, remove_leftovers, whole_files_fs
+
+    staging, sweep = tmp_path / "staging", tmp_path / "sweep"
+    staging.mkdir(), sweep.mkdir()
+    (staging / "experiment_state.json").write_text('{"trials": ["a", "b"]}')
+    fs = whole_files_fs()
+    pafs.copy_files(str(staging), str(sweep), destination_filesystem=fs)
+    state = sweep / "experiment_state.json"
+    assert state.read_text() == '{"trials": ["a", "b"]}' and oct(state.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    (staging / "experiment_state.json").write_text('{"trials": [' + '"c", ' * 40 + '"d"]}')  # more than 64 bytes
+    child = textwrap.dedent(f"""
+        import resource, signal
+        import pyarrow.fs as pafs
+        from raysys.tune.whole_files import whole_files_fs
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+        pafs.copy_files({str(staging)!r}, {str(sweep)!r}, destination_filesystem=whole_files_fs())
+    """)
+    # pyarrow's copy takes the failed close for done (Tune then tries again at its next save)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert state.read_text() == '{"trials": ["a", "b"]}'  # the last good state, whole
+    assert not list(sweep.glob(f".*{TMP_SUFFIX}"))
+    pafs.copy_files(str(staging), str(sweep), destination_filesystem=fs)  # room again: the new state, whole
+    assert state.read_text().endswith('"d"]}')
+    (sweep / f".experiment_state.json.x1{TMP_SUFFIX}").write_text("{")  # a killed process's unfinished write
+    remove_leftovers(sweep)
+    assert sorted(p.name for p in sweep.iterdir()) == ["experiment_state.json"]
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 200 MB file system of its own (tmpfs), for a disk that really fills: ENOSPC for every writer at
@@ -432,6 +477,42 @@ def test_a_disk_that_fills_mid_run_fails_in_one_line_and_the_run_resumes(small_d
     assert again.returncode == 0 and "resumed from" in again.stdout
     (run,) = _mlflow_runs(f"sqlite:///{small_disk / 'mlflow.db'}", "raysys-deep_gpcm")
     assert run.info.status == "FINISHED" and run.data.metrics["train/epoch"] == 6
+
+
+@pytest.mark.slow  # ~2 min; needs a tmpfs mount (root)
+def test_a_sweep_whose_disk_fills_keeps_its_state_and_resumes_every_trial(small_disk):
+    """A sweep's folder, its trials' runs and its MLflow store fill one disk while trials train: the sweep
+    ends in one line; Tune's state in its folder stays the last whole one (before, it was cut, and --resume
+    started the sweep afresh); once space is freed --resume finishes every trial, the finished kept."""
+    args = [sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"),
+            "--num-samples", "4", "--preset", "quick", "--set", "train.epochs=3",
+            "--set", "train.checkpoint_every_steps=5", "--name", "sw"]
+    proc = subprocess.Popen(args, cwd=small_disk, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    sweep = small_disk / "raysys_runs" / "sweeps" / "sw"
+    deadline = time.time() + 300
+    while not list(sweep.glob("runs/*/checkpoints/step_*/meta.json")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    with open(small_disk / "filler", "wb") as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+    out, err = proc.communicate(timeout=600)
+    print(out[-3000:], err[-3000:], sep="\n")
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].startswith("raysys.tune: I/O error: ENOSPC No space left on device; the sweep "
+                                                   "keeps its saved state")
+    for state in sweep.glob("experiment_state-*.json"):
+        json.loads(state.read_text())  # whole
+    (small_disk / "filler").unlink()
+    again = subprocess.run([*args, "--resume"], cwd=small_disk, env=_env(), capture_output=True, text=True, timeout=900)
+    print(again.stdout[-5000:], again.stderr[-3000:], sep="\n")
+    assert again.returncode == 0 and "resuming: finished trials are kept" in again.stdout
+    assert "Failed to restore" not in again.stdout + again.stderr
+    assert "4 trials — 4 ok" in again.stdout
+    assert not list(sweep.rglob("*.tmp"))
 
 
 def test_a_tracking_url_that_is_no_mlflow_server_is_one_line_and_creates_nothing(tmp_path):

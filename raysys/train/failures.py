@@ -117,3 +117,36 @@ def record_event(run_dir: Path, line: str) -> None:
     with open(run_dir / "events.log", "a") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
     storage.push(run_dir / "events.log")
+
+
+def environment_line(e: BaseException) -> Optional[str]:
+    """One line for an error of the machine or a service, not of the training code: a checkpoint that
+    could not be written, a full or read-only disk, the tracking server; None for anything else."""
+    return _environment_error(find_cause(e, (CheckpointWriteError,)) or disk_error(e) or _service_error(e)
+                              or find_cause(e, (OSError,)))
+
+
+def _service_error(e: BaseException) -> Optional[BaseException]:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0] in ("mlflow", "requests", "urllib3"):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _environment_error(e: Optional[BaseException]) -> Optional[str]:
+    """A one-line account of errors that come from the machine or a service, not from raysys: disk
+    (full, read-only, permissions) and the tracking server. Anything else keeps its traceback."""
+    if e is None:
+        return None
+    if isinstance(e, OSError) and e.errno is not None and type(e).__module__ != "requests.exceptions":
+        if isinstance(e.strerror, str) and e.strerror.startswith("could not write"):
+            return f"I/O error: {e.strerror}"
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return f"I/O error: {errno.errorcode.get(e.errno, e.errno)} {e.strerror}{where}"
+    if type(e).__module__.split(".")[0] in ("mlflow", "requests", "urllib3"):
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return f"tracking error: {msg}"
+    return None

@@ -112,6 +112,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         print(f"raysys.tune: {'data error' if isinstance(e, DataError) else 'config error'}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a full disk, a lost tracking server: one line; the sweep keeps what it saved
+        from raysys.train.failures import environment_line
+
+        line = environment_line(e)
+        if line is None:
+            raise
+        from raysys.tune.runner import SAVED
+
+        print(f"raysys.tune: {line}; " + ("the sweep keeps its saved state and its trials' checkpoints (continue it "
+                                          "with the same command and --resume)" if SAVED else "nothing to resume"),
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a signal sent again: stopped at once, with what Tune had saved
         from raysys.tune.runner import SAVED
 

@@ -133,8 +133,10 @@ def _resolve_remote(opts: SweepOptions, workload: str) -> tuple[str, Path]:
 def _tune_storage(opts: SweepOptions, sweep_dir: Path) -> tuple[str, dict]:
     """Where Tune keeps its experiment state: (the sweep's path for restore, RunConfig/restore kwargs)."""
     owner = storage.remote_of(sweep_dir)
-    if owner is None:
-        return str(sweep_dir), {"storage_path": str(sweep_dir.parent)}
+    if owner is None:  # each file whole or not at all (a full disk must not cut the last good state)
+        from raysys.tune.whole_files import whole_files_fs
+
+        return str(sweep_dir), {"storage_path": str(sweep_dir.parent), "storage_filesystem": whole_files_fs()}
     remote, name = owner
     return remote.path(name), {"storage_path": remote.base, "storage_filesystem": remote.fs}
 
@@ -392,6 +394,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     restore_fs = {k: v for k, v in tune_storage.items() if k == "storage_filesystem"}
     if opts.resume:  # the objectives every earlier session of the sweep recorded
         storage.pull_tree(sweep_dir / OBJECTIVES_DIR)
+        if storage.remote_of(sweep_dir) is None:
+            from raysys.tune.whole_files import remove_leftovers
+
+            remove_leftovers(sweep_dir)
     if opts.resume and tune.Tuner.can_restore(tune_path, **restore_fs):
         print("[raysys.tune] resuming: finished trials are kept, unfinished ones continue from their checkpoints",
               flush=True)
