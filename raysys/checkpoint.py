@@ -297,9 +297,21 @@ class CheckpointStore:
         except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message
             raise CheckpointError(
                 f"checkpoint {path} is corrupt or unsafe to load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-                "It was left untouched; move it aside to resume from an earlier one.") from None
+                f"It was left untouched; {self._aside_hint(path)}") from None
         return state, meta
 
+
+    def _aside_hint(self, path: Path) -> str:
+        """How to resume from the checkpoint before ``path``: moved aside (a name raysys never reads), not deleted."""
+        import shlex
+
+        earlier = [p for p in self.complete() if p.name != path.name]
+        if not earlier:
+            return "no earlier checkpoint is left to resume from"
+        if self.remote is not None:
+            return f"move it aside in {self.remote[0].display}/{self.remote[1]}/checkpoints to resume from {earlier[-1].name}"
+        return (f"to resume from {earlier[-1].name}, move it aside first: "
+                f"mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.corrupt')}")
 
     def meta(self, path: Path) -> dict:
         """The checkpoint's meta.json (alone: its state is not fetched from remote storage), which must be

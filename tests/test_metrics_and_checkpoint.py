@@ -1,3 +1,4 @@
+import subprocess
 import time
 
 import numpy as np
@@ -138,10 +139,16 @@ def test_corrupt_checkpoint_clear_error_and_untouched(tmp_path):
     path = s.save({"x": torch.ones(3)}, 2)
     (path / "state.pt").write_bytes(b"garbage" * 10)
     before = sorted(p.name for p in path.iterdir()), (path / "state.pt").read_bytes()
-    with pytest.raises(CheckpointError, match="corrupt"):
+    with pytest.raises(CheckpointError, match="corrupt") as err:
         s.load()
     assert (sorted(p.name for p in path.iterdir()), (path / "state.pt").read_bytes()) == before
     assert (s.root / "step_000000001").is_dir()  # the earlier checkpoint survives
+    # the line says how to go on from the earlier one, and doing so works
+    hint = str(err.value).split("move it aside first: ")[1]
+    assert hint == f"mv {path} {path}.corrupt" and "to resume from step_000000001" in str(err.value)
+    subprocess.run(hint.split(), check=True)
+    state, meta = s.load()
+    assert meta["step"] == 1 and (s.root / "step_000000002.corrupt" / "state.pt").is_file()
 
 
 def test_foreign_and_mismatched_checkpoints_refused(tmp_path):
