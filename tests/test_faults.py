@@ -427,6 +427,26 @@ def test_tunes_state_is_written_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in sweep.iterdir()) == ["experiment_state.json"]
 
 
+def test_a_sweeps_damaged_tune_state_is_one_line_on_resume(tmp_path):
+    """Tune restores from the newest experiment_state-*.json; one it cannot read made it log an error and
+    start the sweep afresh. Now --resume stops in one line, naming the file and how to go on from the one
+    before; after that move, the check passes."""
+    from raysys.config import ConfigError
+    from raysys.tune.runner import _check_tune_state
+
+    old, new = tmp_path / "experiment_state-2026-01-01_10-00-00.json", tmp_path / "experiment_state-2026-01-01_11-00-00.json"
+    old.write_text('{"trial_data": []}')
+    new.write_text('{"trial_data": [{"tri')
+    with pytest.raises(ConfigError, match="cannot be read") as err:
+        _check_tune_state(tmp_path)
+    assert f"to resume from the state before it ({old.name}), move it aside: mv {new} {new}.damaged" in str(err.value)
+    subprocess.run(str(err.value).split("move it aside: ")[1].split(), check=True)
+    _check_tune_state(tmp_path)
+    old.write_text("")
+    with pytest.raises(ConfigError, match="start a new sweep"):
+        _check_tune_state(tmp_path)
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

@@ -141,6 +141,24 @@ def _tune_storage(opts: SweepOptions, sweep_dir: Path) -> tuple[str, dict]:
     return remote.path(name), {"storage_path": remote.base, "storage_filesystem": remote.fs}
 
 
+def _check_tune_state(sweep_dir: Path) -> None:
+    """Ray Tune restores a sweep from its newest ``experiment_state-*.json``; one it cannot read (damaged by
+    hand, or cut by an older raysys on a full disk) made it log an error and start the sweep afresh. One
+    line instead, with how to resume from the state of the session before."""
+    import shlex
+
+    states = sorted(sweep_dir.glob("experiment_state-*.json"))
+    if not states:
+        return
+    try:
+        json.loads(states[-1].read_text())
+    except (OSError, ValueError) as e:
+        how = (f"to resume from the state before it ({states[-2].name}), move it aside: mv {shlex.quote(str(states[-1]))} "
+               f"{shlex.quote(str(states[-1]) + '.damaged')}" if len(states) > 1 else "start a new sweep (another --name)")
+        raise ConfigError(f"--resume: Ray Tune's saved state of this sweep, {states[-1]}, cannot be read "
+                          f"({str(e).splitlines()[0][:120]}); {how}") from None
+
+
 def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
     now = json.loads(json.dumps(sp.to_dict(), default=str))
     before = stored["space"]
@@ -315,6 +333,8 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     stored = json.loads((sweep_dir / STATE_FILE).read_text()) if opts.resume else None
     if stored:
         _check_same_space(stored, sp, sweep_dir)
+        if storage.remote_of(sweep_dir) is None:
+            _check_tune_state(sweep_dir)
         if int(stored.get("vectorize", 1)) != opts.vectorize:
             raise ConfigError(f"--resume: this sweep ran with --vectorize {stored.get('vectorize', 1)}; resume it with the same")
         if opts.tracking_uri and tracking.resolve_tracking_uri(opts.tracking_uri) != stored["tracking_uri"]:
