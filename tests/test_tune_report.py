@@ -118,3 +118,28 @@ def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(
     assert job.endswith("-- python -m raysys train mine/wl.py:WORKLOAD --preset quick")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert job_address("auto") == job_address(None) == "http://127.0.0.1:8265"
+
+
+def test_a_trial_tune_never_recorded_is_closed_not_left_running(tmp_path):
+    """A trial that started just before its sweep's driver was killed, before Tune saved it, is sampled again
+    by the resumed sweep under a new id: its own child run is closed KILLED and says why, the others kept."""
+    from mlflow.tracking import MlflowClient
+
+    from raysys.tune.report import _close_abandoned
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("raysys-w")
+    parent = client.create_run(exp, run_name="sw").info.run_id
+
+    def child(name, done):
+        run = client.create_run(exp, run_name=name, tags={"mlflow.parentRunId": parent}).info.run_id
+        if done:
+            client.set_terminated(run)
+        return run
+
+    kept, orphan, finished = child("sw-a", False), child("sw-b", False), child("sw-c", True)
+    other_sweep = client.create_run(exp, run_name="sw-d").info.run_id  # no parent of this sweep: not ours
+    _close_abandoned(client, "", "raysys-w", parent, known={"sw-a", "sw-c"})
+    status = {r: client.get_run(r).info.status for r in (kept, orphan, finished, other_sweep)}
+    assert status == {kept: "RUNNING", orphan: "KILLED", finished: "FINISHED", other_sweep: "RUNNING"}
+    assert client.get_run(orphan).data.tags["raysys.trial_status"] == "abandoned"

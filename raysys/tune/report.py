@@ -230,6 +230,24 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         status = client.get_run(run_id).info.status
         if (end := _end_status(r, status)) != status:
             client.set_terminated(run_id, status=end)
+    _close_abandoned(client, uri, experiment, setup.parent_run_id, {r.run_name for r in records})
+
+
+def _close_abandoned(client, uri: str, experiment: str, parent_run_id: str, known: set) -> None:
+    """A trial that started just before the sweep's driver was killed, and that Tune's saved state did not
+    hold yet, is never continued: a resumed sweep samples its configuration again, as a new trial. Its
+    child run would stay RUNNING under a finished parent: it is closed KILLED, and says why."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return
+    for run in client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' "
+                                                                    "and attributes.status = 'RUNNING'"):
+        if run.info.run_name in known:
+            continue
+        client.set_tag(run.info.run_id, "raysys.trial_status", "abandoned")
+        client.set_tag(run.info.run_id, "raysys.trial_reason", "the sweep's driver stopped before Ray Tune recorded "
+                       "this trial, so the resumed sweep ran a new trial in its place; its run folder is kept")
+        client.set_terminated(run.info.run_id, status="KILLED")
 
 
 def _end_status(r: TrialRecord, status: str) -> str:
