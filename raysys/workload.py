@@ -30,6 +30,8 @@ carried to the cluster's workers with :func:`runtime_env`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
 import re
@@ -266,6 +268,26 @@ def register(workload: Workload, ref_: Optional[str] = None) -> Workload:
     _LOADED[key] = workload
     _REFS.setdefault(id(workload), key)
     return workload
+
+
+_SWEEP_DRIVER: contextvars.ContextVar[bool] = contextvars.ContextVar("raysys_sweep_driver", default=False)
+
+
+@contextlib.contextmanager
+def sweep_driver():
+    """Around a sweep's driver's call of ``prepare``: it makes or checks the data once for every trial, but
+    it trains nothing, and on a cluster it may run where no trial does (a CPU head, TPU workers)."""
+    token = _SWEEP_DRIVER.set(True)
+    try:
+        yield
+    finally:
+        _SWEEP_DRIVER.reset(token)
+
+
+def on_sweep_driver() -> bool:
+    """True inside :func:`sweep_driver`: a ``prepare`` leaves checks of this process's own devices to the
+    trials, which prepare again in their processes."""
+    return _SWEEP_DRIVER.get()
 
 
 def ref(wl: Workload) -> str:

@@ -217,3 +217,23 @@ def test_default_ppo_learns_above_a_random_masked_policy(workdir):
     final = _final(workdir, "learn")
     assert final["perf/env_steps"] == steps
     assert final["charts/episode_return"] > random_return + 0.1, (final["charts/episode_return"], random_return)
+
+
+def test_a_sweeps_driver_prepares_without_starting_jax():
+    """The sweep's driver prepares the base config once and trains nothing: it must not start JAX's backend,
+    which on a GPU takes most of the device's memory from the trials (and made every later process Ray
+    started warn that os.fork() may deadlock). The device split is checked by each trial, in its process."""
+    probe = ("import sys\n"
+             "from raysys import workload as registry\n"
+             "from raysys.tune import space as spaces\n"
+             "from raysys.tune.runner import _prepare\n"
+             "sp = spaces.load('tune_spaces/hackmatrix_ppo_members.yaml', preset='quick', overrides={})\n"
+             "_prepare(registry.get(sp.workload), sp.base_config())\n"
+             "from jax._src import xla_bridge\n"
+             "print('backends started:', xla_bridge.backends_are_initialized())\n"
+             "from raysys.workloads.hackmatrix_ppo.workload import _check_here\n"
+             "_check_here(sp.base_config())  # train's own check, outside a sweep's driver, does start it\n"
+             "print('after train check:', xla_bridge.backends_are_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.split("\n")[:2] == ["backends started: False", "after train check: True"], out.stdout + out.stderr

@@ -272,7 +272,8 @@ def _prepare(wl: registry.Workload, cfg: Any) -> Any:
     problem is one line (DataError), as ``raysys train`` says it."""
     from raysys.train import launcher
 
-    return launcher._prepare(wl.task.prepare if wl.task is not None else wl.extra.get("prepare"), cfg)
+    with registry.sweep_driver():  # the trials check their own devices, on their nodes
+        return launcher._prepare(wl.task.prepare if wl.task is not None else wl.extra.get("prepare"), cfg)
 
 
 def _say_unread_knobs(wl: registry.Workload, base: Any, knobs: dict) -> None:

@@ -163,8 +163,11 @@ PRESETS = {"default": default, "seed_fast": seed_fast, "learn": learn, "quick": 
 
 def _check_here(cfg: HackMatrixPPOConfig) -> None:
     """Trained in this process (--workers 0): the split over this machine's devices is checked before the
-    run exists (Ray Train workers check their own devices)."""
-    if cfg.launch.workers == 0:
+    run exists (Ray Train workers check their own devices, a sweep's trials theirs: its driver, which
+    trains nothing, neither checks nor starts JAX)."""
+    from raysys.workload import on_sweep_driver
+
+    if cfg.launch.workers == 0 and not on_sweep_driver():
         import jax
 
         from raysys.workloads.hackmatrix_ppo import ppo
