@@ -148,6 +148,11 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
     _, run_dir = resolve_run_dir(wl.name, type(cfg.launch)(**launch))
     snap = saved_config(run_dir)
     if snap is None:
+        damaged = [p.name for p in (run_dir / "config.yaml", *sorted(run_dir.glob("config.resume-*.yaml"))) if p.is_file()]
+        if damaged:  # not silently: this command's settings now stand for the run's own
+            print(f"[raysys] note: the run's saved config ({', '.join(damaged)} in {run_dir}) cannot be read: this "
+                  "session uses the config of this command line (give the run's --preset and --set again if it "
+                  "differs)", flush=True)
         return None
     saved = yaml.safe_load(snap.read_text())
     saved.get("launch", {}).update(resume=False, name=run_dir.name)

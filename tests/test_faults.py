@@ -359,6 +359,27 @@ def test_a_snapshot_cut_by_a_kill_is_never_what_a_resume_reads(tmp_path):
     assert saved_config(tmp_path) == tmp_path / "config.yaml"
 
 
+def test_a_resume_whose_saved_config_cannot_be_read_says_it_uses_the_command_line(tmp_path, capsys, monkeypatch):
+    """Every snapshot of the run damaged: the resume goes on with this command's config, and says so (it
+    was silent, and a bare --resume then failed on a checkpoint 'written with a different config')."""
+    import argparse
+
+    from raysys import workload as registry
+    from raysys.cli import _resumed_base
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "raysys_runs" / "dmg"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("model: {hidden: 3")  # cut in half
+    wl = registry.get("deep_gpcm")
+    args = argparse.Namespace(name="dmg", storage_path=None, tracking_uri=None)
+    assert _resumed_base(wl, wl.config("quick"), args) is None
+    assert "the run's saved config (config.yaml in " in capsys.readouterr().out
+    (run_dir / "config.yaml").unlink()  # no snapshot at all (killed before it was written): nothing to say
+    (run_dir / "events.log").write_text("")
+    assert _resumed_base(wl, wl.config("quick"), args) is None and capsys.readouterr().out == ""
+
+
 # ---- faults of the machine and the services --------------------------------------------------------
 
 def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
