@@ -215,7 +215,8 @@ class CheckpointStore:
             now = holder_of(self.run_dir)
             if now is not None and now != self.holder:
                 raise Superseded(f"run folder {self.run_dir} is now held by {now}, not by this worker's session "
-                                 f"({self.holder}), which has ended: checkpoint step {step} is not written")
+                                 f"({self.holder}), which another session has taken over: checkpoint step {step} is "
+                                 "not written")
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:09d}"
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"

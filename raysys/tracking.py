@@ -406,6 +406,10 @@ def is_bookkeeping(key: str) -> bool:
     return leaf in ("step", "world_size") or leaf.endswith("_this_session")
 
 
+RECORD_KINDS = ("params", "metrics", "artifact", "text", "tags", "untag", "end")
+"""What a tracking buffer's lines hold (``MLflowLogger._send``)."""
+
+
 class MLflowLogger:
     """Logs to one existing MLflow run by id.
 
@@ -471,7 +475,10 @@ class MLflowLogger:
                 try:
                     rec = json.loads(line)
                 except ValueError:  # cut by a full disk (an older raysys): it must not hold back the rest
-                    log.warning("tracking: a record cut short in %s is dropped: %.80s", self.buffer, line)
+                    rec = None
+                if not (isinstance(rec, dict) and rec.get("kind") in RECORD_KINDS):  # nor one edited by hand
+                    log.warning("tracking: a record that cannot be sent (cut short or not raysys's) in %s is "
+                                "dropped: %.80s", self.buffer, line)
                     sent += 1
                     continue
                 self._send(rec)

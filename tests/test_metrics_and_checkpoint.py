@@ -287,8 +287,8 @@ def test_buffered_artifacts_are_sent_from_the_run_folder_of_the_process_that_sen
 
 def test_a_full_disk_leaves_no_half_record_in_the_tracking_buffer_and_a_cut_one_blocks_nothing(tmp_path):
     """A record the buffer cannot take whole (the disk fills mid-write: here a file-size limit) is taken
-    back out, and the error names the buffer; a record an older raysys left cut short is dropped when the
-    buffer is sent, not held in front of the rest for ever."""
+    back out, and the error names the buffer; a record an older raysys left cut short (or a line edited in by
+    hand) is dropped when the buffer is sent, not held in front of the rest for ever."""
     import subprocess
     import sys
     import textwrap
@@ -319,7 +319,8 @@ def test_a_full_disk_leaves_no_half_record_in_the_tracking_buffer_and_a_cut_one_
     assert out.stdout.split() == ["EFBIG", str(buffer)], out.stderr
     assert buffer.read_text() == first  # the 30 bytes that fitted were taken back out
     with open(buffer, "a") as f:  # what an older raysys left: a record cut by the full disk, then one more
-        f.write('{"kind": "metrics", "data": {"lo\n{"kind": "metrics", "data": {"loss": 0.25}, "step": 3}\n')
+        f.write('{"kind": "metrics", "data": {"lo\n[1, 2]\n{"foo": 1}\n'  # cut, and lines no raysys wrote
+                '{"kind": "metrics", "data": {"loss": 0.25}, "step": 3}\n')
     logger = tracking.MLflowLogger(uri, run_id, buffer=buffer)
     assert logger.flush() and not buffer.exists()
     hist = MlflowClient(uri).get_metric_history(run_id, "loss")

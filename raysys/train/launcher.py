@@ -23,7 +23,7 @@ import yaml
 
 from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
-from raysys.checkpoint import CheckpointError, CheckpointStore
+from raysys.checkpoint import CheckpointError, CheckpointStore, Superseded
 from raysys.config import ConfigError, flatten, to_dict
 from raysys.metrics import divergence
 from raysys.train.failures import error_line, fit_with_restarts, record_event
@@ -251,7 +251,8 @@ class OpenRun:
             status = "KILLED"
             raise
         except Exception as e:
-            if isinstance(e, CheckpointError) and self.cfg.launch.resume and self.snapshot is not None:
+            if (isinstance(e, CheckpointError) and not isinstance(e, Superseded) and self.cfg.launch.resume
+                    and self.snapshot is not None):
                 # a resume its checkpoint refused trained nothing: its snapshot must not become the config
                 # the next --resume starts from (it would be refused again, for ever)
                 storage.remove(self.snapshot)
