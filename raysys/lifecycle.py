@@ -56,8 +56,9 @@ class RunLock:
         """The run's ``storage.Lease`` when it lives on remote storage: the lock other machines see."""
 
     @classmethod
-    def acquire(cls, run_dir: Path, name: str, lock_dir: Optional[Path] = None) -> "RunLock":
-        """``lock_dir``: where the lock file lives when not in the run folder (runs on remote storage)."""
+    def acquire(cls, run_dir: Path, name: str, lock_dir: Optional[Path] = None, what: str = "run") -> "RunLock":
+        """``lock_dir``: where the lock file lives when not in the run folder (runs on remote storage); ``what``
+        the folder holds (a run, a sweep), as the refusal names it."""
         key = str(Path(run_dir).resolve())
         if key in cls._held:
             return cls._held[key]
@@ -68,7 +69,7 @@ class RunLock:
         except OSError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise ConfigError(f"run '{name}' is in use by {holder}; wait for it to finish, or choose another --name "
+            raise ConfigError(f"{what} '{name}' is in use by {holder}; wait for it to finish, or choose another --name "
                               "(nothing was changed)") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)

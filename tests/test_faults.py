@@ -359,6 +359,19 @@ def test_a_snapshot_cut_by_a_kill_is_never_what_a_resume_reads(tmp_path):
     assert saved_config(tmp_path) == tmp_path / "config.yaml"
 
 
+def test_a_damaged_final_metrics_file_is_kept_aside_and_the_end_recorded_again(tmp_path, caplog):
+    from raysys.train.launcher import recorded_final
+
+    (tmp_path / "final_metrics.json").write_text('{"eval/qwk": 0.5, broken')
+    with caplog.at_level("WARNING"):
+        assert recorded_final(tmp_path) is None
+    assert (tmp_path / "final_metrics.json.damaged").read_text() == '{"eval/qwk": 0.5, broken'
+    assert "kept as final_metrics.json.damaged" in caplog.text
+    (tmp_path / "final_metrics.json").write_text('{"eval/qwk": 0.5}')
+    assert recorded_final(tmp_path) == {"eval/qwk": 0.5}
+    assert recorded_final(tmp_path / "nowhere") is None
+
+
 def test_a_resume_whose_saved_config_cannot_be_read_says_it_uses_the_command_line(tmp_path, capsys, monkeypatch):
     """Every snapshot of the run damaged: the resume goes on with this command's config, and says so (it
     was silent, and a bare --resume then failed on a checkpoint 'written with a different config')."""
@@ -466,6 +479,30 @@ def test_a_sweeps_damaged_tune_state_is_one_line_on_resume(tmp_path):
     old.write_text("")
     with pytest.raises(ConfigError, match="start a new sweep"):
         _check_tune_state(tmp_path)
+
+
+def test_a_sweep_is_driven_by_one_process_and_its_damaged_record_is_one_line(tmp_path):
+    """Two --resume of one sweep at once trained trials twice and recorded one as failed: the second is
+    refused. A damaged raysys_sweep.json was a traceback: now one line."""
+    from raysys.config import ConfigError
+    from raysys.tune.runner import STATE_FILE, _lock_sweep, _stored_state
+
+    sweep = tmp_path / "sw"
+    sweep.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from raysys.tune.runner import _lock_sweep; "
+                               f"_lock_sweep(__import__('pathlib').Path({str(sweep)!r}), 'sw'); print('held', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    _STARTED.append(holder)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ConfigError, match=f"sweep 'sw' is in use by process {holder.pid} on "):
+        _lock_sweep(sweep, "sw")
+    holder.kill()
+    holder.wait()
+    _lock_sweep(sweep, "sw")  # its holder gone, the lock is free
+    for damaged in ('{"space": {"workload": "deep', "", "[1, 2]"):
+        (sweep / STATE_FILE).write_text(damaged)
+        with pytest.raises(ConfigError, match=f"--resume: {sweep / STATE_FILE} cannot be read"):
+            _stored_state(sweep)
 
 
 def _umask() -> int:

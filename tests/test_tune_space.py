@@ -253,7 +253,7 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
     import json
 
     from raysys.tune.runner import _record
-    from raysys.tune.trial import TrialSetup, reused_final, run_seconds
+    from raysys.tune.trial import TrialSetup, finished_final, reused_final, run_seconds
 
     (tmp_path / "trial_events.log").write_text(
         "2026-11-25T08:00:00 start a1 run=s-a1 resume=False\n"
@@ -268,8 +268,10 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
                        runs_storage=str(tmp_path / "runs"), tracking_uri="", experiment="", parent_run_id="",
                        throughput_metric="perf/x", quality_metric="eval/q", stability={}, quality_penalty=0.0)
     (tmp_path / "runs" / "s-a1").mkdir(parents=True)
+    (tmp_path / "runs" / "s-a1" / "final_metrics.json").write_text('{"eval/q": 0.')  # damaged: resumed, not reused
+    assert finished_final(setup, "a1") is None and finished_final(setup, "zz") is None
     (tmp_path / "runs" / "s-a1" / "final_metrics.json").write_text(json.dumps({"eval/q": 0.7}))
-    last = reused_final(setup, "a1")
+    last = reused_final(setup, "a1", finished_final(setup, "a1"))
     assert last == {"eval/q": 0.7, "done": 1.0, RUN_SECONDS: 42.0}
     assert "reuse a1 run=s-a1" in (tmp_path / "trial_events.log").read_text()
     assert _record("a1", {}, {**last, "time_total_s": 0.1}, None, setup).seconds == 42.0

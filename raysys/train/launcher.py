@@ -135,9 +135,21 @@ def recorded_final(run_dir: Path) -> Optional[dict]:
     the zero of a session that trained nothing."""
     path = Path(run_dir) / "final_metrics.json"
     try:
-        return json.loads(path.read_text()) if storage.pull(path) else None
-    except (OSError, ValueError):
-        return None
+        found = json.loads(path.read_text()) if storage.pull(path) else None
+    except (OSError, ValueError) as e:
+        found = e
+    if found is None or isinstance(found, dict):
+        return found
+    # damaged (by hand, or cut by an older raysys): kept aside, and the run's end is recorded again
+    aside = path.with_name(f"{path.name}.damaged")
+    try:
+        storage.write_text(aside, path.read_text(errors="replace"))
+    except OSError:
+        pass
+    log.warning("%s cannot be read (%s): kept as %s; the run's end is recorded again (its speed is in its MLflow "
+                "run)", path, str(found).splitlines()[0][:120] if isinstance(found, Exception) else "not a dict of "
+                "metrics", aside.name)
+    return None
 
 
 class DataError(ConfigError):

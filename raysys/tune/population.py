@@ -175,8 +175,8 @@ def run_population_trial(config: dict, setup) -> None:
 
     from raysys import workload as registry
     from raysys.session import run_population
-    from raysys.tune.trial import (begin_trial, fail_permanently, log_event, release_trial_memory, reused_final,
-                                   trial_config, training)
+    from raysys.tune.trial import (begin_trial, fail_permanently, finished_final, log_event, release_trial_memory,
+                                   reused_final, trial_config, training)
 
     trial_id = tune.get_context().get_trial_id()
     begin_trial()
@@ -188,8 +188,8 @@ def run_population_trial(config: dict, setup) -> None:
     reports = Reports(ids, trackers, tune.report)
     todo = []
     for j, (mid, knobs) in enumerate(zip(ids, all_knobs)):
-        if setup.run_exists(mid, "final_metrics.json"):  # finished before the sweep was interrupted
-            reports.reporter(j)(reused_final(setup, mid))
+        if (final := finished_final(setup, mid)) is not None:  # finished before the sweep was interrupted
+            reports.reporter(j)(reused_final(setup, mid, final))
         else:
             todo.append(j)
     if not todo:

@@ -141,6 +141,27 @@ def _tune_storage(opts: SweepOptions, sweep_dir: Path) -> tuple[str, dict]:
     return remote.path(name), {"storage_path": remote.base, "storage_filesystem": remote.fs}
 
 
+def _stored_state(sweep_dir: Path) -> dict:
+    """The sweep's own record (space, store, trials), which a --resume continues; damaged, one line."""
+    path = sweep_dir / STATE_FILE
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        stored, why = None, str(e).splitlines()[0][:120]
+    else:
+        why = "not a sweep's record"
+    if not isinstance(stored, dict) or "space" not in stored:
+        raise ConfigError(f"--resume: {path} cannot be read ({why}); the sweep cannot be continued: start a new "
+                          "one (another --name), its trials' run folders are kept")
+    return stored
+
+
+def _lock_sweep(sweep_dir: Path, name: str) -> None:
+    """One process at a time drives a sweep: a second --resume of it (another terminal, a retry script) would
+    train its trials twice and record one as failed."""
+    lifecycle.RunLock.acquire(sweep_dir, name, what="sweep")
+
+
 def _check_tune_state(sweep_dir: Path) -> None:
     """Ray Tune restores a sweep from its newest ``experiment_state-*.json``; one it cannot read (damaged by
     hand, or cut by an older raysys on a full disk) made it log an error and start the sweep afresh. One
@@ -331,8 +352,9 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
                           "fix launch.workers to 0 in the space")
     check_ray_address(opts.address)
     name, sweep_dir = resolve_sweep_dir(opts, wl.name)
-    stored = json.loads((sweep_dir / STATE_FILE).read_text()) if opts.resume else None
+    stored = _stored_state(sweep_dir) if opts.resume else None
     if stored:
+        _lock_sweep(sweep_dir, name)  # before anything of it changes
         _check_same_space(stored, sp, sweep_dir)
         if storage.remote_of(sweep_dir) is None:
             _check_tune_state(sweep_dir)
@@ -369,6 +391,7 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     concurrent = max_concurrent(ray.cluster_resources(), need_cpu, need_gpu, opts.max_concurrent)
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    _lock_sweep(sweep_dir, name)
     parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored,
                                      {"raysys.preset": sp.preset, "raysys.command": opts.command[:5000]})
     parent_log.log_params({"sweep.workload": wl.name, "sweep.preset": sp.preset, "sweep.space_file": sp.source,

@@ -207,11 +207,23 @@ def run_seconds(sweep_dir: str | Path, trial_id: str) -> Optional[float]:
     return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
 
 
-def reused_final(setup: TrialSetup, trial_id: str) -> dict:
+def finished_final(setup: TrialSetup, trial_id: str) -> Optional[dict]:
+    """What the trial's run recorded when it ended (its ``final_metrics.json``), or None: not ended, or the
+    file cannot be read (the run is then resumed, which records its end again)."""
+    if not setup.run_exists(trial_id, "final_metrics.json"):
+        return None
+    try:
+        final = json.loads(setup.read_run_file(trial_id, "final_metrics.json"))
+    except (OSError, ValueError):
+        return None
+    return final if isinstance(final, dict) else None
+
+
+def reused_final(setup: TrialSetup, trial_id: str, final: dict) -> dict:
     """The last report of a trial whose run had already ended (the driver died before Tune recorded
-    that): what the run recorded, and its own wall time, not that of this reuse."""
+    that): what the run recorded (``finished_final``), and its own wall time, not that of this reuse."""
     log_event(setup.sweep_dir, f"reuse {trial_id} run={setup.run_name(trial_id)}")
-    final = {**json.loads(setup.read_run_file(trial_id, "final_metrics.json")), "done": 1.0}
+    final = {**final, "done": 1.0}
     took = run_seconds(setup.sweep_dir, trial_id)
     return final if took is None else {**final, RUN_SECONDS: took}
 
@@ -420,10 +432,10 @@ def _run_trial(config: dict, setup: TrialSetup, trial_id: str, tracker: Objectiv
     cfg = trial_config(setup, dict(config), trial_id)
     wl = registry.get(setup.workload)
     tags = setup.run_tags(trial_id, dict(config))
-    if cfg.launch.resume and setup.run_exists(trial_id, "final_metrics.json"):
+    if cfg.launch.resume and (final := finished_final(setup, trial_id)) is not None:
         # Its run already ended (the driver died before Tune recorded that): report what the run
         # recorded instead of "resuming" a finished run, whose speed window would be empty.
-        tune.report(tracker.update(reused_final(setup, trial_id)))
+        tune.report(tracker.update(reused_final(setup, trial_id, final)))
         return
     log_event(setup.sweep_dir, f"start {trial_id} run={cfg.launch.name} resume={cfg.launch.resume}")
 
