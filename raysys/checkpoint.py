@@ -149,15 +149,17 @@ class Superseded(CheckpointError):
 
 class CheckpointStore:
     def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2,
-                 local_keys: tuple[str, ...] = (), holder: Optional[str] = None):
+                 local_keys: tuple[str, ...] = (), holder: Optional[str] = None, config: Optional[dict] = None):
         """``identity``: the config subset a checkpoint must match to be resumed (model shape, data).
         ``local_keys``: dotted keys of it the workload declares machine-local (``Workload.extra["local_keys"]``:
         where its data is on this machine, not what the run is), so a run resumes from another folder or
         machine. ``holder``: on a Ray worker, the session its run folder's lock named when it started
-        (``lifecycle.holder_of``); a save finding another there writes nothing (:class:`Superseded`)."""
+        (``lifecycle.holder_of``); a save finding another there writes nothing (:class:`Superseded`).
+        ``config``: the run's whole config, recorded in each checkpoint's meta.json: a resume whose config
+        snapshots were damaged goes on with it (``cli._resumed_base``), not with whatever the command says."""
         from raysys import storage
 
-        self.run_dir, self.holder = Path(run_dir), holder
+        self.run_dir, self.holder, self.config = Path(run_dir), holder, config
 
         self.root = Path(run_dir) / "checkpoints"
         # a run on remote storage (raysys.storage): the folder here is a working copy, the storage the truth
@@ -238,7 +240,7 @@ class CheckpointStore:
                 f.flush()
                 os.fsync(f.fileno())
             meta = {"workload": self.workload, "identity": self.identity, "step": step, "time": time.time(),
-                    **versions, **(extra_meta or {})}
+                    **versions, **({"config": self.config} if self.config is not None else {}), **(extra_meta or {})}
             # meta.json is written last: its presence marks the checkpoint complete.
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
             _fsync_dir(tmp)

@@ -147,14 +147,9 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
     launch = dict(name=args.name, resume=True, storage_path=args.storage_path or cfg.launch.storage_path)
     _, run_dir = resolve_run_dir(wl.name, type(cfg.launch)(**launch))
     snap = saved_config(run_dir)
-    if snap is None:
-        damaged = [p.name for p in (run_dir / "config.yaml", *sorted(run_dir.glob("config.resume-*.yaml"))) if p.is_file()]
-        if damaged:  # not silently: this command's settings now stand for the run's own
-            print(f"[raysys] note: the run's saved config ({', '.join(damaged)} in {run_dir}) cannot be read: this "
-                  "session uses the config of this command line (give the run's --preset and --set again if it "
-                  "differs)", flush=True)
+    saved = yaml.safe_load(snap.read_text()) if snap is not None else _checkpoint_config(wl, run_dir)
+    if saved is None:
         return None
-    saved = yaml.safe_load(snap.read_text())
     saved.get("launch", {}).update(resume=False, name=run_dir.name)
     store = saved.get("launch", {}).get("tracking_uri") or ""
     if args.tracking_uri is None and store.startswith("sqlite:///") and not Path(store[len("sqlite:///"):]).is_file():
@@ -163,6 +158,30 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
               "(--tracking-uri chooses another)", flush=True)
         saved["launch"]["tracking_uri"] = None
     return from_dict(wl.config_cls, saved)
+
+
+def _checkpoint_config(wl: registry.Workload, run_dir: Path) -> Optional[dict]:
+    """Every config snapshot of the run damaged (by hand, a disk): the config its newest checkpoint recorded,
+    said in a note; without one, this command's config, also said (not silently)."""
+    from raysys.checkpoint import CheckpointStore
+
+    damaged = [p.name for p in (run_dir / "config.yaml", *sorted(run_dir.glob("config.resume-*.yaml"))) if p.is_file()]
+    try:
+        store = CheckpointStore(run_dir, wl.name, {})
+        latest = store.latest()
+        config = store.meta(latest).get("config") if latest is not None else None
+    except Exception:  # an unreadable checkpoint is the resume's to refuse, in its own words
+        latest, config = None, None
+    if not damaged and config is None:
+        return None  # no snapshot was ever written (killed before it): nothing to say
+    what = f"its saved config ({', '.join(damaged)} in {run_dir}) cannot be read" if damaged else "it has no saved config"
+    if isinstance(config, dict):
+        print(f"[raysys] note: {what}: this session continues with the config its checkpoint {latest.name} "
+              "recorded", flush=True)
+        return config
+    print(f"[raysys] note: {what}: this session uses the config of this command line (give the run's --preset "
+          "and --set again if it differs)", flush=True)
+    return None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -372,13 +372,16 @@ def test_a_damaged_final_metrics_file_is_kept_aside_and_the_end_recorded_again(t
     assert recorded_final(tmp_path / "nowhere") is None
 
 
-def test_a_resume_whose_saved_config_cannot_be_read_says_it_uses_the_command_line(tmp_path, capsys, monkeypatch):
-    """Every snapshot of the run damaged: the resume goes on with this command's config, and says so (it
-    was silent, and a bare --resume then failed on a checkpoint 'written with a different config')."""
+def test_a_resume_whose_saved_config_cannot_be_read_goes_on_with_its_checkpoints(tmp_path, capsys, monkeypatch):
+    """Every snapshot of the run damaged: the resume takes the config its newest checkpoint recorded, and says
+    so (it was silent, and went on with the command line's lr and batch size: another experiment); without
+    such a checkpoint it says it uses the command line's."""
     import argparse
 
     from raysys import workload as registry
+    from raysys.checkpoint import CheckpointStore
     from raysys.cli import _resumed_base
+    from raysys.config import apply_overrides, to_dict
 
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "raysys_runs" / "dmg"
@@ -387,8 +390,17 @@ def test_a_resume_whose_saved_config_cannot_be_read_says_it_uses_the_command_lin
     wl = registry.get("deep_gpcm")
     args = argparse.Namespace(name="dmg", storage_path=None, tracking_uri=None)
     assert _resumed_base(wl, wl.config("quick"), args) is None
-    assert "the run's saved config (config.yaml in " in capsys.readouterr().out
-    (run_dir / "config.yaml").unlink()  # no snapshot at all (killed before it was written): nothing to say
+    assert "this session uses the config of this command line" in capsys.readouterr().out
+    own = apply_overrides(wl.config("quick"), {"optim.lr": 0.02, "train.batch_size": 8})
+    CheckpointStore(run_dir, "deep_gpcm", {}, config=to_dict(own)).save({"x": 1}, 5)
+    cfg = _resumed_base(wl, wl.config("quick"), args)
+    assert (cfg.optim.lr, cfg.train.batch_size) == (0.02, 8)
+    assert ("config.yaml in " in (out := capsys.readouterr().out)
+            and "this session continues with the config its checkpoint step_000000005 recorded" in out)
+    (run_dir / "config.yaml").unlink()  # no snapshot ever written (killed before it), no checkpoint: nothing to say
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints")
     (run_dir / "events.log").write_text("")
     assert _resumed_base(wl, wl.config("quick"), args) is None and capsys.readouterr().out == ""
 
@@ -420,6 +432,12 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
     assert "failed: " in (run_dir / "events.log").read_text()
     # a finished run's folder reads as finished: the failed session's traceback is kept under another name
     assert not (run_dir / "error.txt").exists() and (run_dir / "error.earlier.txt").read_text() == traceback
+    # each checkpoint records the whole config of the session that wrote it (a resume whose snapshots are damaged)
+    import yaml
+
+    (newest,) = sorted((run_dir / "checkpoints").glob("step_*"))[-1:]
+    snapshot = yaml.safe_load((run_dir / "config.resume-1.yaml").read_text())
+    assert json.loads((newest / "meta.json").read_text())["config"] == json.loads(json.dumps(snapshot))
 
 
 def test_tunes_state_is_written_whole_or_not_at_all(tmp_path):

@@ -176,7 +176,7 @@ class OpenRun:
 
     def store(self, keep: int = 2) -> CheckpointStore:
         return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep,
-                               local_keys=self.wl.extra.get("local_keys", ()), holder=self.holder)
+                               local_keys=self.wl.extra.get("local_keys", ()), holder=self.holder, config=self.cfg_dict)
 
     def finish(self, status: str) -> None:
         lifecycle.RunLock.release_dir(self.run_dir)

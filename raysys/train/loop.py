@@ -169,7 +169,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
     run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints,
-                            local_keys=wl.extra.get("local_keys", ()), holder=payload.get("holder"))
+                            local_keys=wl.extra.get("local_keys", ()), holder=payload.get("holder"),
+                            config=payload["config"])
     step, epoch, micro_done = 0, 0, 0
     loss_val = float("nan")
     latest = store.latest()
