@@ -154,7 +154,8 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
     store = saved.get("launch", {}).get("tracking_uri") or ""
     if args.tracking_uri is None and store.startswith("sqlite:///") and not Path(store[len("sqlite:///"):]).is_file():
         # its own store is on another machine (or gone): this session tracks where a new run would
-        print(f"[raysys] the run's MLflow store {store} is not here: tracking to this command's store instead "
+        print(f"[raysys] the run's MLflow store {store} is not here (on another machine, moved or deleted): tracking "
+              "to this command's store instead "
               "(--tracking-uri chooses another)", flush=True)
         saved["launch"]["tracking_uri"] = None
     return from_dict(wl.config_cls, saved)

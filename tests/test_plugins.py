@@ -721,7 +721,7 @@ def test_a_resume_from_another_folder_tracks_to_the_runs_own_store(tmp_path, mon
     capsys.readouterr()
     assert main([*args, "--name", "s", "--resume", "--set", "train.signal_at=0"]) == 0
     out = capsys.readouterr().out
-    assert "is not here: tracking to this command's store instead" in out and "has no MLflow run of 's'" in out
+    assert "is not here (on another machine, moved or deleted): tracking to this command's store instead" in out and "has no MLflow run of 's'" in out
     run = _mlflow_run(b / "mlflow.db", "s")
     assert run.info.status == "FINISHED" and "raysys.preset" not in run.data.tags
 

@@ -436,7 +436,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                 print(f"[raysys] note: '{name}' has no MLflow run yet (its first session ended before it made one): "
                       "this session's holds it from here", flush=True)
             else:
-                print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store): a new MLflow "
+                print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store, or this one was made anew): a new MLflow "
                       "run holds this session; the earlier steps stay where they were recorded", flush=True)
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
                                                                  **(tags or {})},
