@@ -303,7 +303,6 @@ class CheckpointStore:
                 f"It was left untouched; {self._aside_hint(path)}") from None
         return state, meta
 
-
     def _aside_hint(self, path: Path) -> str:
         """How to resume from the checkpoint before ``path``: moved aside (a name raysys never reads), not deleted."""
         import shlex

@@ -175,7 +175,8 @@ def _checkpoint_config(wl: registry.Workload, run_dir: Path) -> Optional[dict]:
         latest, config = None, None
     if not damaged and config is None:
         return None  # no snapshot was ever written (killed before it): nothing to say
-    what = f"its saved config ({', '.join(damaged)} in {run_dir}) cannot be read" if damaged else "it has no saved config"
+    what = (f"the run's saved config ({', '.join(damaged)} in {run_dir}) cannot be read" if damaged
+            else f"the run has no saved config in {run_dir}")
     if isinstance(config, dict):
         print(f"[raysys] note: {what}: this session continues with the config its checkpoint {latest.name} "
               "recorded", flush=True)

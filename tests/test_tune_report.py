@@ -139,7 +139,7 @@ def test_a_trial_tune_never_recorded_is_closed_not_left_running(tmp_path):
 
     kept, orphan, finished = child("sw-a", False), child("sw-b", False), child("sw-c", True)
     other_sweep = client.create_run(exp, run_name="sw-d").info.run_id  # no parent of this sweep: not ours
-    _close_abandoned(client, "", "raysys-w", parent, known={"sw-a", "sw-c"})
+    _close_abandoned(client, "raysys-w", parent, known={"sw-a", "sw-c"})
     status = {r: client.get_run(r).info.status for r in (kept, orphan, finished, other_sweep)}
     assert status == {kept: "RUNNING", orphan: "KILLED", finished: "FINISHED", other_sweep: "RUNNING"}
     assert client.get_run(orphan).data.tags["raysys.trial_status"] == "abandoned"

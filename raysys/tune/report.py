@@ -230,10 +230,10 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         status = client.get_run(run_id).info.status
         if (end := _end_status(r, status)) != status:
             client.set_terminated(run_id, status=end)
-    _close_abandoned(client, uri, experiment, setup.parent_run_id, {r.run_name for r in records})
+    _close_abandoned(client, experiment, setup.parent_run_id, {r.run_name for r in records})
 
 
-def _close_abandoned(client, uri: str, experiment: str, parent_run_id: str, known: set) -> None:
+def _close_abandoned(client, experiment: str, parent_run_id: str, known: set) -> None:
     """A trial that started just before the sweep's driver was killed, and that Tune's saved state did not
     hold yet, is never continued: a resumed sweep samples its configuration again, as a new trial. Its
     child run would stay RUNNING under a finished parent: it is closed KILLED, and says why."""
