@@ -14,22 +14,18 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: a file made whole gets the mode an open() would have given it
-
-
 TMP_SUFFIX = ".raysys-whole.tmp"
 
 
-def remove_leftovers(folder) -> None:
+def remove_leftovers(folder: str | Path) -> None:
     """The temporary files of writes a killed process left unfinished (never the files themselves)."""
-    from pathlib import Path
-
     for tmp in Path(folder).rglob(f".*{TMP_SUFFIX}"):
         with contextlib.suppress(OSError):
             tmp.unlink()
