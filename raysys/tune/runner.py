@@ -34,6 +34,7 @@ from raysys.tune.resources import footprint, max_concurrent, trial_resources
 from raysys.tune.trial import error_summary
 
 STATE_FILE = "raysys_sweep.json"
+_LOCKED: list[Path] = []  # the sweep folders this process holds while run_sweep runs
 SAVED: dict = {}
 """The folder of this process's sweep once its state file is written (a Ctrl-C before: nothing to resume)."""
 
@@ -160,6 +161,7 @@ def _lock_sweep(sweep_dir: Path, name: str) -> None:
     """One process at a time drives a sweep: a second --resume of it (another terminal, a retry script) would
     train its trials twice and record one as failed."""
     lifecycle.RunLock.acquire(sweep_dir, name, what="sweep")
+    _LOCKED.append(sweep_dir)
 
 
 def _check_tune_state(sweep_dir: Path) -> None:
@@ -334,6 +336,15 @@ def _result_loggers() -> list:
 # ---- the sweep ---------------------------------------------------------------------------------
 
 def run_sweep(opts: SweepOptions) -> SweepOutcome:
+    """Run (or ``--resume``) one sweep; its folder is locked while it runs (``_lock_sweep``)."""
+    try:
+        return _run_sweep(opts)
+    finally:
+        while _LOCKED:
+            lifecycle.RunLock.release_dir(_LOCKED.pop())
+
+
+def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     from ray import tune
 
     from raysys.tune import report
