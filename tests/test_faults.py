@@ -545,6 +545,18 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def _fill(disk: Path, undo: bool = False) -> None:
+    """Take every byte left on ``disk`` (a file of zeros), or give them back."""
+    if undo:
+        (disk / "filler").unlink()
+        return
+    with open(disk / "filler", "wb") as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+
+
 @pytest.mark.slow  # ~1 min; needs a tmpfs mount (root)
 def test_a_disk_that_fills_mid_run_fails_in_one_line_and_the_run_resumes(small_disk):
     """The run's folder and its sqlite MLflow store share a disk that fills after the first checkpoint: the
@@ -556,11 +568,7 @@ def test_a_disk_that_fills_mid_run_fails_in_one_line_and_the_run_resumes(small_d
     proc = _start(small_disk, *args)
     ckpts = small_disk / "raysys_runs" / "full" / "checkpoints"
     _wait_for(ckpts, proc, 20)
-    with open(small_disk / "filler", "wb") as f:  # every byte left
-        with pytest.raises(OSError):
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
+    _fill(small_disk)
     out, err = proc.communicate(timeout=300)
     print(out[-3000:], err[-3000:], sep="\n")
     _one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 1,
@@ -568,7 +576,7 @@ def test_a_disk_that_fills_mid_run_fails_in_one_line_and_the_run_resumes(small_d
     assert "python -m raysys train deep_gpcm --name full --resume" in err
     run_dir = small_disk / "raysys_runs" / "full"
     assert not [p for p in run_dir.rglob("*") if p.name.startswith(".tmp-") or p.name.endswith(".tmp")]
-    (small_disk / "filler").unlink()
+    _fill(small_disk, undo=True)
     again = _train(small_disk, "deep_gpcm", "--name", "full", "--resume")
     assert again.returncode == 0 and "resumed from" in again.stdout
     (run,) = _mlflow_runs(f"sqlite:///{small_disk / 'mlflow.db'}", "raysys-deep_gpcm")
@@ -590,11 +598,7 @@ def test_a_sweep_whose_disk_fills_keeps_its_state_and_resumes_every_trial(small_
     while not list(sweep.glob("runs/*/checkpoints/step_*/meta.json")):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.2)
-    with open(small_disk / "filler", "wb") as f:
-        with pytest.raises(OSError):
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
+    _fill(small_disk)
     out, err = proc.communicate(timeout=600)
     print(out[-3000:], err[-3000:], sep="\n")
     assert proc.returncode == 1
@@ -602,7 +606,7 @@ def test_a_sweep_whose_disk_fills_keeps_its_state_and_resumes_every_trial(small_
                                                    "keeps its saved state")
     for state in sweep.glob("experiment_state-*.json"):
         json.loads(state.read_text())  # whole
-    (small_disk / "filler").unlink()
+    _fill(small_disk, undo=True)
     again = subprocess.run([*args, "--resume"], cwd=small_disk, env=_env(), capture_output=True, text=True, timeout=900)
     print(again.stdout[-5000:], again.stderr[-3000:], sep="\n")
     assert again.returncode == 0 and "resuming: finished trials are kept" in again.stdout

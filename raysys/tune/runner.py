@@ -34,7 +34,7 @@ from raysys.tune.resources import footprint, max_concurrent, trial_resources
 from raysys.tune.trial import error_summary
 
 STATE_FILE = "raysys_sweep.json"
-_LOCKED: list[Path] = []  # the sweep folders this process holds while run_sweep runs
+_LOCKED: set[Path] = set()  # the sweep folders this process holds while run_sweep runs
 SAVED: dict = {}
 """The folder of this process's sweep once its state file is written (a Ctrl-C before: nothing to resume)."""
 
@@ -161,7 +161,7 @@ def _lock_sweep(sweep_dir: Path, name: str) -> None:
     """One process at a time drives a sweep: a second --resume of it (another terminal, a retry script) would
     train its trials twice and record one as failed."""
     lifecycle.RunLock.acquire(sweep_dir, name, what="sweep")
-    _LOCKED.append(sweep_dir)
+    _LOCKED.add(sweep_dir)
 
 
 def _check_tune_state(sweep_dir: Path) -> None:
