@@ -429,6 +429,7 @@ def test_a_full_disk_fails_in_one_line_and_the_run_resumes(tmp_path):
     assert again.returncode == 0 and "done: run 'full'" in again.stdout
     (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
     assert r.info.status == "FINISHED" and "raysys.error" not in r.data.tags  # the failure is history (events.log)
+    assert "config.resume-1.yaml" in [a.path for a in _client(f"sqlite:///{tmp_path / 'mlflow.db'}").list_artifacts(r.info.run_id)]
     assert "failed: " in (run_dir / "events.log").read_text()
     # a finished run's folder reads as finished: the failed session's traceback is kept under another name
     assert not (run_dir / "error.txt").exists() and (run_dir / "error.earlier.txt").read_text() == traceback
@@ -938,6 +939,8 @@ def test_resuming_a_finished_run_keeps_what_it_recorded(tmp_path, args, experime
     # a change given to a resume that trains nothing is not kept as the run's config (they piled up there)
     assert _train(tmp_path, *args, "--name", "done", "--resume", "--set", "optim.lr=0.00123").returncode == 0
     assert sorted(p.name for p in final.parent.glob("config*.yaml")) == ["config.yaml"]
+    logged = [a.path for a in _client(uri).list_artifacts(run.info.run_id)]  # nor logged to MLflow
+    assert "config.yaml" in logged and not [a for a in logged if a.startswith("config.resume")], logged
 
 
 def test_one_signal_sent_to_the_process_and_then_its_group_is_one_request():

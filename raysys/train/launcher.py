@@ -180,6 +180,11 @@ class OpenRun:
 
     def finish(self, status: str) -> None:
         lifecycle.RunLock.release_dir(self.run_dir)
+        if self.cfg.launch.resume and self.snapshot is not None and self.snapshot.is_file():
+            try:  # kept: this session trained with it (one that trained nothing removed it in ``tracked``)
+                self.logger.log_artifact(self.snapshot)
+            except Exception as e:  # the file is still in the run folder; the close below matters more
+                log.warning("could not log %s of run %s: %s", self.snapshot.name, self.name, e)
         if status == "FINISHED":  # an earlier session's failure is history now: events.log keeps it
             self.logger.delete_tag("raysys.error")
             self._retire_error_file()
@@ -455,7 +460,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
             record_event(run_dir, f"tracking buffer sent ({sent} records)")
     logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
-    logger.log_artifact(cfg_file)
+    if not launch.resume:  # a resume's snapshot goes to MLflow when its session ends, if it trained (finish)
+        logger.log_artifact(cfg_file)
     _log_dataset(wl, cfg, uri, run_id)
     if new_mlflow_run and "raysys.command" in (tags or {}) and tracking.NOTE_TAG not in (tags or {}):
         logger.set_note(f"{wl.name}, preset `{tags.get('raysys.preset', 'default')}`.\n\n"
