@@ -278,6 +278,43 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
     assert _record("c3", {}, {"time_total_s": 17.5}, None, setup).seconds == 17.5
 
 
+def test_a_resumed_trials_seconds_count_every_session_but_not_the_time_it_was_down(tmp_path):
+    """Tune's clock of a trial resumed with its sweep starts again at the resume: the table's seconds
+    sum its sessions instead, a cut one up to its last report."""
+    import json
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from raysys.tune.runner import collect
+    from raysys.tune.trial import TrialSetup, report_times, run_seconds
+
+    at = lambda text: datetime.fromisoformat(text).timestamp()  # noqa: E731 (local time, as the log writes it)
+    (tmp_path / "trial_events.log").write_text(
+        "2026-11-25T08:00:00 start a1 run=s-a1 resume=False\n"
+        "2026-11-25T08:00:00 start c3 run=s-c3 resume=False\n"
+        "2026-11-25T08:00:25 end c3\n"
+        "2026-11-25T09:00:00 start a1 run=s-a1 resume=True\n"  # an hour down, then resumed
+        "2026-11-25T09:00:4")  # a line cut by a kill
+    (tmp_path / "objectives").mkdir()
+    rows = [{"step": 1, "timestamp": at("2026-11-25T08:00:10")}, {"step": 2, "timestamp": at("2026-11-25T08:00:20")},
+            {"step": 3, "timestamp": at("2026-11-25T09:00:30")}]
+    (tmp_path / "objectives" / "a1.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n{\"step\": 4, \"ti")
+    reports = report_times(tmp_path / "objectives", "a1")
+    assert len(reports) == 3
+    assert run_seconds(tmp_path, "a1", reports) is None  # not ended
+    with open(tmp_path / "trial_events.log", "a") as f:
+        f.write("\n2026-11-25T09:00:40 end a1\n")
+    assert run_seconds(tmp_path, "a1", reports) == 20.0 + 40.0
+    assert run_seconds(tmp_path, "a1") == 40.0  # no reports: the cut session counts nothing
+    assert run_seconds(tmp_path, "c3", resumed_only=True) is None and run_seconds(tmp_path, "c3") == 25.0
+    setup = TrialSetup(workload="deep_gpcm", base_config={}, sweep_name="s", sweep_dir=str(tmp_path),
+                       runs_storage=str(tmp_path / "runs"), tracking_uri="", experiment="", parent_run_id="",
+                       throughput_metric="perf/x", quality_metric="eval/q", stability={}, quality_penalty=0.0)
+    grid = [SimpleNamespace(metrics={"trial_id": t, "time_total_s": 40.5 if t == "a1" else 26.0}, config={},
+                            error=None, path=str(tmp_path / t)) for t in ("a1", "c3")]
+    assert {r.trial_id: r.seconds for r in collect(grid, setup)} == {"a1": 60.0, "c3": 26.0}
+
+
 def test_a_resumed_trial_keeps_its_last_objectives_until_it_measures_new_ones(tmp_path):
     """Audit: a trial resumed mid-epoch reported NaN quality until its next evaluation (holes in its
     objective history). Its tracker starts from the last measured values of its ObjectiveLog rows."""

@@ -193,6 +193,16 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     first = next((i for i, v in enumerate(q) if v is not None and math.isfinite(v)), len(q))
     assert first < len(q) and all(v is not None and math.isfinite(v) for v in q[first:]), q
 
+    # its seconds in the report are both its sessions' (Tune's clock restarts at the resume)
+    import csv
+
+    from raysys.tune.trial import report_times, run_seconds
+
+    table = {r["trial_id"]: r for r in csv.DictReader(open(sweep_dir / "report" / "trials.csv"))}
+    both = run_seconds(sweep_dir, interrupted[0], report_times(sweep_dir / "objectives", interrupted[0]))
+    assert both is not None and float(table[interrupted[0]]["seconds"]) == pytest.approx(both)
+    assert both >= run_seconds(sweep_dir, interrupted[0])  # more than its last session alone
+
     _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
     assert len(children) == 3 and parent.info.status == "FINISHED"
     assert all(c.data.tags["raysys.trial_status"] == "ok" for c in children)

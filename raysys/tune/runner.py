@@ -31,7 +31,7 @@ from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
 from raysys.tune.resources import footprint, max_concurrent, trial_resources
-from raysys.tune.trial import error_summary
+from raysys.tune.trial import error_summary, report_times, run_seconds
 
 STATE_FILE = "raysys_sweep.json"
 _LOCKED: set[Path] = set()  # the sweep folders this process holds while run_sweep runs
@@ -552,16 +552,22 @@ def collect(grid, setup) -> list[TrialRecord]:
     """One record per trial from Tune's results (the last report of each carries our verdict), one per
     member for a vectorized trial."""
     from raysys.tune.population import POPULATION, member_results
+    from raysys.tune.progress import OBJECTIVES_DIR
 
     records = []
     for result in grid:
         m = result.metrics or {}
         trial_id = m.get("trial_id") or Path(result.path).name
         if POPULATION in (result.config or {}):  # a vectorized trial: one record per member
-            records += [_record(mid, knobs, {**mm, "time_total_s": m.get("time_total_s")}, result.error, setup)
-                        for mid, knobs, mm in member_results(m, result.config, trial_id)]
+            mine = [_record(mid, knobs, {**mm, "time_total_s": m.get("time_total_s")}, result.error, setup)
+                    for mid, knobs, mm in member_results(m, result.config, trial_id)]
         else:
-            records.append(_record(trial_id, dict(result.config or {}), m, result.error, setup))
+            mine = [_record(trial_id, dict(result.config or {}), m, result.error, setup)]
+        reports = report_times(Path(setup.sweep_dir) / OBJECTIVES_DIR, trial_id)
+        for rec in mine:  # a trial resumed with the sweep: Tune's clock counts only its last session
+            took = run_seconds(setup.sweep_dir, rec.trial_id, reports, resumed_only=True)
+            rec.seconds = took if took is not None else rec.seconds
+        records += mine
     return sorted(records, key=lambda r: r.trial_id)
 
 

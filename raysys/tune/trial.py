@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ray.train import UserCallback
 
@@ -189,22 +189,53 @@ def log_event(sweep_dir: str | Path, line: str) -> None:
     storage.append_line(Path(sweep_dir) / "trial_events.log", f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
 
-def run_seconds(sweep_dir: str | Path, trial_id: str) -> Optional[float]:
-    """Seconds from the trial's last ``start`` to its ``end`` in <sweep>/trial_events.log, if both are there."""
+def run_seconds(sweep_dir: str | Path, trial_id: str, reports: Sequence[float] = (),
+                resumed_only: bool = False) -> Optional[float]:
+    """The seconds a trial ran, from <sweep>/trial_events.log, if it ended: every session of it, each from
+    its ``start`` to its ``end``. A session that was cut (the sweep stopped or its driver killed, then
+    ``--resume``) counts up to its last report (``reports``: their epoch times), not the time the sweep was
+    down. ``resumed_only``: None for a trial that ran in one session (Tune's clock then says it)."""
     from datetime import datetime
 
-    start = end = None
     try:
         lines = (Path(sweep_dir) / "trial_events.log").read_text().splitlines()
     except OSError:
         return None
+    sessions: list[list] = []  # [start, end or None], epoch seconds
     for line in lines:
         words = line.split()
-        if len(words) >= 3 and words[2] == trial_id and words[1] in ("start", "end"):
-            start, end = (words[0], None) if words[1] == "start" else (start, words[0])
-    if start is None or end is None:
+        if len(words) < 3 or words[2] != trial_id or words[1] not in ("start", "end"):
+            continue
+        try:
+            t = datetime.fromisoformat(words[0]).timestamp()
+        except ValueError:  # a line cut by a kill
+            continue
+        if words[1] == "start":
+            sessions.append([t, None])
+        elif sessions and sessions[-1][1] is None:
+            sessions[-1][1] = t
+    if not sessions or sessions[-1][1] is None or (resumed_only and len(sessions) < 2):
         return None
-    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+    bounds = [s[0] for s in sessions[1:]] + [float("inf")]
+    return sum((end if end is not None else max([start, *(r for r in reports if start <= r < nxt)])) - start
+               for (start, end), nxt in zip(sessions, bounds))
+
+
+def report_times(objectives_dir: str | Path, trial_id: str) -> list[float]:
+    """The epoch times of a Tune trial's reports, as ``progress.ObjectiveLog`` kept them."""
+    try:
+        lines = (Path(objectives_dir) / f"{trial_id}.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    times = []
+    for line in lines:
+        try:
+            t = json.loads(line).get("timestamp")
+        except (ValueError, AttributeError):  # a line a killed driver left half-written
+            continue
+        if isinstance(t, (int, float)):
+            times.append(float(t))
+    return times
 
 
 def finished_final(setup: TrialSetup, trial_id: str) -> Optional[dict]:
