@@ -187,7 +187,7 @@ def _checkpoint_config(wl: registry.Workload, run_dir: Path) -> Optional[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         return _main(argv)
     finally:
@@ -236,7 +236,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
             return 0
         from raysys import lifecycle
 
-        lifecycle.install_signal_handlers()  # SIGINT/SIGTERM: checkpoint at the next step, then stop
+        lifecycle.install_signal_handlers()  # SIGINT/SIGTERM/SIGHUP: checkpoint at the next step, then stop
         from raysys.tracking import command_line
 
         tags = {"raysys.command": command_line(argv)[:5000]}  # how to run it again

@@ -70,6 +70,29 @@ def _quiet_teardown() -> None:
 atexit.register(_quiet_teardown)
 
 
+def drop_lost_outputs() -> list[int]:
+    """After a hang-up (SIGHUP): stdout and stderr that lead nowhere any more, a terminal that closed or
+    a pipe whose reader died, go to /dev/null, so that no write error ends the run's stop halfway (the
+    checkpoint, MLflow's KILLED). A file, or a terminal still open (``kill -HUP`` by hand), keeps its
+    output. Returns the descriptors dropped."""
+    import select
+
+    dropped = []
+    for fd in (1, 2):
+        try:
+            poll = select.poll()
+            poll.register(fd, select.POLLOUT)
+            lost = any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poll.poll(0))
+            if lost:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+                dropped.append(fd)
+        except (OSError, ValueError):
+            pass
+    return dropped
+
+
 def name_arg(value: str) -> str:
     """argparse type of ``--name``/``--experiment``: a given name may not be empty (omit the flag for
     the default); a run or sweep name is checked as one (lifecycle.validate_name) where it is used."""

@@ -7,9 +7,11 @@
   ``<run>/.raysys.lock`` held for the life of the process, so a second process is refused with the
   holder's pid instead of training into the same folder. The OS drops the lock when the process
   dies, so a crashed run never needs manual unlocking.
-- **Signals.** The first SIGINT/SIGTERM asks the training loop to stop at the next step boundary:
-  it saves a checkpoint, the MLflow run is marked KILLED, the resume command is printed and the
-  process exits 130/143. A second signal stops at once (the last checkpoint is still there).
+- **Signals.** The first SIGINT/SIGTERM/SIGHUP asks the training loop to stop at the next step
+  boundary: it saves a checkpoint, the MLflow run is marked KILLED, the resume command is printed and
+  the process exits 130/143/129. A second signal stops at once (the last checkpoint is still there).
+  SIGHUP is a terminal that closed (an ssh session that dropped): output that leads nowhere any more
+  goes to /dev/null first. Under ``nohup`` it stays ignored.
   Ray workers learn about the request from a tiny actor (:class:`StopFlag`) the driver sets. A
   SIGTERM sent to a Ray Train worker (preemption, a node draining) sets the same flag, so the whole
   run stops at the boundary and the driver reports it as if it had been signalled itself.
@@ -139,7 +141,7 @@ def resume_hint() -> str:
 
 
 def stop_requested() -> Optional[int]:
-    """The signal that asked this process to stop (SIGINT/SIGTERM), or None."""
+    """The signal that asked this process to stop (one of ``STOP_SIGNALS``), or None."""
     return _stop["signum"]
 
 
@@ -179,7 +181,16 @@ def is_echo(signum: int) -> bool:
     return _stop["signum"] == signum and time.monotonic() - _stop["at"] < ECHO_S
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a run at its next step boundary: Ctrl-C; a scheduler, ``timeout`` or ``kill``; a terminal
+that closed."""
+
+
 def _handler(signum, frame) -> None:
+    if signum == signal.SIGHUP:  # before any message: a write to a closed terminal fails
+        from raysys import console
+
+        console.drop_lost_outputs()
     if _stop["signum"] is not None:
         if is_echo(signum):
             return
@@ -194,12 +205,13 @@ def _handler(signum, frame) -> None:
 
 
 def install_signal_handlers() -> None:
-    """Graceful SIGINT/SIGTERM for this (driver) process. Call again after ``ray.init``, which installs
-    its own SIGTERM handler."""
+    """Graceful SIGINT/SIGTERM/SIGHUP for this (driver) process; a SIGHUP that ``nohup`` ignores stays
+    ignored. Call again after ``ray.init``, which installs its own SIGTERM handler."""
     if threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGTERM, _handler)
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _handler)
     _stop["installed"] = True
 
 
@@ -214,7 +226,7 @@ def restore_signal_handlers(handlers: dict) -> None:
 
 
 def handles_signals() -> bool:
-    """Whether this process stops runs gracefully on SIGINT/SIGTERM (``install_signal_handlers`` ran)."""
+    """Whether this process stops runs gracefully on a signal (``install_signal_handlers`` ran)."""
     return bool(_stop["installed"])
 
 
@@ -309,7 +321,7 @@ def _install_worker_handler(_instance: Any) -> None:
 
 
 def exit_code(signum: int) -> int:
-    return 128 + int(signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+    return 128 + int(signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP
 
 
 class StopFlag:

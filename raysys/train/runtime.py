@@ -104,6 +104,27 @@ def check_local_resources(launch: Any) -> None:
 
 
 @contextlib.contextmanager
+def keeping_stop_handlers():
+    """Around ``ray.init`` in a process that stops its run gracefully: ``ray.init`` first installs a SIGTERM
+    handler of its own (``sys.exit(15)``), and a SIGTERM during the seconds Ray takes to start then ended
+    the run with exit 15, no checkpoint, no resume line and its MLflow run RUNNING. Ours stays instead
+    (the run stops at its first step boundary); Ray has no option for this, so its setter is skipped."""
+    try:
+        from ray._private import utils
+    except ImportError:
+        utils = None
+    setter = getattr(utils, "set_sigterm_handler", None)
+    if setter is None or not lifecycle.handles_signals():
+        yield
+        return
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = setter
+
+
+@contextlib.contextmanager
 def ray_services_in_own_session():
     """Around the ``ray.init`` that starts Ray here: its processes (the GCS, the raylet and through it
     every worker, the dashboard) get a session of their own. A SIGTERM to this command's whole process
@@ -167,8 +188,9 @@ def init_ray(address: Optional[str]) -> None:
     env = registry.runtime_env()
     if joins_cluster(address):
         try:
-            ray.init(address=address, log_to_driver=not quiet, runtime_env=env,
-                     logging_level=logging.WARNING if quiet else logging.INFO)
+            with keeping_stop_handlers():
+                ray.init(address=address, log_to_driver=not quiet, runtime_env=env,
+                         logging_level=logging.WARNING if quiet else logging.INFO)
         except Exception as e:  # it listens, but will not have us: say why in one line
             ray.shutdown()
             raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
@@ -176,10 +198,10 @@ def init_ray(address: Optional[str]) -> None:
         # The dashboard process also serves the State API that Train V2's controller polls; it binds
         # to 127.0.0.1 only, so nothing listens beyond this machine. address="local": with no address,
         # ray.init joins any cluster a `ray start` left on this machine (another user's, say).
-        with ray_services_in_own_session():
+        with ray_services_in_own_session(), keeping_stop_handlers():
             ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet,
                      configure_logging=False, runtime_env=env)
-    lifecycle.reinstall_if_active()  # ray.init replaced our SIGTERM handler with its own
+    lifecycle.reinstall_if_active()  # in case a Ray that sets its handler elsewhere replaced ours
 
 
 def shutdown_ray() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from raysys import lifecycle, storage, tracking
+from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
 from raysys.train.launcher import say_if_in_ray_package, storage_root
@@ -79,7 +79,7 @@ class SweepOutcome:
     recommended: Optional[TrialRecord]
     interrupted: bool
     signum: int = signal.SIGINT
-    """The signal that interrupted it (SIGINT or SIGTERM): the exit code is 128 + signum."""
+    """The signal that interrupted it (SIGINT, SIGTERM or SIGHUP): the exit code is 128 + signum."""
 
 
 # ---- sweep folder and MLflow parent ------------------------------------------------------------
@@ -219,10 +219,11 @@ def _wind_down_then(stop_actor, then, signame: str) -> None:
 @contextlib.contextmanager
 def _signals_stop_like_ctrl_c(stop_actor=None):
     """Tune ends a sweep cleanly on SIGINT or SIGUSR1 (trials stopped, its state saved for --resume) but
-    dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends; and after one SIGINT it puts
+    dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends (and on SIGHUP, a terminal that
+    closed); and after one SIGINT it puts
     back the handler it found, so the echo of one signal sent to the process and then its group
     (``timeout``, Slurm) would stop it at once, mid-save. Around ``fit``, SIGINT and SIGTERM both take
-    Tune's own SIGUSR1 path, an echo is ignored, and a signal sent again stops at once. The dict it
+    Tune's own SIGUSR1 path (SIGHUP too), an echo is ignored, and a signal sent again stops at once. The dict it
     yields records which signal came."""
     got: dict = {}
     if threading.current_thread() is not threading.main_thread():
@@ -230,6 +231,8 @@ def _signals_stop_like_ctrl_c(stop_actor=None):
         return
 
     def on_signal(signum, frame):
+        if signum == signal.SIGHUP:  # a terminal that closed: nothing may write to it any more
+            console.drop_lost_outputs()
         if "signum" in got:
             if got["signum"] == signum and time.monotonic() - got["at"] < lifecycle.ECHO_S:
                 return
@@ -244,7 +247,8 @@ def _signals_stop_like_ctrl_c(stop_actor=None):
         # Tune's handler, in the main thread, once the trials have stopped
         _wind_down_then(stop_actor, lambda: os.kill(os.getpid(), signal.SIGUSR1), signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in lifecycle.STOP_SIGNALS  # a SIGHUP nohup ignores stays so
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
     tune_sigint = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT stays with on_signal
     try:
@@ -526,7 +530,6 @@ def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl:
     import optuna
     from ray import tune
 
-    from raysys import console
     from raysys.tune.progress import trial_dirname
     from raysys.tune.searcher import OptunaSearch
 
