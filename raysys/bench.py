@@ -14,7 +14,9 @@ import inspect
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from raysys import console
@@ -77,12 +79,28 @@ def main(argv: list[str] | None = None) -> int:
 
     before = os.environ.get(BENCH_ENV)
     os.environ[BENCH_ENV] = "1"  # its quality runs' stores are temporary: no MLflow links to them
+    got: dict = {}
+
+    def interrupt(signum, frame):  # SIGTERM (`timeout`, a scheduler) and SIGHUP end it as Ctrl-C does
+        if signum == signal.SIGHUP:
+            console.drop_lost_outputs()
+        got.setdefault("signum", signum)
+        raise KeyboardInterrupt
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
+                    if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}  # nohup's ignore stays
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C mid-measurement: no traceback into whatever it was timing
-        print("raysys.bench: interrupted; no results were written", file=sys.stderr)
-        return 130
+        signum = got.get("signum", signal.SIGINT)
+        print(f"raysys.bench: {'interrupted' if signum == signal.SIGINT else signal.Signals(signum).name}; its "
+              "temporary stores are removed and no results were written", file=sys.stderr)
+        return 128 + signum
     finally:  # main called again from Python (a test, a notebook): the next train prints its links
+        for s, h in handlers.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
         if before is None:
             os.environ.pop(BENCH_ENV, None)
 

@@ -121,14 +121,25 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
 _stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor": None, "job": None, "worker_watch": False,
-                        "event": threading.Event(), "armed": None}
+                        "event": threading.Event(), "armed": None, "complete": False, "late": None}
 
 
 def arm(resume: str = "") -> None:
     """A run now exists (its folder, locked): a stop request from here on ends it at a step boundary with
     a checkpoint. Before that there is nothing to save, and the first signal stops at once (a long data
-    download, say, is not waited for). ``resume``: the command that continues it."""
+    download, say, is not waited for). ``resume``: the command that continues it. A signal that came
+    after the previous run of this process had trained to its end (:func:`late_stop`) stops this one."""
     _stop["armed"] = resume
+    _stop["complete"] = False
+    if _stop["late"] is not None:
+        request_stop(_stop["late"][0])
+        _stop["late"] = None
+
+
+def late_stop() -> Optional[int]:
+    """A signal that came after the run had trained to its end (it finished all the same): a command
+    that runs several runs (cross-validation's folds) starts no other."""
+    return _stop["late"][0] if _stop["late"] is not None else None
 
 
 def armed() -> bool:
@@ -191,6 +202,17 @@ def _handler(signum, frame) -> None:
         from raysys import console
 
         console.drop_lost_outputs()
+    if _stop["complete"]:  # trained to its end: what is left (its final evaluation, its records) is not cut
+        late = _stop["late"]
+        if late is not None and not (late[0] == signum and time.monotonic() - late[1] < ECHO_S):
+            raise KeyboardInterrupt  # asked again: stop now
+        if late is None:
+            _stop["late"] = (signum, time.monotonic())
+            from raysys import console
+
+            console.Sink().message(f"[raysys] {signal.Signals(signum).name}: the run has trained to its end; it "
+                                   "finishes its final records (send it again to stop at once)")
+        return
     if _stop["signum"] is not None:
         if is_echo(signum):
             return
@@ -238,6 +260,7 @@ def reinstall_if_active() -> None:
 def reset() -> None:
     """Forget a stop request (tests, and a process that runs several runs)."""
     _stop["signum"], _stop["actor"], _stop["armed"] = None, None, None
+    _stop["complete"], _stop["late"] = False, None
     _stop["event"].set()  # a waiting relay sees no actor of its own and ends
     _stop["event"] = threading.Event()
 
@@ -254,6 +277,7 @@ def settle_stop(actor: Any = None) -> Optional[int]:
         except Exception:  # Ray gone: nobody can have asked
             signum, ended = None, False
         if ended:
+            _stop["complete"] = True  # a signal from here on cannot make the run KILLED
             if _stop["signum"] is not None:
                 _said_complete()
         elif _stop["signum"] is None and signum is not None:
@@ -266,6 +290,7 @@ def reached_end(actor: Any = None) -> None:
     driver is not to mark it KILLED. ``actor``: the run's :class:`StopFlag` when the loop runs in a Ray
     worker; None in the driver's own process."""
     if actor is None:
+        _stop["complete"] = True  # a signal from here on (its final evaluation) cannot make the run KILLED
         if _stop["signum"] is not None:
             _said_complete()
         return

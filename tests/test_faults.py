@@ -867,6 +867,38 @@ def test_a_sigterm_while_ray_starts_is_a_stop_request_not_an_exit():
     assert "exit" not in proc.stdout and f"stop {int(signal.SIGTERM)} True" in proc.stdout, proc.stdout
 
 
+# The digits example, sent a real SIGTERM by its own final evaluation (a run that max_steps ends
+# mid-epoch evaluates once more after its last step).
+LATE_SIGNAL = '''
+import dataclasses, os, signal
+from digits_mlp import WORKLOAD as BASE, DigitsTask
+
+class LateTask(DigitsTask):
+    def evaluate(self, model, batches):
+        if os.environ.get("SIGNAL_AT_EVAL") == "1":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().evaluate(model, batches)
+
+WORKLOAD = dataclasses.replace(BASE, name="digits_late", task=LateTask())
+'''
+
+
+def test_a_signal_after_the_last_step_leaves_a_finished_run(tmp_path):
+    """Audit M: a SIGTERM during the final evaluation, after the run had trained to its end, marked the
+    complete run KILLED, printed a resume line and exited 143. The run now finishes its records and is
+    FINISHED, exit 0; a second signal would still stop it at once."""
+    (tmp_path / "late.py").write_text(LATE_SIGNAL)
+    # 5 steps of 23 an epoch: no evaluation inside the loop, only the final one
+    args = ["late:WORKLOAD", "--workers", "0", "--set", "train.max_steps=5", "--set", "train.epochs=1"]
+    proc = _train(tmp_path, *args, "--name", "late", env=_env(SIGNAL_AT_EVAL="1"))
+    assert proc.returncode == 0 and "SIGTERM: the run has trained to its end" in proc.stdout, proc.stderr[-3000:]
+    assert "Resume with" not in proc.stdout
+    run_dir = tmp_path / "raysys_runs" / "late"
+    assert "eval/quality" in json.loads((run_dir / "final_metrics.json").read_text())
+    (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-digits_late")
+    assert r.info.status == "FINISHED"
+
+
 def test_a_hang_up_drops_only_outputs_that_lead_nowhere(tmp_path):
     """SIGHUP sends stdout and stderr to /dev/null only where they are lost: a closed terminal, a pipe
     whose reader died. A file, a live pipe (``kill -HUP`` by hand) and ``nohup``'s ignored SIGHUP stay."""

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any, Optional
 
-from raysys import tracking
+from raysys import lifecycle, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, apply_overrides, flatten, to_dict
 from raysys.train.launcher import RunResult, run_training
@@ -44,11 +44,12 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
             result = run_training(registry.ref(wl), fold_cfg, parent_run_id=parent,
                                   tags={**(tags or {}), "raysys.kind": "cv_fold", "raysys.cv_fold": str(fold)})
             results.append(result)
-            if result.stopped_by is not None:  # Ctrl-C/SIGTERM: no later fold starts, and no mean of a part
+            stopped_by = result.stopped_by if result.stopped_by is not None else lifecycle.late_stop()
+            if stopped_by is not None:  # Ctrl-C/SIGTERM: no later fold starts, and no mean of a part
                 tracking.end_run(uri, parent, "KILLED")
                 command = (tags or {}).get("raysys.command") or f"python -m raysys train {registry.ref(wl)} --cv"
                 command += f" --name {base}" * (cfg.launch.name is None) + " --resume" * (not cfg.launch.resume)
-                return RunResult(base, result.run_dir.parent, parent, uri, {}, stopped_by=result.stopped_by,
+                return RunResult(base, result.run_dir.parent, parent, uri, {}, stopped_by=stopped_by,
                                  resume_command=f"cd {shlex.quote(os.getcwd())} && {command}")
     except BaseException:
         tracking.end_run(uri, parent, "FAILED")

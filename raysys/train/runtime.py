@@ -105,16 +105,19 @@ def check_local_resources(launch: Any) -> None:
 
 @contextlib.contextmanager
 def keeping_stop_handlers():
-    """Around ``ray.init`` in a process that stops its run gracefully: ``ray.init`` first installs a SIGTERM
-    handler of its own (``sys.exit(15)``), and a SIGTERM during the seconds Ray takes to start then ended
-    the run with exit 15, no checkpoint, no resume line and its MLflow run RUNNING. Ours stays instead
-    (the run stops at its first step boundary); Ray has no option for this, so its setter is skipped."""
+    """Around ``ray.init`` in a process that chose how SIGTERM stops it (raysys's graceful stop, the bench's
+    clean exit): ``ray.init`` first installs a SIGTERM handler of its own (``sys.exit(15)``), and a SIGTERM
+    during the seconds Ray takes to start then ended the run with exit 15, no checkpoint, no resume line
+    and its MLflow run RUNNING. The chosen handler stays instead (the run stops at its first step
+    boundary); Ray has no option for this, so its setter is skipped."""
     try:
         from ray._private import utils
     except ImportError:
         utils = None
     setter = getattr(utils, "set_sigterm_handler", None)
-    if setter is None or not lifecycle.handles_signals():
+    import signal
+
+    if setter is None or not callable(signal.getsignal(signal.SIGTERM)):
         yield
         return
     utils.set_sigterm_handler = lambda handler: None
