@@ -116,17 +116,35 @@ def test_invalid_values_are_rejected(tmp_path, questions, responses, fragment):
 
 
 def test_the_data_s_categories_are_said_and_gaps_among_them_shown(tmp_path):
-    """K comes from the data's largest response, not data.n_cats (the generator's): said, and categories that
-    never appear (a 1-based scale, one stray value) are named, where a stray 9 used to make K=10 silently."""
+    """K comes from the data's largest response, not data.n_cats (the generator's): said, and a category
+    that never appears is named. Audit N: one stray 99 (a missing-value code, a typo) made K=100 and a run
+    that learned nothing, exit 0; a hole of two or more categories is now refused in one line, a 1..K
+    scale (Likert) is shifted to 0..K-1, and a meta.json's n_cats keeps what the user declared."""
     f = tmp_path / "seqs.parquet"
-    pd.DataFrame({"questions": [[1, 2, 3], [2, 3, 1]], "responses": [[0, 1, 3], [2, 9, 1]]}).to_parquet(f)
-    seqs = load_sequences(f)
-    assert seqs.n_cats == 10
-    assert any("10 response categories 0..9, from its largest response" in n for n in seqs.notes)
-    assert any(n.startswith("categories 4, 5, 6, 7, 8 never appear") for n in seqs.notes)
-    (tmp_path / "meta.json").write_text(json.dumps({"n_cats": 10}))
-    pd.DataFrame({"questions": [[1, 2]], "responses": [[0, 9]]}).to_parquet(f)
-    assert not any("from its largest response" in n for n in load_sequences(f).notes)
+
+    def load(responses, **opt):
+        pd.DataFrame({"questions": [[1, 2, 3][:len(r)] for r in responses], "responses": responses}).to_parquet(f)
+        return load_sequences(f, ReadOptions(**opt))
+
+    seqs = load([[0, 1, 3], [3, 3, 1]])  # category 2 unseen in a small sample: said, not refused
+    assert seqs.n_cats == 4 and any("4 response categories 0..3, from its largest response" in n for n in seqs.notes)
+    assert any(n.startswith("category 2 never appears") for n in seqs.notes)
+    with pytest.raises(ValueError, match=r"response 99 \(1 of 6 rows\) lies above categories 4..98, which never "
+                                         r"appear: a missing-value code or a typo\?"):
+        load([[0, 1, 3], [2, 99, 1]])
+    with pytest.raises(ValueError, match=r"responses 9, 10 \(2 of 6 rows\) lie above categories 4..8"):
+        load([[0, 1, 3], [9, 10, 2]])
+    likert = load([[1, 2, 4], [3, 4, 1]])  # a 1..4 scale
+    assert likert.n_cats == 4 and [r.tolist() for r in likert.responses] == [[0, 1, 3], [2, 3, 0]]
+    assert any(n.startswith("responses start at 1: read as 1..K and shifted to 0..K-1") for n in likert.notes)
+    assert load([[1, 2, 4], [3, 4, 1]], response_base=0).n_cats == 5  # as they are: category 0 empty
+    with pytest.raises(ValueError, match="responses start at 3, so categories 1..2 never appear"):
+        load([[3, 4, 5], [5, 4, 3]])  # after the 1..K shift, 0 and 1 are still empty
+    with pytest.raises(ValueError, match=">= 1 with data.response_base=1"):
+        load([[0, 1, 2]], response_base=1)
+    (tmp_path / "meta.json").write_text(json.dumps({"n_cats": 10}))  # declared: kept, whatever is unseen
+    seqs = load([[0, 9]])
+    assert seqs.n_cats == 10 and not any("from its largest response" in n for n in seqs.notes)
 
 
 def _same(a, b) -> None:

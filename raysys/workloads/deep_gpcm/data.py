@@ -146,6 +146,8 @@ class ReadOptions:
     """One row per response: the column that orders a student's rows (None: the file's order)."""
     id_base: Optional[int] = None
     """Smallest question id: 1, or 0 (shifted to 1..Q, since 0 pads); None: 0 when some id is 0."""
+    response_base: Optional[int] = None
+    """Smallest response category: 0, or 1 (a 1..K scale, shifted to 0..K-1); None: 1 when no response is 0."""
 
 
 @dataclass
@@ -307,6 +309,16 @@ def _source_files(path: Path) -> list[Path]:
     return sorted(splits, key=lambda f: (not f.stem.lower().endswith("_train"), f.name))
 
 
+def _longest_run(values: list[int]) -> list[int]:
+    """The longest run of consecutive integers in sorted ``values``."""
+    best: list[int] = []
+    run: list[int] = []
+    for v in values:
+        run = run + [v] if run and v == run[-1] + 1 else [v]
+        best = run if len(run) > len(best) else best
+    return best
+
+
 def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> SequenceData:
     """Read and validate a user's sequences, in any of these layouts:
 
@@ -352,6 +364,16 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
                          "set data.id_base=1 to refuse a 0 instead)")
     if len(r) and r.min() < 0:
         raise ValueError(f"{label}: responses must be >= 0, found {r.min()}")
+    # a 1..K scale (Likert) read as 0..K would train a category 0 that never occurs
+    rbase = opt.response_base if opt.response_base is not None else int(
+        r.min() >= 1 and ("n_cats" not in meta or int(meta["n_cats"]) == r.max()))
+    if rbase == 1:
+        if r.min() < 1:
+            raise ValueError(f"{label}: responses must be >= 1 with data.response_base=1, found {r.min()}")
+        r = r - 1
+        if opt.response_base is None:
+            notes.append("responses start at 1: read as 1..K and shifted to 0..K-1 (set data.response_base=0 to "
+                         "keep a category 0 that never occurs)")
     n_questions = int(meta.get("n_questions", q.max()))
     distinct = len(np.unique(q))
     if n_questions > max(10 * distinct, 100_000):
@@ -368,7 +390,23 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
     if "n_cats" not in meta:  # K is the data's, not data.n_cats (the generator's): said, so a stray value shows
         notes.append(f"{n_cats} response categories 0..{n_cats - 1}, from its largest response (a meta.json beside "
                      "it with n_cats fixes K)")
-    unseen = sorted(set(range(n_cats)) - set(np.unique(r).tolist()))
+    counts = np.bincount(r, minlength=n_cats)
+    unseen = np.flatnonzero(counts == 0).tolist()
+    hole = _longest_run(unseen)
+    if hole and len(hole) >= 2 and "n_cats" not in meta:  # not a scale: a missing-value code, a typo, an offset
+        shift = rbase  # the file's own numbers, in the message
+        lo, hi = hole[0] + shift, hole[-1] + shift
+        if hole[0] == 0:
+            raise ValueError(f"{label}: responses start at {r.min() + shift}, so categories {lo}..{hi} never appear: "
+                             "number them from 0 (or 1, with data.response_base=1), or give n_cats in a meta.json "
+                             "beside the data to keep the empty ones")
+        stray = np.flatnonzero(counts[hole[-1] + 1:]) + hole[-1] + 1
+        rows = int(counts[stray].sum())
+        raise ValueError(f"{label}: response{'s' if len(stray) > 1 else ''} "
+                         f"{', '.join(str(int(v) + shift) for v in stray[:5])}{', ...' if len(stray) > 5 else ''} "
+                         f"({rows} of {len(r)} rows) {'lie' if rows > 1 else 'lies'} above categories {lo}..{hi}, which never appear: a "
+                         "missing-value code or a typo? Remove those rows, or give n_cats in a meta.json beside the "
+                         "data to keep them as categories")
     if unseen:
         shown = ", ".join(map(str, unseen[:8])) + (", ..." if len(unseen) > 8 else "")
         notes.append(f"categor{'y' if len(unseen) == 1 else 'ies'} {shown} never appear{'s' if len(unseen) == 1 else ''}"

@@ -46,6 +46,10 @@ class DataConfig:
     id_base: Optional[int] = None
     """Smallest question id in your data: 1, or 0 (the original's files; shifted to 1..Q, since 0 pads).
     None: 0 when some id is 0, else 1."""
+    response_base: Optional[int] = None
+    """Smallest response category in your data: 0 (categories 0..K-1, the original's files), or 1 (a 1..K
+    scale, e.g. Likert; shifted to 0..K-1). None: 1 when no response is 0 (and a meta.json's n_cats, if
+    any, is the largest response), else 0."""
     data_dir: str = "raysys_data/synthetic_OC"
     """Where the synthetic dataset is written (once; reused when its generator settings match). A relative
     folder is in the working directory of the command, as for `path`; the generator settings below, not
@@ -81,6 +85,7 @@ class DataConfig:
         at_least(self, "data.", 1, "n_questions")
         at_least(self, "data.", 2, "n_cats", "n_folds")
         require(self.id_base in (None, 0, 1), f"data.id_base must be 0, 1 or null, got {self.id_base}")
+        require(self.response_base in (None, 0, 1), f"data.response_base must be 0, 1 or null, got {self.response_base}")
         require(self.path is not None or self.n_students >= self.n_folds,
                 f"data.n_students ({self.n_students}) must be >= data.n_folds ({self.n_folds})")
 
