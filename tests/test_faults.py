@@ -185,6 +185,8 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     ("ContextDecisionMaking-v9", "not a gymnasium or NeuroGym id; did you mean ContextDecisionMaking-v0"),
     ("Pendulum-v1", "(Discrete); this task's actions are Box"),
     ("FrozenLake-v1", "flat Box observation (a vector); this task's is Discrete(16)"),
+    # declares a vector, returns a bare number: failed after the run existed (audit N)
+    ("Null-v0", "its observation space says shape (1,), but reset() returned shape ()"),
 ])
 def test_an_env_task_mpn_dqn_cannot_learn_is_one_line_and_creates_nothing(tmp_path, task, needle):
     """mpn_dqn takes any gymnasium id with a vector observation and discrete actions; others were a

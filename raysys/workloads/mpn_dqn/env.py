@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Optional
 
 import gymnasium as gym
+import numpy as np
 
 from raysys.config import ConfigError
 
@@ -78,9 +79,21 @@ def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]
         raise ConfigError(f"task {task!r} cannot be made: {type(e).__name__}: "
                           f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None
     obs, act = env.observation_space, env.action_space
-    env.close()
-    if not (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1):
-        raise ConfigError(f"task {task!r}: the MPN reads a flat Box observation (a vector); this task's is {obs}")
-    if not isinstance(act, gym.spaces.Discrete):
-        raise ConfigError(f"task {task!r}: DQN picks one of n actions (Discrete); this task's actions are {act}")
+    try:
+        if not (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1):
+            raise ConfigError(f"task {task!r}: the MPN reads a flat Box observation (a vector); this task's is {obs}")
+        if not isinstance(act, gym.spaces.Discrete):
+            raise ConfigError(f"task {task!r}: DQN picks one of n actions (Discrete); this task's actions are {act}")
+        # what it returns, not only what it declares: an env that says (1,) and returns a bare number
+        # would fail its run's first batch, after the run exists
+        try:
+            first = np.asarray(env.reset(seed=0)[0])
+        except Exception as e:
+            raise ConfigError(f"task {task!r} cannot be reset: {type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None
+        if first.shape != obs.shape:
+            raise ConfigError(f"task {task!r}: its observation space says shape {obs.shape}, but reset() returned "
+                              f"shape {first.shape} ({first.dtype}): the MPN needs what the space says")
+    finally:
+        env.close()
     return int(obs.shape[0]), int(act.n)
