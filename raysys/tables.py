@@ -13,6 +13,28 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "JSONL", ".ndjson"
 """Suffix -> format; any other suffix is read as parquet (the error then lists these)."""
 
 
+def column_values(table, name: str, path) -> list:
+    """A column as Python values; text that is not UTF-8 is a ``ValueError`` naming the file, the row and
+    the byte (pyarrow reads such a CSV column as bytes, and a JSON one as strings that fail later)."""
+    import pyarrow as pa
+
+    col = table.column(name)
+    text = pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
+    if not (text or pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)):
+        return col.to_pylist()
+    values = col.cast(pa.large_binary()).to_pylist() if text else col.to_pylist()
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: row {i}: column {name} is not UTF-8 text (byte 0x{v[e.start]:02x} at "
+                                 f"position {e.start}); save the file as UTF-8") from None
+        out.append(v)
+    return out
+
+
 def read_table(path):
     """The whole table of a parquet/JSONL/JSON/CSV/TSV file."""
     import pyarrow as pa

@@ -53,7 +53,7 @@ def _digest(settings: dict) -> str:
 def read_texts(path: str, source: str, target: str, min_rows: int = 2) -> list[dict]:
     """Rows of ``{note, summary}`` from a parquet, JSONL/JSON or CSV/TSV file; one clear ``ValueError`` (shown as a one-line
     data error) for an unreadable file, a missing column, or empty/non-text values."""
-    from raysys.tables import read_table
+    from raysys.tables import column_values, read_table
 
     table = read_table(path)
     missing = [c for c in (source, target) if c not in table.column_names]
@@ -61,7 +61,7 @@ def read_texts(path: str, source: str, target: str, min_rows: int = 2) -> list[d
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(table.column_names)}); "
                         "set data.source_column / data.target_column")
     rows = []
-    for i, (s, t) in enumerate(zip(table.column(source).to_pylist(), table.column(target).to_pylist())):
+    for i, (s, t) in enumerate(zip(column_values(table, source, path), column_values(table, target, path))):
         for name, v in ((source, s), (target, t)):
             if not isinstance(v, str):
                 raise ValueError(f"{path}: row {i}: column {name} is {type(v).__name__}, not text")
