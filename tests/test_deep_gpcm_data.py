@@ -242,6 +242,12 @@ def test_bad_response_tables_name_the_column(tmp_path):
     pd.DataFrame({"student_id": [1, 1], "question_id": [3, 4], "response": [0.5, 1.0]}).to_csv(f, index=False)
     with pytest.raises(ValueError, match="'response' must be whole numbers, found 0.5"):
         load_sequences(f)
+    pd.DataFrame({"student_id": [1, 1], "question_id": [3, 4], "response": ["high", "low"]}).to_csv(f, index=False)
+    with pytest.raises(ValueError, match="'response' must be whole numbers, found object values such as 'high'"):
+        load_sequences(f)
+    f.write_text("student_id,question_id,response\n")  # a header only: no rows (was "must be whole numbers")
+    with pytest.raises(ValueError, match="no responses \\(the table has no rows\\)"):
+        load_sequences(f)
     pd.DataFrame({"learner": [1, 1], "question_id": [3, 4], "response": [0, 1]}).to_csv(f, index=False)
     with pytest.raises(ValueError, match="student column .*data.student_column.*has: learner, question_id"):
         load_sequences(f)

@@ -245,7 +245,8 @@ class DistillationTask:
             try:
                 histories.check(folder, self.goals(cfg)[0], cfg.data.region, cfg.data.streams)
             except FileNotFoundError:
-                what = "no such folder" if not folder.is_dir() else "holds no manifest.json"
+                what = ("is a file, not a folder of histories" if folder.is_file() else "no such folder"
+                        if not folder.is_dir() else "holds no manifest.json")
                 raise ConfigError(f"data.histories: {folder} {what} (make one with python -m "
                                   "raysys.workloads.ad_transformer.histories --out DIR)") from None
             except ValueError as e:

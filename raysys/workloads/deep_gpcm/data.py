@@ -180,7 +180,9 @@ def _ints(values, what: str, file: Path) -> np.ndarray:
             raise ValueError(f"{file}: {what} must be whole numbers, found {a[bad][0]}")
         return a.astype(np.int64)
     if a.dtype.kind not in "iu":
-        raise ValueError(f"{file}: {what} must be whole numbers, found {a.dtype} values")
+        if not a.size:  # a header and no rows: a CSV reader cannot type an empty column
+            raise ValueError(f"{file}: no responses (the table has no rows)")
+        raise ValueError(f"{file}: {what} must be whole numbers, found {a.dtype} values such as {a.ravel()[0]!r}")
     return a.astype(np.int64)
 
 
