@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import Any, Optional
 
@@ -115,8 +116,6 @@ def keeping_stop_handlers():
     except ImportError:
         utils = None
     setter = getattr(utils, "set_sigterm_handler", None)
-    import signal
-
     if setter is None or not callable(signal.getsignal(signal.SIGTERM)):
         yield
         return

@@ -219,12 +219,11 @@ def _wind_down_then(stop_actor, then, signame: str) -> None:
 @contextlib.contextmanager
 def _signals_stop_like_ctrl_c(stop_actor=None):
     """Tune ends a sweep cleanly on SIGINT or SIGUSR1 (trials stopped, its state saved for --resume) but
-    dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends (and on SIGHUP, a terminal that
-    closed); and after one SIGINT it puts
-    back the handler it found, so the echo of one signal sent to the process and then its group
-    (``timeout``, Slurm) would stop it at once, mid-save. Around ``fit``, SIGINT and SIGTERM both take
-    Tune's own SIGUSR1 path (SIGHUP too), an echo is ignored, and a signal sent again stops at once. The dict it
-    yields records which signal came."""
+    dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends, and on SIGHUP, a terminal that
+    closed; and after one SIGINT it puts back the handler it found, so the echo of one signal sent to the
+    process and then its group (``timeout``, Slurm) would stop it at once, mid-save. Around ``fit``,
+    SIGINT, SIGTERM and SIGHUP all take Tune's own SIGUSR1 path, an echo is ignored, and a signal sent
+    again stops at once. The dict it yields records which signal came."""
     got: dict = {}
     if threading.current_thread() is not threading.main_thread():
         yield got
