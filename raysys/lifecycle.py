@@ -90,6 +90,11 @@ class RunLock:
 
 
     @classmethod
+    def of(cls, run_dir: Path) -> Optional["RunLock"]:
+        """The lock this process holds on ``run_dir``, if any."""
+        return cls._held.get(str(Path(run_dir).resolve()))
+
+    @classmethod
     def release_dir(cls, run_dir: Path) -> None:
         lock = cls._held.get(str(Path(run_dir).resolve()))
         if lock is not None:

@@ -326,6 +326,63 @@ def test_a_killed_sessions_workers_write_nothing_into_the_run_a_resume_holds(tmp
     assert lifecycle.holder_of(tmp_path / "nowhere") is None
 
 
+def test_a_killed_commands_mlflow_run_is_closed_by_its_watcher(tmp_path):
+    """SIGKILL (or the OOM killer, or Ray's core worker after its raylet died) ends a run that can close
+    nothing: its MLflow run showed RUNNING until a --resume. The command's watcher closes it KILLED, says
+    why and how to resume; the resume then ends it FINISHED, the error tag gone."""
+    args = [*QUICK, "--name", "wk", "--set", "train.epochs=50", "--set", "train.checkpoint_every_steps=3"]
+    run = _start(tmp_path, *args)
+    _wait_for(tmp_path / "raysys_runs" / "wk" / "checkpoints", run, 3)
+    run.kill()
+    run.wait()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    deadline = time.time() + 120
+    while (r := _mlflow_runs(uri, "raysys-deep_gpcm")[0]).info.status == "RUNNING":
+        assert time.time() < deadline, "the killed run's MLflow run stayed RUNNING"
+        time.sleep(0.5)
+    assert r.info.status == "KILLED"
+    assert r.data.tags["raysys.error"].endswith(f"resume it with: cd {tmp_path} && python -m raysys train deep_gpcm "
+                                                "--name wk --resume")
+    assert "the run's watcher closed its MLflow run KILLED" in (tmp_path / "raysys_runs" / "wk" / "events.log").read_text()
+    assert _train(tmp_path, "deep_gpcm", "--workers", "0", "--name", "wk", "--resume", "--set", "train.epochs=2").returncode == 0
+    (r,) = _mlflow_runs(uri, "raysys-deep_gpcm")
+    assert r.info.status == "FINISHED" and "raysys.error" not in r.data.tags
+
+
+def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
+    """The watcher acts only on a death: not after "done", not while a --resume holds the run (its lock),
+    not while records wait in the run's tracking buffer; after one, the run's RUNNING children close too."""
+    import fcntl
+
+    from raysys import tracking, watcher
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def case(done=False, locked=False, buffered=False) -> tuple[str, str]:
+        parent = tracking.start_run(uri, "w", f"p{time.monotonic_ns()}")
+        child = tracking.start_run(uri, "w", f"c{time.monotonic_ns()}", parent_run_id=parent)
+        (run_dir / tracking.BUFFER_FILE).write_text('{"kind": "metrics"}\n' if buffered else "")
+        held = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT)
+        if locked:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        w = watcher.watch(uri, parent, run_dir, run_dir / "lock", "resume me")
+        if done:
+            w.done()
+        else:
+            os.close(w.fd)  # the command died
+        assert w.proc.wait(timeout=120) == 0
+        os.close(held)
+        c = _client(uri)
+        return c.get_run(parent).info.status, c.get_run(child).info.status
+
+    assert case(done=True) == ("RUNNING", "RUNNING")
+    assert case(locked=True) == ("RUNNING", "RUNNING")
+    assert case(buffered=True) == ("RUNNING", "RUNNING")
+    assert case() == ("KILLED", "KILLED")
+
+
 def test_unit_checkpoint_store_finishes_an_interrupted_swap(tmp_path):
     import torch
 

@@ -30,6 +30,23 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
     experiment = cfg.launch.experiment or f"raysys-{wl.name}"
     parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation", **(tags or {})},
                                 resume=cfg.launch.resume)
+    from raysys import watcher as watching
+
+    watcher = watching.watch(uri, parent, resume=_resume_line(wl, cfg, tags, base))
+    try:
+        return _folds(wl, cfg, tags, base, uri, parent, k, fold_key)
+    finally:
+        if watcher is not None:
+            watcher.done()
+
+
+def _resume_line(wl, cfg: Any, tags: Optional[dict], base: str) -> str:
+    command = (tags or {}).get("raysys.command") or f"python -m raysys train {registry.ref(wl)} --cv"
+    command += f" --name {base}" * (cfg.launch.name is None) + " --resume" * (not cfg.launch.resume)
+    return f"cd {shlex.quote(os.getcwd())} && {command}"
+
+
+def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str, k: int, fold_key: str) -> RunResult:
     logger = tracking.MLflowLogger(uri, parent)
     # the parent stands for every fold: the held-out one is each child's param, k is the parent's
     logger.log_params({key: v for key, v in flatten(to_dict(cfg)).items() if not key.startswith("launch.") and key != fold_key}
@@ -47,10 +64,8 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
             stopped_by = result.stopped_by if result.stopped_by is not None else lifecycle.late_stop()
             if stopped_by is not None:  # Ctrl-C/SIGTERM: no later fold starts, and no mean of a part
                 tracking.end_run(uri, parent, "KILLED")
-                command = (tags or {}).get("raysys.command") or f"python -m raysys train {registry.ref(wl)} --cv"
-                command += f" --name {base}" * (cfg.launch.name is None) + " --resume" * (not cfg.launch.resume)
                 return RunResult(base, result.run_dir.parent, parent, uri, {}, stopped_by=stopped_by,
-                                 resume_command=f"cd {shlex.quote(os.getcwd())} && {command}")
+                                 resume_command=_resume_line(wl, cfg, tags, base))
     except BaseException:
         tracking.end_run(uri, parent, "FAILED")
         raise

@@ -173,12 +173,21 @@ class OpenRun:
     """This session's config snapshot (``config.yaml`` or ``config.resume-N.yaml``)."""
     holder: Optional[str] = None
     """On a Ray worker: the session that started it, as the run folder's lock named it (``lifecycle.holder_of``)."""
+    watcher: Any = None
+    """A command's own run: its ``raysys.watcher``, told at ``finish`` that the run was closed here."""
 
     def store(self, keep: int = 2) -> CheckpointStore:
         return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep,
                                local_keys=self.wl.extra.get("local_keys", ()), holder=self.holder, config=self.cfg_dict)
 
     def finish(self, status: str) -> None:
+        try:
+            self._finish(status)
+        finally:
+            if self.watcher is not None:
+                self.watcher.done()
+
+    def _finish(self, status: str) -> None:
         lifecycle.RunLock.release_dir(self.run_dir)
         if self.cfg.launch.resume and self.snapshot is not None and self.snapshot.is_file():
             try:  # kept: this session trained with it (one that trained nothing removed it in ``tracked``)
@@ -446,6 +455,13 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
                                                                  **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
+        watcher = None
+        if parent_run_id is None and not os.environ.get(BENCH_ENV):  # a command's own run (see raysys.watcher)
+            from raysys import watcher as watching
+
+            held = lifecycle.RunLock.of(run_dir)
+            watcher = watching.watch(uri, run_id, run_dir, held.path if held else None,
+                                     _resume_command(wl, launch, name))
     except BaseException:
         if created:  # nothing of this run exists elsewhere yet: do not let a half-made folder block the name
             lifecycle.RunLock.release_dir(run_dir)
@@ -474,7 +490,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         print(f"[raysys] run '{name}' (the bench's own quality run)", flush=True)
     else:
         print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
-    return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file)
+    return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file, watcher=watcher)
 
 
 BENCH_ENV = "RAYSYS_IN_BENCH"

@@ -35,6 +35,7 @@ from raysys.tune.trial import error_summary, report_times, run_seconds
 
 STATE_FILE = "raysys_sweep.json"
 _LOCKED: set[Path] = set()  # the sweep folders this process holds while run_sweep runs
+_WATCHING: list = []  # their raysys.watcher, told "done" when run_sweep returns
 SAVED: dict = {}
 """The folder of this process's sweep once its state file is written (a Ctrl-C before: nothing to resume)."""
 
@@ -345,6 +346,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
     finally:
         while _LOCKED:
             lifecycle.RunLock.release_dir(_LOCKED.pop())
+        while _WATCHING:
+            watcher = _WATCHING.pop()
+            if watcher is not None:
+                watcher.done()
 
 
 def _run_sweep(opts: SweepOptions) -> SweepOutcome:
@@ -408,6 +413,11 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     _lock_sweep(sweep_dir, name)
     parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored,
                                      {"raysys.preset": sp.preset, "raysys.command": opts.command[:5000]})
+    from raysys import watcher as watching
+
+    held = lifecycle.RunLock.of(sweep_dir)  # a killed driver's parent and trials are closed KILLED (raysys.watcher)
+    _WATCHING.append(watching.watch(uri, parent, None, held.path if held else None,
+                                    _resume_line(opts, sp, name, sweep_dir)))
     parent_log.log_params({"sweep.workload": wl.name, "sweep.preset": sp.preset, "sweep.space_file": sp.source,
                            "sweep.num_samples": opts.num_samples, "sweep.max_concurrent": concurrent,
                            "sweep.tolerance": tolerance, "sweep.throughput_metric": throughput_metric,
@@ -495,9 +505,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
         tracking.end_run(uri, parent, status="KILLED")
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
               f"{max(0, opts.num_samples - len(records))} unstarted trials; continue it with:\n"
-              f"  cd {shlex.quote(os.getcwd())} && python -m raysys.tune --space {shlex.quote(str(sp.source))} --name {name} --storage-path '{opts.storage_path if remote else sweep_dir.parent}' --resume"
-              + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
-              + _extra_flags(opts), flush=True)
+              f"  {_resume_line(opts, sp, name, sweep_dir)}", flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", signal.SIGINT))
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
                            budget_hit=budget_hit, launch=(flags, report.job_address(opts.address)))
@@ -518,6 +526,13 @@ def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Opt
         parent = tracking.start_run(uri, experiment, name, tags={"raysys.workload": workload, "raysys.kind": "sweep",
                                                                  "raysys.sweep": name, **tags})
     return parent, tracking.MLflowLogger(uri, parent)
+
+
+def _resume_line(opts: SweepOptions, sp: spaces.SweepSpace, name: str, sweep_dir: Path) -> str:
+    where = opts.storage_path if storage.remote_of(sweep_dir) else sweep_dir.parent
+    return (f"cd {shlex.quote(os.getcwd())} && python -m raysys.tune --space {shlex.quote(str(sp.source))} --name {name} "
+            f"--storage-path '{where}' --resume" + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
+            + _extra_flags(opts))
 
 
 def _extra_flags(opts: SweepOptions) -> str:

@@ -1,0 +1,138 @@
+"""A command's MLflow run does not stay RUNNING after its process is gone.
+
+A process killed by a signal it cannot catch (SIGKILL, the kernel's out-of-memory killer), or ended by
+Ray's core worker when its raylet or GCS died, never closes its MLflow run: the UI showed it RUNNING,
+for ever or until a ``--resume``. So a command that opens runs (``train``, ``--cv``, a sweep) starts a
+small watcher process, in a session of its own, that waits on a pipe only the command holds. The
+command says "done" once it has closed its runs itself, whatever their end; a pipe that ends without
+it means the command died. The watcher then closes the run, and its children still RUNNING (a
+sweep's trials, a cross-validation's folds), as KILLED, with why in the tag ``raysys.error`` and in
+``events.log`` -- unless a ``--resume`` already holds the run (its lock) or records wait in its
+tracking buffer (the resume sends them and ends the run itself).
+
+The watcher costs a Python start and then sleeps in ``read``; it imports MLflow only after a death.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+DONE = b"d"
+
+
+class Watcher:
+    """The command's end of the pipe."""
+
+    def __init__(self, fd: int, proc: subprocess.Popen):
+        self.fd, self.proc = fd, proc
+
+    def done(self) -> None:
+        """The command closed its runs itself: the watcher leaves them as they are."""
+        if self.fd is None:
+            return
+        try:
+            os.write(self.fd, DONE)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def watch(uri: str, run_id: str, run_dir: Optional[Path] = None, lock: Optional[Path] = None,
+          resume: str = "") -> Optional[Watcher]:
+    """Start the watcher of MLflow run ``run_id`` (and its children) in store ``uri``. ``run_dir``: where
+    its ``events.log`` and tracking buffer are; ``lock``: the lock file a resume of it holds; ``resume``:
+    the command that continues it. None where no process can be started (the run is then as before)."""
+    from raysys.tracking import BUFFER_FILE
+
+    spec = {"uri": uri, "run_id": run_id, "resume": resume,
+            "events": str(Path(run_dir) / "events.log") if run_dir else None,
+            "buffer": str(Path(run_dir) / BUFFER_FILE) if run_dir else None, "lock": str(lock) if lock else None}
+    here = str(Path(__file__).resolve().parents[1])  # this raysys, wherever the command found it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    r, w = os.pipe()  # not inheritable: no process this command starts holds the pipe open after it
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "raysys.watcher", json.dumps(spec), str(r)], pass_fds=(r,),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env, start_new_session=True)  # a signal to the command's group leaves it be
+    except OSError:
+        os.close(w)
+        return None
+    finally:
+        os.close(r)
+    return Watcher(w, proc)
+
+
+WHY = ("the process ended without closing its run: killed (SIGKILL, out of memory) or ended by Ray when its "
+       "raylet or GCS died")
+
+
+def _close(spec: dict) -> None:
+    buffer = spec.get("buffer")
+    if buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
+        return  # records wait to be sent in order: the run's --resume sends them and ends it
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a store that is away: leave it to --resume
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=spec["uri"])
+    run = client.get_run(spec["run_id"])
+    if run.info.status != "RUNNING":
+        return
+    fd = None
+    if spec.get("lock"):
+        import fcntl
+
+        fd = os.open(spec["lock"], os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return  # a --resume holds the run: it is RUNNING again, rightly
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"the watcher of a session that ended (process {os.getpid()}, for a moment)\n".encode(), 0)
+    try:
+        if client.get_run(spec["run_id"]).info.status != "RUNNING":
+            return
+        why = WHY + (f"; resume it with: {spec['resume']}" if spec.get("resume") else "")
+        children = client.search_runs([run.info.experiment_id], filter_string=(
+            f"tags.`mlflow.parentRunId` = '{spec['run_id']}' and attributes.status = 'RUNNING'"))
+        for child in children:
+            client.set_terminated(child.info.run_id, "KILLED")
+        client.set_tag(spec["run_id"], "raysys.error", why[:5000])
+        client.set_terminated(spec["run_id"], "KILLED")
+        if spec.get("events") and os.path.isdir(os.path.dirname(spec["events"])):
+            import time
+
+            with open(spec["events"], "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} the run's watcher closed its MLflow run KILLED"
+                        f"{f' (and {len(children)} children)' if children else ''}: {WHY}\n")
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def main(argv: list[str]) -> int:
+    spec, fd = json.loads(argv[0]), int(argv[1])
+    said = b""
+    try:
+        while chunk := os.read(fd, 16):  # blocks until the command says done or its end of the pipe closes
+            said += chunk
+    except OSError:
+        pass
+    if DONE in said:
+        return 0
+    try:
+        _close(spec)
+    except Exception:  # nowhere to say it: the run stays RUNNING, as before there was a watcher
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
