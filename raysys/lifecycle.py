@@ -43,6 +43,12 @@ def validate_name(name: str, what: str = "--name") -> str:
     return name
 
 
+WATCHER_HOLDER = "the watcher of a session that ended"
+"""How ``raysys.watcher`` names itself in a lock it holds while it closes a killed session's MLflow run."""
+WATCHER_HOLD_S = 30.0
+"""How long a resume waits for such a watcher (its MLflow calls, a second or two) rather than being refused."""
+
+
 class RunLock:
     """An exclusive, process-lifetime lock on a run folder."""
 
@@ -66,13 +72,19 @@ class RunLock:
             return cls._held[key]
         lock = cls(run_dir, lock_dir, name)
         fd = os.open(lock.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise ConfigError(f"{what} '{name}' is in use by {holder}; wait for it to finish, or choose another --name "
-                              "(nothing was changed)") from None
+        deadline = time.monotonic() + WATCHER_HOLD_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                if holder.startswith(WATCHER_HOLDER) and time.monotonic() < deadline:
+                    time.sleep(0.1)  # the watcher of a killed session closes its MLflow run: a moment
+                    continue
+                os.close(fd)
+                raise ConfigError(f"{what} '{name}' is in use by {holder}; wait for it to finish, or choose another "
+                                  "--name (nothing was changed)") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         lock.fd = fd

@@ -95,7 +95,9 @@ def _close(spec: dict) -> None:
             os.close(fd)
             return  # a --resume holds the run: it is RUNNING again, rightly
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"the watcher of a session that ended (process {os.getpid()}, for a moment)\n".encode(), 0)
+        from raysys.lifecycle import WATCHER_HOLDER
+
+        os.pwrite(fd, f"{WATCHER_HOLDER} (process {os.getpid()}, for a moment)\n".encode(), 0)
     try:
         if client.get_run(spec["run_id"]).info.status != "RUNNING":
             return
