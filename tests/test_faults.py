@@ -877,33 +877,37 @@ def test_a_terminal_that_closes_stops_the_run_at_a_step_boundary(tmp_path):
     SIGHUP. Before, that killed the run: no checkpoint since the last periodic one, and its MLflow run
     RUNNING for ever. Now it stops as on SIGTERM, its output (which has nowhere to go) sent to /dev/null
     first so that no write error cuts the stop short, and exits 129; a --resume continues it."""
-    import fcntl
     import pty
-    import termios
 
     master, slave = pty.openpty()
-
-    def own_terminal():  # a session of its own, whose controlling terminal is the pty: a login shell's run
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
+    # The run starts as a login shell's would: a session leader whose controlling terminal is the pty (it
+    # opens the terminal by name, then becomes raysys). No preexec_fn: pytest's process may run threads.
     args = [*QUICK, "--name", "hup", "--set", "train.epochs=50", "--set", "train.checkpoint_every_steps=4"]
-    run = subprocess.Popen([sys.executable, "-m", "raysys", "train", *args], cwd=tmp_path, env=_env(), stdin=slave,
-                           stdout=slave, stderr=slave, start_new_session=True, preexec_fn=own_terminal)
+    login = ("import os, sys; fd = os.open(sys.argv[1], os.O_RDWR); [os.dup2(fd, i) for i in (0, 1, 2)]; "
+             "os.execv(sys.executable, [sys.executable, '-m', 'raysys', 'train', *sys.argv[2:]])")
+    run = subprocess.Popen([sys.executable, "-c", login, os.ttyname(slave), *args], cwd=tmp_path, env=_env(),
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
     _STARTED.append(run)
     os.close(slave)
-    chunks: list[bytes] = []
+    os.set_blocking(master, False)
+    out = bytearray()
 
-    def read() -> None:  # drain the terminal until it is closed under the reader
-        with contextlib.suppress(OSError):
+    def drain() -> None:  # the terminal's buffer must not fill, or the run blocks on its writes
+        with contextlib.suppress(BlockingIOError, OSError):
             while data := os.read(master, 65536):
-                chunks.append(data)
+                out.extend(data)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     ckpts = tmp_path / "raysys_runs" / "hup" / "checkpoints"
-    before = _wait_for(ckpts, run, 4)
+    deadline = time.time() + 300
+    while not (done := [int(p.parent.name[5:]) for p in ckpts.glob("step_*/meta.json") if STEP_DIR.fullmatch(p.parent.name)]):
+        drain()
+        assert run.poll() is None and time.time() < deadline, out.decode(errors="replace")[-3000:]
+        time.sleep(0.2)
+    before = max(done)
+    drain()
     os.close(master)  # the terminal hangs up
-    assert run.wait(timeout=300) == 128 + signal.SIGHUP, b"".join(chunks).decode(errors="replace")[-3000:]
+    assert run.wait(timeout=300) == 128 + signal.SIGHUP, out.decode(errors="replace")[-3000:]
     saved = max(int(p.parent.name[5:]) for p in ckpts.glob("step_*/meta.json"))
     assert saved > before  # the stop's own checkpoint, not only the periodic one before it
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
