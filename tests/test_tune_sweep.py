@@ -146,6 +146,40 @@ def _events(sweep_dir: Path) -> list[list[str]]:
     return [line.split()[1:] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow  # ~1.5 min; by default test_faults checks a killed train run's watcher and one's children
+def test_a_killed_sweep_driver_leaves_its_runs_killed_and_resumes_whole(workdir):
+    """SIGKILL of the sweep's driver (or the OOM killer): nothing in it can close its MLflow runs. Its
+    watcher closes the parent and the trial that was training KILLED, saying how to resume; the resume
+    finishes both trials and the sweep, FINISHED, the killed session's error tag gone."""
+    import time
+
+    args = ["--space", str(SPACE), "--num-samples", "2", "--max-concurrent", "1", *TINY, "--set", "train.epochs=30",
+            "--set", "train.checkpoint_every_steps=3", "--name", "kil"]
+    sweep_dir = workdir / "raysys_runs" / "sweeps" / "kil"
+    driver = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.time() + 400
+    try:
+        while not list(sweep_dir.glob("runs/*/checkpoints/step_*/meta.json")):
+            assert driver.poll() is None and time.time() < deadline
+            time.sleep(0.3)
+    finally:
+        driver.kill()
+        driver.wait()
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    while (parent := _runs(uri)[2]).info.status == "RUNNING":
+        assert time.time() < deadline, "the killed sweep's parent stayed RUNNING"
+        time.sleep(0.5)
+    _, _, parent, children = _runs(uri)
+    assert parent.info.status == "KILLED" and "--name kil" in parent.data.tags["raysys.error"]
+    assert [c.info.status for c in children] == ["KILLED"]
+    resumed = _sweep(workdir, *args, "--resume")
+    assert resumed.returncode == 0 and "Recommended: trial" in resumed.stdout
+    _, _, parent, children = _runs(uri)
+    assert parent.info.status == "FINISHED" and "raysys.error" not in parent.data.tags
+    assert sorted(c.info.status for c in children) == ["FINISHED", "FINISHED"]
+
+
 # the same interruption on S3 storage runs in the default suite (tests/test_storage.py)
 @pytest.mark.slow
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):

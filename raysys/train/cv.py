@@ -81,6 +81,7 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
     table = "\n".join(rows) + "\n"
     logger.log_metrics(mean | std, step=0)
     logger.log_text(table, "cross_validation.md")
+    logger.delete_tag("raysys.error")  # a killed session's (raysys.watcher): every fold is done now
     tracking.end_run(uri, parent, "FINISHED")
     print(f"[raysys] {k}-fold cross-validation of {wl.name}:\n{table}", flush=True)
     # the summary's metrics are the folds' means, under the names one run reports

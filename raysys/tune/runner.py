@@ -510,6 +510,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
                            budget_hit=budget_hit, launch=(flags, report.job_address(opts.address)))
     storage.push_tree(sweep_dir / "report")
+    parent_log.delete_tag("raysys.error")  # a killed session's (raysys.watcher): the sweep is whole now
     tracking.end_run(uri, parent, status="FINISHED")
     print(f"[raysys.tune] compare the trials in MLflow: {link}", flush=True)
     return SweepOutcome(name, sweep_dir, parent, records, rec, False)
