@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)
-                    if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}  # nohup's ignore stays
+        from raysys.lifecycle import stop_signals
+
+        handlers = {s: signal.signal(s, interrupt) for s in stop_signals((signal.SIGTERM, signal.SIGHUP))}
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C mid-measurement: no traceback into whatever it was timing

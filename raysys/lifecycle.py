@@ -204,14 +204,24 @@ def _relay(actor: Any, event: threading.Event) -> None:
 ECHO_S = 1.0
 
 
+def _echoes(first: Optional[tuple[int, float]], signum: int) -> bool:
+    """Whether ``signum`` repeats, within ``ECHO_S``, the signal ``first`` (its number and time)."""
+    return first is not None and first[0] == signum and time.monotonic() - first[1] < ECHO_S
+
+
 def is_echo(signum: int) -> bool:
     """Whether ``signum`` repeats, within ``ECHO_S``, the stop request this process already has."""
-    return _stop["signum"] == signum and time.monotonic() - _stop["at"] < ECHO_S
+    return _echoes((_stop["signum"], _stop["at"]), signum)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What stops a run at its next step boundary: Ctrl-C; a scheduler, ``timeout`` or ``kill``; a terminal
 that closed."""
+
+
+def stop_signals(signals: tuple = STOP_SIGNALS) -> list[int]:
+    """Those of ``signals`` this process is to handle: a SIGHUP that ``nohup`` ignores stays ignored."""
+    return [s for s in signals if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN]
 
 
 def _handler(signum, frame) -> None:
@@ -221,7 +231,7 @@ def _handler(signum, frame) -> None:
         console.drop_lost_outputs()
     if _stop["complete"]:  # trained to its end: what is left (its final evaluation, its records) is not cut
         late = _stop["late"]
-        if late is not None and not (late[0] == signum and time.monotonic() - late[1] < ECHO_S):
+        if late is not None and not _echoes(late, signum):
             raise KeyboardInterrupt  # asked again: stop now
         if late is None:
             _stop["late"] = (signum, time.monotonic())
@@ -248,9 +258,8 @@ def install_signal_handlers() -> None:
     ignored. Call again after ``ray.init``, which installs its own SIGTERM handler."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for signum in STOP_SIGNALS:
-        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, _handler)
+    for signum in stop_signals():
+        signal.signal(signum, _handler)
     _stop["installed"] = True
 
 

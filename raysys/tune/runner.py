@@ -247,8 +247,7 @@ def _signals_stop_like_ctrl_c(stop_actor=None):
         # Tune's handler, in the main thread, once the trials have stopped
         _wind_down_then(stop_actor, lambda: os.kill(os.getpid(), signal.SIGUSR1), signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, on_signal) for s in lifecycle.STOP_SIGNALS  # a SIGHUP nohup ignores stays so
-                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
+    previous = {s: signal.signal(s, on_signal) for s in lifecycle.stop_signals()}
     tune_sigint = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT stays with on_signal
     try:

@@ -395,7 +395,7 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
     counts = np.bincount(r, minlength=n_cats)
     unseen = np.flatnonzero(counts == 0).tolist()
     hole = _longest_run(unseen)
-    if hole and len(hole) >= 2 and "n_cats" not in meta:  # not a scale: a missing-value code, a typo, an offset
+    if len(hole) >= 2 and "n_cats" not in meta:  # not a scale: a missing-value code, a typo, an offset
         shift = rbase  # the file's own numbers, in the message
         lo, hi = hole[0] + shift, hole[-1] + shift
         if hole[0] == 0:

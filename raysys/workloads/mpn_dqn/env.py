@@ -63,6 +63,10 @@ def make_env(task: str = NEUROGYM_TASK, max_episode_steps: int = 200, **task_kwa
     return gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_steps)
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
 @functools.cache
 def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]:
     """(obs_dim, n_actions) of a task with a flat Box observation and a Discrete action space; a
@@ -77,7 +81,7 @@ def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]
         env = make_env(task, **task_kwargs)
     except Exception as e:  # a missing extra (box2d, mujoco), bad kwargs: say which, in one line
         raise ConfigError(f"task {task!r} cannot be made: {type(e).__name__}: "
-                          f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None
+                          f"{_first_line(e)}") from None
     obs, act = env.observation_space, env.action_space
     try:
         if not (isinstance(obs, gym.spaces.Box) and len(obs.shape) == 1):
@@ -90,7 +94,7 @@ def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]
             first = np.asarray(env.reset(seed=0)[0])
         except Exception as e:
             raise ConfigError(f"task {task!r} cannot be reset: {type(e).__name__}: "
-                              f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None
+                              f"{_first_line(e)}") from None
         if first.shape != obs.shape:
             raise ConfigError(f"task {task!r}: its observation space says shape {obs.shape}, but reset() returned "
                               f"shape {first.shape} ({first.dtype}): the MPN needs what the space says")
