@@ -236,6 +236,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     both = run_seconds(sweep_dir, interrupted[0], report_times(sweep_dir / "objectives", interrupted[0]))
     assert both is not None and float(table[interrupted[0]]["seconds"]) == pytest.approx(both)
     assert both >= run_seconds(sweep_dir, interrupted[0])  # more than its last session alone
+    assert f"trial {interrupted[0]} done in {both:.0f}s" in resumed.stdout  # the console says the same
 
     _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
     assert len(children) == 3 and parent.info.status == "FINISHED"

@@ -7,7 +7,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ray.tune import Callback
 from ray.tune.stopper import Stopper
@@ -119,8 +119,10 @@ def objective_history(folder, trial_id: str):
 class Progress(Callback):
     """One line when a trial starts or ends, and a short one per running trial every ~20 s."""
 
-    def __init__(self, total: int, throughput_metric: str, quality_metric: str, max_failures: int = 0):
+    def __init__(self, total: int, throughput_metric: str, quality_metric: str, max_failures: int = 0,
+                 log: Optional[ObjectiveLog] = None):
         self.total, self.tm, self.qm, self.max_failures = total, throughput_metric, quality_metric, max_failures
+        self.log = log  # the sweep's ObjectiveLog: where a resumed trial's earlier sessions are found (it pickles itself)
         self.last_line: dict[str, float] = {}
         self.spike_hint = False  # the hint on loss spikes, said once per sweep
 
@@ -178,11 +180,26 @@ class Progress(Callback):
         if POPULATION in trial.config:
             for mid, _, m in member_results(r, trial.config, trial.trial_id):
                 self._print(_failed(mid, m) if m.get(obj.FAILED) else
-                            f"trial {mid} done in {r.get('time_total_s', 0):.0f}s (one program): {self._verdict(m)}")
+                            f"trial {mid} done in {self._seconds(mid, trial.trial_id, r):.0f}s (one program): "
+                            f"{self._verdict(m)}")
             return
         self._print((_failed(trial.trial_id, r) if r.get(obj.FAILED) else
-                     f"trial {trial.trial_id} done in {r.get('time_total_s', 0):.0f}s: {self._verdict(r)}")
+                     f"trial {trial.trial_id} done in {self._seconds(trial.trial_id, trial.trial_id, r):.0f}s: "
+                     f"{self._verdict(r)}")
                     + f" [{_done(trials, trial)}/{self.total} done]")
+
+    def _seconds(self, trial_id: str, tune_trial_id: str, r: dict) -> float:
+        """The trial's run time: Tune's clock, or, for a trial resumed with the sweep, every session's (Tune's
+        clock counts only the last; a member's sessions are its program's)."""
+        log = getattr(self, "log", None)  # None in a sweep begun before it was kept
+        if log is not None:
+            from raysys.tune.trial import report_times, run_seconds
+
+            took = run_seconds(Path(log.folder).parent, trial_id, report_times(log.folder, tune_trial_id),
+                               resumed_only=True)
+            if took is not None:
+                return took
+        return r.get("time_total_s") or 0.0
 
     def _verdict(self, r: dict) -> str:
         if r.get(obj.UNSTABLE):

@@ -471,12 +471,12 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
         tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False,
                                    **restore_fs)
     else:
+        log = ObjectiveLog(str(sweep_dir / OBJECTIVES_DIR))
         tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent, wl),
                            run_config=tune.RunConfig(
                                name=name, **tune_storage, verbose=0, stop=StabilityStopper(),
                                callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric,
-                                                   opts.max_failures),
-                                          ObjectiveLog(str(sweep_dir / OBJECTIVES_DIR)), *_result_loggers()],
+                                                   opts.max_failures, log=log), log, *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
     with _signals_stop_like_ctrl_c(stop_actor) as signals:
         grid = tuner.fit()
