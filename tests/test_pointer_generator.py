@@ -16,7 +16,7 @@ from raysys.train.data import ShardSampler
 from raysys.workloads.pointer_generator.beam import beam_search, per_example
 from raysys.workloads.pointer_generator.corpus import generate
 from raysys.workloads.pointer_generator.model import EOS
-from raysys.workloads.pointer_generator.workload import SummarizationTask, quick
+from raysys.workloads.pointer_generator.workload import SummarizationTask, copies, quick
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,14 @@ def test_the_corpus_is_deterministic_and_summaries_copy_its_entities():
     a, b = list(generate(20, 7)), list(generate(20, 7))
     assert a == b and a != list(generate(20, 8))
     for ex in a:
-        assert ex["entities"] and all(e in ex["note"] and e in ex["summary"] for e in ex["entities"])
+        assert ex["entities"] and all(copies(ex["note"], e) and copies(ex["summary"], e) for e in ex["entities"])
+
+
+def test_an_entity_counts_as_copied_only_as_whole_words():
+    assert copies("start 10 mg daily", "10 mg") and copies("dose: 10 mg.", "10 mg") and copies("10", "10")
+    assert not copies("start 110 mg daily", "10 mg") and not copies("100 units", "10")
+    assert copies("seen 2024-03-05 (admit)", "2024-03-05") and not copies("x2024-03-05", "2024-03-05")
+    assert copies("on metoprolol-XL", "metoprolol-XL") and not copies("on metoprololXL", "metoprolol")
 
 
 @pytest.mark.parametrize("attention, copy, layers", [("additive", True, 2), ("dot", True, 2), ("additive", False, 1)])
