@@ -92,6 +92,20 @@ def test_both_paths_compute_the_same_loss(streams, regions):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
 
 
+def test_the_benchs_learning_check_trains_both_paths_alike(streams):
+    """The bench's learning parity (bench.learning_curves): both paths from the same weights on the same
+    batches learn, step for step, the same curve."""
+    from raysys.workloads.ad_transformer.bench import PARITY_TOL, learning_curves
+
+    packed, naive, cfg = streams
+    build = {"naive": lambda ids: collate([naive[i] for i in ids]),
+             "optimized": lambda ids: collate(packed.__getitems__(ids))}
+    order = np.random.default_rng(0).permutation(len(packed))
+    curves = learning_curves(DistillationTask(), cfg, build, order, 2, 6, torch.device("cpu"))
+    assert len(curves["naive"]) == 6 and curves["naive"][-1] < curves["naive"][0]
+    assert max(abs(a - b) for a, b in zip(curves["naive"], curves["optimized"])) < PARITY_TOL * 1e-2
+
+
 def test_bf16_autocast_runs_on_both_paths(streams):
     packed, naive, _ = streams
     m = _model()

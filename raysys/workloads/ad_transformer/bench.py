@@ -5,11 +5,15 @@
   backward + AdamW step, both paths on the same regions, interleaved so that drift on a shared machine
   hits both alike; on a GPU the optimized path runs in bf16 autocast (flash/memory-efficient SDPA);
 * loss parity: both paths' loss on the same weights and batch (fp32, eval mode);
+* learning parity: both paths trained from the same weights on the same batches (fp32, no dropout) for
+  20 steps (quick) or 60: their loss curves, which must fall and stay together (the fast path learns
+  what the slow one does, step for step; the in-context return of long runs is docs/benchmarks.md's);
 * the optimized path at its own default batch, for scale.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -91,21 +95,67 @@ def run_bench(quick: bool = False) -> dict:
     n_big = big_runs[0][0]
     big_t = [dt for _, dt in big_runs]
 
+    curves = learning_curves(task, cfg, build, order, regions, 20 if quick else 60, device)
+    n_steps = len(curves["naive"])
+    gap = max(abs(a - b) for a, b in zip(curves["naive"], curves["optimized"]))
+    problems = [f"{p}: its loss did not fall in {n_steps} steps ({c[0]:.4f} -> {c[-1]:.4f})"
+                for p, c in curves.items() if not c[-1] < c[0]]
+    if gap > PARITY_TOL * curves["naive"][0]:
+        problems.append(f"the paths' loss curves part: up to {gap:.2e} apart in {n_steps} steps on the same batches "
+                        f"(tolerance {PARITY_TOL:.0e} x the first loss)")
+
     res = {"workload": "ad_transformer", "device": None,
            "throughput_unit": "samples/s (batch build + forward + backward + AdamW, same batch)",
-           "quality_metric": "loss on the same weights and batch",
+           "quality_metric": f"loss after {n_steps} steps",
            "paths": ["naive", "optimized"],
            "batch": {"regions": regions, "samples": samples["naive"], "region": cfg.data.region, "repeats": repeats},
            "precision": {"naive": "fp32", "optimized": "bf16" if device.type == "cuda" else "fp32"}}
     for p in models:
         med = statistics.median(times[p])
-        res[p] = {"step_s": med, "throughput": samples[p] / med, "quality": losses[p]}
+        res[p] = {"step_s": med, "throughput": samples[p] / med, "quality": curves[p][-1],
+                  "loss_same_weights": losses[p], "learning_curve": curves[p]}
     res["speedup"] = res["naive"]["step_s"] / res["optimized"]["step_s"]
     res["loss_abs_diff_same_weights"] = abs(losses["naive"] - losses["optimized"])
     big_rate = n_big / statistics.median(big_t)
     res["optimized_default_batch"] = {"regions": len(big), "samples": n_big, "throughput": big_rate}
+    res["learning_parity"] = {"steps": n_steps, "max_abs_loss_diff": gap}
+    if problems:
+        res["problems"] = problems
     res["extra"] = {"|loss naive - loss optimized| on the same weights and batch":
                     f"{res['loss_abs_diff_same_weights']:.2e}",
+                    f"learning: {n_steps} steps of each path from the same weights on the same batches (fp32, no "
+                    "dropout)": f"loss {curves['naive'][0]:.4f} -> naive {curves['naive'][-1]:.4f}, optimized "
+                                f"{curves['optimized'][-1]:.4f}; the curves at most {gap:.1e} apart",
                     f"optimized at its default batch ({len(big)} regions, {n_big} samples)": f"{big_rate:.0f} samples/s",
                     f"vs naive at {samples['naive']} samples": f"{big_rate / res['naive']['throughput']:.1f}x"}
     return res
+
+
+PARITY_TOL = 1e-2
+"""How far apart (x the first loss) the paths' loss curves may drift in the learning check: one function in
+two float orders, so rounding grows a little over the steps; a real difference is far larger."""
+
+
+def learning_curves(task, cfg, build, order, regions: int, steps: int, device) -> dict[str, list[float]]:
+    """Each path's training loss, step by step, from the same weights on the same batches (fp32, dropout off:
+    no randomness but the weights')."""
+    from raysys.train.optim import build_optimizer
+    from raysys.workloads.ad_transformer.model import loss_fn
+
+    cfg = copy.deepcopy(cfg)
+    cfg.model.dropout = 0.0
+    torch.manual_seed(1)
+    first = task.build_model(cfg).to(device)
+    models = {"naive": first, "optimized": copy.deepcopy(first)}
+    opts = {p: build_optimizer(cfg.optim, m) for p, m in models.items()}
+    curves: dict[str, list[float]] = {p: [] for p in models}
+    for k in range(steps):
+        ids = [order[(k * regions + j) % len(order)] for j in range(regions)]
+        for p, m in models.items():
+            loss, _ = loss_fn(m, to_device(build[p](ids), device))
+            opts[p].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opts[p].step()
+            curves[p].append(loss.item())
+    return curves

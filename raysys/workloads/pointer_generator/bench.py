@@ -8,7 +8,9 @@
 * beam search: per-example (the original) vs batched, on the same weights: identical summaries?
   (those that differ: by how much log-probability?) and summaries/s; batching alone (per example
   with the batched search's scores; batched with the original's tanh);
-* quality: ROUGE-2 of each path's model after the same optimizer steps from the same weights.
+* learning: each path trained from the same weights on the same notes (12 optimizer steps, quick, or
+  24), its loss on the held-out notes against the first weights', and the ROUGE of its summaries (near
+  zero this early; docs/benchmarks.md has the 400-step runs).
 """
 
 from __future__ import annotations
@@ -24,46 +26,85 @@ from raysys.config import apply_overrides
 from raysys.train.data import to_device
 
 
-def peak_memory(fn, device: torch.device) -> int:
-    """Peak bytes of tensors alive at once while ``fn()`` runs, above what was alive before: the CUDA
-    allocator's peak, or on CPU the allocation/free events torch's profiler records, replayed in
-    order (a resident-set reading would mostly show what the allocator kept from earlier steps)."""
+def peak_memory(phases, device: torch.device) -> int:
+    """Peak bytes of tensors alive at once while ``phases`` (callables, in order) run, above what was alive
+    before: the CUDA allocator's peak, or on CPU the allocation/free events torch's profiler records, replayed
+    in order (a resident-set reading would mostly show what the allocator kept from earlier steps). Each phase
+    is profiled on its own and what it left alive carried into the next: one profile of a whole step of 16
+    per-note micro-batches holds millions of events (gigabytes, a minute of bookkeeping)."""
+    phases = [phases] if callable(phases) else list(phases)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        fn()
+        for fn in phases:
+            fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.events() if e.name == "[memory]" or e.self_cpu_memory_usage),
-                    key=lambda e: e.time_range.start)
     live = peak = 0
-    for e in events:  # an op's own allocations and frees; "[memory]" marks frees outside any op
-        live += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        peak = max(peak, live)
+    for fn in phases:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        events = sorted((e for e in prof.events() if e.name == "[memory]" or e.self_cpu_memory_usage),
+                        key=lambda e: e.time_range.start)
+        for e in events:  # an op's own allocations and frees; "[memory]" marks frees outside any op
+            live += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+            peak = max(peak, live)
     return peak
 
 
+LEARN_STEPS = {True: 12, False: 24}
+"""Optimizer steps of the learning check (quick, full): the timed steps and more, on 16 notes each."""
+PARITY = 0.5
+"""The least share of the naive path's fall in held-out loss the optimized path must reach. Not 1: the
+paths average their loss differently (per note, as the original's batches of one, vs per token) and their
+dropout draws differ."""
+
+
+def _held_out_loss(model, batches) -> float:
+    """Mean loss per target token over ``batches`` (teacher-forced, dropout off)."""
+    was, total, n = model.training, 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for b in batches:
+            t, k = model(b["src"], b["src_len"], b["tgt"])
+            total, n = total + float(t), n + int(k)
+    model.train(was)
+    return total / max(1, n)
+
+
+def _step_phases(model, opt, micro_batches, device, dtype=None, tokens: Optional[list] = None) -> list:
+    """One optimizer step over ``micro_batches`` (gradient accumulation), under autocast to ``dtype`` if
+    given, as its phases: zero the gradients, each micro-batch's forward and backward, clip and step. Each
+    micro-batch's target tokens go to ``tokens``."""
+    tokens = [] if tokens is None else tokens
+
+    def micro(b):
+        def run():
+            bd = to_device(b, device)
+            with torch.autocast(device.type, dtype or torch.float32, enabled=dtype is not None):
+                total, n = model(bd["src"], bd["src_len"], bd["tgt"])
+            (total / n / len(micro_batches)).backward()
+            tokens.append(int(n))
+        return run
+
+    def finish():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return [lambda: opt.zero_grad(set_to_none=True), *(micro(b) for b in micro_batches), finish]
+
+
 def _opt_step(model, opt, micro_batches, device, dtype=None) -> int:
-    """One optimizer step over ``micro_batches`` (gradient accumulation), under autocast to ``dtype``
-    if given; returns target tokens."""
-    opt.zero_grad(set_to_none=True)
-    tokens = 0
-    for b in micro_batches:
-        b = to_device(b, device)
-        with torch.autocast(device.type, dtype or torch.float32, enabled=dtype is not None):
-            total, n = model(b["src"], b["src_len"], b["tgt"])
-        (total / n / len(micro_batches)).backward()
-        tokens += int(n)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return tokens
+    """One optimizer step (``_step_phases``); returns target tokens."""
+    tokens: list[int] = []
+    for phase in _step_phases(model, opt, micro_batches, device, dtype, tokens):
+        phase()
+    return sum(tokens)
 
 
 def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
@@ -97,6 +138,10 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
             losses[path] = float(total / n)
             m.train()
 
+    held = [to_device(task.collate([eval_ds[i] for i in range(j, min(j + 10, len(eval_ds)))]), device)
+            for j in range(0, len(eval_ds), 10)]  # in tens: a full-size vocabulary's distributions are large
+    held_out_first = _held_out_loss(models["naive"], held)
+
     # training throughput: the same 16 notes per optimizer step, as the original (16 x batch 1)
     # or as one batch (sorted by length, as the bucketing sampler does within a window)
     opts = {k: torch.optim.Adam(m.parameters(), lr=cfg.optim.lr) for k, m in models.items()}
@@ -112,7 +157,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
             tokens[k] += _opt_step(models[k], opts[k], plans[k][s], device)
             times[k].append(time.perf_counter() - t0)
     for k in models:  # one more step each, untimed, for its memory
-        peak[k] = peak_memory(lambda: _opt_step(models[k], opts[k], plans[k][0], device), device)
+        peak[k] = peak_memory(_step_phases(models[k], opts[k], plans[k][0], device), device)
 
     # beam search, per example vs batched, on the same (optimized-path-trained) weights
     m = models["optimized"].eval()
@@ -175,16 +220,32 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
             for st in range(1, steps + 1):
                 n_tok += _opt_step(mod, o, plans["optimized"][st], device, torch.bfloat16)
             gpu_steps[name] = {"throughput": n_tok / (time.perf_counter() - t0),
-                               "peak_memory_mb": peak_memory(lambda: _opt_step(mod, o, plans["optimized"][0], device,
-                                                                               torch.bfloat16), device) / 2**20}
+                               "peak_memory_mb": peak_memory(_step_phases(mod, o, plans["optimized"][0], device,
+                                                                                  torch.bfloat16), device) / 2**20}
 
-    # quality after the same optimizer steps from the same weights
-    quality = {}
+    # learning: both paths go on to LEARN_STEPS optimizer steps from the same weights on the same notes (16 a
+    # step), then their loss on the held-out notes (teacher-forced) against the weights' first; and the ROUGE
+    # of their summaries, which after so few steps is near zero (docs/benchmarks.md has 400-step runs)
+    n_learn = min(LEARN_STEPS[quick], len(train_ds) // accum)
+    for s in range(steps + 1, n_learn):
+        group = [train_ds[i] for i in range(s * accum, (s + 1) * accum)]
+        _opt_step(models["naive"], opts["naive"], [task.collate([it]) for it in group], device)
+        _opt_step(models["optimized"], opts["optimized"],
+                  [task.collate(sorted(group, key=lambda it: len(it["src"])))], device)
+    held_out, quality = {}, {}
     for k, model in models.items():
         model.eval()
+        held_out[k] = _held_out_loss(model, held)
         quality[k] = task.evaluate(model, [ev_dev])
+    drops = {k: held_out_first - held_out[k] for k in models}
+    problems = [f"{k}: its held-out loss did not fall in {n_learn} steps ({held_out_first:.4f} -> {held_out[k]:.4f})"
+                for k in models if not drops[k] > 0]
+    if not problems and drops["optimized"] < PARITY * drops["naive"]:
+        problems.append(f"optimized learns less than naive: its held-out loss fell {drops['optimized']:.4f} in "
+                        f"{n_learn} steps, naive's {drops['naive']:.4f} (at least {PARITY:.0%} of it expected)")
 
-    res = {"workload": "pointer_generator", "throughput_unit": "target tokens/s (train step)", "quality_metric": "rouge2",
+    res = {"workload": "pointer_generator", "throughput_unit": "target tokens/s (train step)",
+           "quality_metric": f"held-out loss after {n_learn} steps",
            "speedup": (tokens["optimized"] / sum(times["optimized"])) / (tokens["naive"] / sum(times["naive"])),
            "loss": losses, "loss_abs_diff": abs(losses["naive"] - losses["optimized"]),
            "beam": {"examples": n_ev, "identical": same, "differing_logprob_gaps": flips,
@@ -199,7 +260,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
                      "layers": mc.layers}}
     for k in models:
         res[k] = {"throughput": tokens[k] / sum(times[k]), "step_s": statistics.median(times[k]),
-                  "peak_memory_mb": peak[k] / 2**20, "quality": quality[k]["rouge2"],
+                  "peak_memory_mb": peak[k] / 2**20, "quality": held_out[k],
                   "eval": {q: quality[k][q] for q in ("rouge1", "rouge2", "rougeLsum", "entity_copy")}}
     res["extra"] = {
         "model": f"{n_params / 1e6:.2f}M parameters, vocabulary {models['naive'].V}",
@@ -217,8 +278,13 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
                                                   f"batched {n_ev / t_many:.2f}/s ({t_one_exp / t_many:.1f}x: batching alone)",
         "beam search, dot attention": f"{same_dot}/{n_ev} identical; per-example {n_ev / t_one_dot:.2f}/s, batched "
                                       f"{n_ev / t_many_dot:.2f}/s ({t_one_dot / t_many_dot:.1f}x)",
-        "quality": f"ROUGE-2 after {steps + 1} optimizer steps from the same weights (a speed check, not a learning run)",
+        f"learning: {n_learn} optimizer steps of each path from the same weights on the same notes": (
+            f"held-out loss {held_out_first:.4f} -> naive {held_out['naive']:.4f}, optimized "
+            f"{held_out['optimized']:.4f}; ROUGE-2 naive {quality['naive']['rouge2']:.3f}, optimized "
+            f"{quality['optimized']['rouge2']:.3f} (near zero this early: docs/benchmarks.md has 400-step runs)"),
     }
+    if problems:
+        res["problems"] = problems
     if gpu_steps:
         res["gpu_steps"] = gpu_steps
         for name, r in gpu_steps.items():
