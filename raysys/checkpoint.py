@@ -297,10 +297,9 @@ class CheckpointStore:
             refuse_different(path, diff)
         try:
             state = read_state(path)
-        except Exception as e:  # truncated file, bad zip, foreign pickle: one clear message
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt or unsafe to load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-                f"It was left untouched; {self._aside_hint(path)}") from None
+        except Exception as e:  # empty or truncated file, bad zip, foreign pickle: one clear message
+            raise CheckpointError(f"checkpoint {path} is corrupt or unsafe to load ({_why_unreadable(e)}). "
+                                  f"It was left untouched; {self._aside_hint(path)}") from None
         return state, meta
 
     def _aside_hint(self, path: Path) -> str:
@@ -331,9 +330,15 @@ class CheckpointStore:
         return meta
 
     def differences(self, meta: dict) -> dict[str, tuple[Any, Any]]:
-        """Dotted identity key -> (the checkpoint's value, this config's), where they differ."""
+        """Dotted identity key -> (the checkpoint's value, this config's), where they differ. A key the
+        checkpoint never had is not a difference (:meth:`added`): the workload's config grew a field since."""
         a, b = flatten(_without(meta.get("identity", {}), self.local)), flatten(self.identity)  # older ones recorded them
-        return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if k in a and a.get(k) != b.get(k)}
+
+    def added(self, meta: dict) -> dict[str, Any]:
+        """Identity keys this config has and the checkpoint never had (its code added them), with their values."""
+        a, b = flatten(_without(meta.get("identity", {}), self.local)), flatten(self.identity)
+        return {k: b[k] for k in sorted(b) if k not in a}
 
 
 def refuse_different(path: Path, diff: dict[str, tuple[Any, Any]]) -> None:
@@ -364,3 +369,12 @@ def _without(identity: dict, keys: tuple[str, ...]) -> dict:
     return out
 
 
+def _why_unreadable(e: Exception) -> str:
+    """torch.load's error, in a line: an empty file raises a bare EOFError; torch's weights-only refusal
+    advises loading with weights_only=False, which is no advice for a damaged or foreign file."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    if "weights only load failed" in text.lower():
+        text = "torch's weights-only loader refused what it holds"
+    elif not text:
+        text = "the file is empty or cut short" if isinstance(e, EOFError) else "no detail"
+    return f"{type(e).__name__}: {text[:200]}"

@@ -151,6 +151,17 @@ def test_corrupt_checkpoint_clear_error_and_untouched(tmp_path):
     assert meta["step"] == 1 and (s.root / "step_000000002.corrupt" / "state.pt").is_file()
 
 
+@pytest.mark.parametrize("damage", [b"", b"PK\x03\x04"])  # an empty file (a bare EOFError), a cut zip
+def test_an_empty_or_cut_state_file_is_one_clear_refusal(tmp_path, damage):
+    s = _store(tmp_path)
+    s.save({"x": torch.ones(3)}, 1)
+    path = s.save({"x": torch.ones(3)}, 2)
+    (path / "state.pt").write_bytes(damage)
+    with pytest.raises(CheckpointError, match=r"step_000000002 is corrupt or unsafe to load \(\w+: \S") as err:
+        s.load()
+    assert "to resume from step_000000001" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_foreign_and_mismatched_checkpoints_refused(tmp_path):
     _store(tmp_path).save({"x": torch.ones(1)}, 1)
     with pytest.raises(CheckpointError, match="belongs to workload 'w'"):
@@ -167,8 +178,9 @@ def test_checkpoint_refuses_pickled_objects(tmp_path):
     s = _store(tmp_path)
     path = s.save({"x": torch.ones(1)}, 1)
     torch.save({"obj": Evil()}, path / "state.pt")  # weights_only loading must refuse arbitrary classes
-    with pytest.raises(CheckpointError, match="unsafe|corrupt"):
+    with pytest.raises(CheckpointError, match="unsafe|corrupt") as err:
         s.load()
+    assert "weights_only=False" not in str(err.value)  # torch's advice to load it anyway is not passed on
 
 
 def test_a_numpy_state_is_saved_and_loaded_without_torch(tmp_path):
