@@ -243,7 +243,10 @@ def test_bad_response_tables_name_the_column(tmp_path):
     with pytest.raises(ValueError, match="'response' must be whole numbers, found 0.5"):
         load_sequences(f)
     pd.DataFrame({"student_id": [1, 1], "question_id": [3, 4], "response": ["high", "low"]}).to_csv(f, index=False)
-    with pytest.raises(ValueError, match="'response' must be whole numbers, found object values such as 'high'"):
+    with pytest.raises(ValueError, match="'response' must be whole numbers, found 'high' \\(value 1 of the column\\)"):
+        load_sequences(f)
+    f.write_text("student_id,question_id,response\ns1,1,2\ns1,2,1\ns2,3,abc\n")  # the bad one, not the first
+    with pytest.raises(ValueError, match="'response' must be whole numbers, found 'abc' \\(value 3 of the column\\)"):
         load_sequences(f)
     f.write_text("student_id,question_id,response\n")  # a header only: no rows (was "must be whole numbers")
     with pytest.raises(ValueError, match="no responses \\(the table has no rows\\)"):

@@ -182,8 +182,19 @@ def _ints(values, what: str, file: Path) -> np.ndarray:
     if a.dtype.kind not in "iu":
         if not a.size:  # a header and no rows: a CSV reader cannot type an empty column
             raise ValueError(f"{file}: no responses (the table has no rows)")
-        raise ValueError(f"{file}: {what} must be whole numbers, found {a.dtype} values such as {a.ravel()[0]!r}")
+        flat = a.ravel()
+        i = next((j for j, v in enumerate(flat) if not _whole(v)), 0)  # the first that is not one, not the first
+        raise ValueError(f"{file}: {what} must be whole numbers, found {flat[i]!r} (value {i + 1} of the column)")
     return a.astype(np.int64)
+
+
+def _whole(v) -> bool:
+    """Whether one value of an untyped column reads as a whole number ('2', 2, 2.0)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return False
+    return np.isfinite(f) and f == round(f)
 
 
 def _list_column(table, column: str, file: Path) -> tuple[np.ndarray, np.ndarray]:
