@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(default: <workload>-<YYYYmmdd-HHMMSS>)")
     t.add_argument("--storage-path", help="folder or storage URI (s3://, gs://) for checkpoints and run state, shared "
                                           "by all nodes on a cluster (default: raysys_runs)")
-    t.add_argument("--resume", action="store_true", help="continue run --name (or the newest run of this workload) "
-                                                          "from its last checkpoint, without repeating finished steps")
+    t.add_argument("--resume", action="store_true", help="continue run --name (or the newest unfinished run of this "
+                                                          "workload named by default) from its last checkpoint, "
+                                                          "without repeating finished steps")
     t.add_argument("--cv", action="store_true", help="k-fold cross-validation: one run per fold (children of one "
                                                       "MLflow parent run), then the per-fold table and the mean")
     t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures; "
@@ -106,10 +107,8 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
         return apply_overrides(c, parse_set_args(args.sets))
 
     cfg = overridden(base or preset)
-    if base is not None:
-        args.resume_changes = _changes(base, cfg)
-        if args.preset is not None:
-            _say_preset_unused(wl, args.preset, preset, overridden(preset), cfg)
+    if base is not None and args.preset is not None:
+        _say_preset_unused(wl, args.preset, preset, overridden(preset), cfg)
     launch = {f"launch.{key}": getattr(args, flag) for flag, key in LAUNCH_FLAGS.items()
               if getattr(args, flag, None) is not None}
     if getattr(args, "resume", False):
@@ -118,7 +117,10 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
         if not hasattr(cfg, "device"):
             raise ConfigError(f"--device: {wl.name} has no `device` key (its device follows --gpus-per-worker)")
         launch["device"] = args.device
-    return wl, apply_overrides(cfg, launch)
+    cfg = apply_overrides(cfg, launch)
+    if base is not None:
+        args.resume_changes = _changes(base, cfg)
+    return wl, cfg
 
 
 def _say_preset_unused(wl: registry.Workload, name: str, preset: Any, asked: Any, cfg: Any) -> None:
@@ -132,11 +134,16 @@ def _say_preset_unused(wl: registry.Workload, name: str, preset: Any, asked: Any
               + "); change a key with --set", flush=True)
 
 
+TRAINING_LAUNCH_KEYS = ("launch.workers", "launch.gpus_per_worker")
+"""The launch keys a resume's training feels: the global batch, the data's order and the device change."""
+
+
 def _changes(before: Any, after: Any) -> str:
-    """``key: old -> new`` for every config key (but launch.*) that differs, '; '-separated."""
+    """``key: old -> new`` for every config key that differs (of launch.*, those of ``TRAINING_LAUNCH_KEYS``),
+    '; '-separated."""
     a, b = flatten(to_dict(before)), flatten(to_dict(after))
     return "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-                     if not k.startswith("launch.") and a.get(k) != b.get(k))
+                     if (not k.startswith("launch.") or k in TRAINING_LAUNCH_KEYS) and a.get(k) != b.get(k))
 
 
 def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> Any:
@@ -158,7 +165,12 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
               "to this command's store instead "
               "(--tracking-uri chooses another)", flush=True)
         saved["launch"]["tracking_uri"] = None
-    return from_dict(wl.config_cls, saved)
+    try:
+        return from_dict(wl.config_cls, saved)
+    except ConfigError as e:  # a key renamed or removed in the workload's code since the run began
+        where = snap or f"the newest checkpoint in {run_dir}"
+        raise ConfigError(f"the run's saved config ({where}) no longer fits {wl.name}'s config: {e}. Its code changed "
+                          "since the run began: restore that code to resume, or start a new run (another --name)") from None
 
 
 def _checkpoint_config(wl: registry.Workload, run_dir: Path) -> Optional[dict]:
@@ -267,9 +279,10 @@ def _main(argv: Optional[list[str]] = None) -> int:
         print(_summary(wl, result))
         return 0
     except ConfigError as e:
-        from raysys.train.launcher import DataError
+        from raysys.train.launcher import DataError, WorkloadCodeError
 
-        kind = "data error" if isinstance(e, DataError) else "config error"
+        kind = ("data error" if isinstance(e, DataError) else "error in the workload's code"
+                if isinstance(e, WorkloadCodeError) else "config error")
         print(f"raysys: {kind}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

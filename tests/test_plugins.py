@@ -3,6 +3,7 @@ the repository. Nothing is installed into raysys; the entry-point test installs 
 temporary folder of its own."""
 
 import json
+import math
 import os
 import re
 import shlex
@@ -546,11 +547,35 @@ class NoDefaultConfig(digits_mlp.DigitsConfig):
     needs: Needs = dataclasses.field(default_factory=Needs)
 
 
+class BrokenBuild(digits_mlp.DigitsTask):
+    def build_model(self, cfg):
+        raise ValueError(f"no model of width {cfg.model.hidden} here")
+
+
+class BrokenData(digits_mlp.DigitsTask):
+    def datasets(self, cfg):
+        return {}["train"], None
+
+
 W = digits_mlp.WORKLOAD
+BUILD = dataclasses.replace(W, name="build", task=BrokenBuild())
+DATA = dataclasses.replace(W, name="data", task=BrokenData())
 EMPTY = dataclasses.replace(W, name="empty", task=EmptyTask())
 NAN = dataclasses.replace(W, name="nan", task=NanTask())
 NODEFAULT = dataclasses.replace(W, name="nodefault", config_cls=NoDefaultConfig, presets={"default": NoDefaultConfig})
 NET = dataclasses.replace(W, name="net", extra={"identity_sections": ("data",)})  # its model section unchecked
+'''
+
+
+WIDER = '''
+
+class WiderTask(digits_mlp.DigitsTask):  # the code changed after a run: its model is twice as wide
+    def build_model(self, cfg):
+        wide = dataclasses.replace(cfg.model, hidden=2 * cfg.model.hidden)
+        return super().build_model(dataclasses.replace(cfg, model=wide))
+
+
+NET = dataclasses.replace(NET, task=WiderTask())
 '''
 
 
@@ -579,6 +604,20 @@ def test_a_users_mistakes_are_said_plainly(project):
     assert proc.returncode == 1 and "raysys.bench: optimized: " in proc.stderr and "losses are not finite" in proc.stderr
 
 
+@pytest.mark.parametrize("attr, line", [
+    ("BUILD", "build: its Task.build_model raised ValueError: no model of width 128 here (mistakes.py:"),
+    ("DATA", "data: its Task.datasets raised KeyError: 'train' (mistakes.py:")])
+def test_an_error_in_the_workloads_code_is_one_line_before_anything_exists(project, attr, line):
+    """datasets and build_model run on the driver first: an error of the code itself is said at once (not
+    the workers' traceback, restarted max_failures times), and no run folder or MLflow store is made."""
+    (project / "mistakes.py").write_text(MISTAKES)
+    proc = _run(["python", "-m", "raysys", "train", f"mistakes:{attr}", "--preset", "quick", "--workers", "1",
+                 "--name", "x"], project)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"raysys: error in the workload's code: {line}") and "nothing was created" in proc.stderr
+    assert not (project / "raysys_runs").exists() and not (project / "mlflow.db").exists()
+
+
 def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anything(project):
     """A workload whose checkpoints compare only its data section (identity_sections): a resume that
     changes a shape in another section is still refused, in one line, before anything is written (the
@@ -598,9 +637,73 @@ def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anyt
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("raysys-net").experiment_id])
     assert run.info.status == "FINISHED"
+    # the same settings, but the workload's code now builds another model: refused alike, naming the cause
+    (project / "mistakes.py").write_text(MISTAKES + WIDER)
+    proc = _run([*args, "--resume"], project)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the run's config is unchanged, so the workload's code builds another model" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    (project / "mistakes.py").write_text(MISTAKES)
     proc = _run([*args, "--resume", "--set", "model.dropout=0.2", "--set", "train.epochs=2"], project)
     assert proc.returncode == 0 and "resumed step=" in (run_dir / "events.log").read_text()
     assert "[raysys] resuming with changed config: model.dropout: " in proc.stdout
+
+
+def test_a_resume_with_another_batch_size_or_worker_count_trains_the_epochs_left(project, monkeypatch):
+    """Steps per epoch change with the batch size or the worker count: a resume goes on from the same share
+    of its epoch and trains every epoch left (not the old run's step count), and says what changed."""
+    from mlflow.tracking import MlflowClient
+
+    args = ["python", "-m", "raysys", "train", "digits_mlp:WORKLOAD", "--preset", "quick", "--workers", "0",
+            "--name", "b"]
+    assert _run([*args, "--set", "train.max_steps=10"], project).returncode == 0  # stops in epoch 1 of 3
+    proc = _run([*args, "--resume", "--set", "train.max_steps=null", "--set", "train.batch_size=128"], project)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resuming with changed config: train.batch_size: 64 -> 128; train.max_steps: 10 -> None" in proc.stdout
+    assert "epoch 3/3 done" in proc.stdout
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-digits_mlp").experiment_id])
+    epochs = [m.value for m in client.get_metric_history(run.info.run_id, "train/epoch")]
+    assert run.info.status == "FINISHED" and max(epochs) == 3.0
+    # the share of epoch 1 left after 10 steps of 64 samples, in batches of 128, then two whole epochs
+    from raysys import cli
+    from raysys import workload as registry
+
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    wl = registry.get("digits_mlp:WORKLOAD")
+    n = len(wl.task.datasets(wl.config("quick"))[0])
+    final = json.loads((project / "raysys_runs" / "b" / "final_metrics.json").read_text())
+    assert final["step"] == 10 + math.ceil((n - 640) / 128) + 2 * math.ceil(n / 128), (final["step"], n)
+
+    # a worker count given on a resume is a change like any other (the global batch, the data's order)
+    parsed = cli.build_parser().parse_args(["train", "digits_mlp:WORKLOAD", "--name", "b", "--resume", "--workers", "2"])
+    cli.build_config(parsed)
+    assert parsed.resume_changes == "launch.workers: 0 -> 2"
+
+
+def test_a_resume_after_the_workloads_config_grew_or_renamed_a_field(project):
+    """A field added with a default since the checkpoint: the resume goes on and says its value. A field
+    renamed: one line that the run's saved config no longer fits the code, exit 2, nothing written."""
+    code = project / "digits_mlp.py"
+    args = ["python", "-m", "raysys", "train", "digits_mlp:WORKLOAD", "--preset", "quick", "--workers", "0",
+            "--name", "g"]
+    assert _run([*args, "--set", "train.max_steps=5"], project).returncode == 0
+    grown = code.read_text().replace("    hidden: int = 128\n", "    hidden: int = 128\n    act: str = 'relu'\n", 1)
+    assert "act: str" in grown
+    code.write_text(grown)
+    proc = _run([*args, "--resume", "--set", "train.max_steps=8"], project)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the checkpoint predates config key model.act (now 'relu'): the run goes on with it as it is now" in proc.stdout
+    code.write_text(grown.replace("hidden", "width"))
+    run_dir = project / "raysys_runs" / "g"
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    proc = _run([*args, "--resume", "--set", "train.max_steps=12"], project)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "no longer fits digits_mlp's config: unknown config key 'model.hidden'" in proc.stderr
+    assert "Its code changed since the run began" in proc.stderr
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
 
 
 # slow (~60 s). It once hung in CI: the trial's own failure report met a report of Train's still in Ray's

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,6 +243,7 @@ def test_resume_at_the_last_step_of_an_epoch_reports_a_finite_loss(workdir):
     state = torch.load(ckpt / "state.pt", weights_only=True)
     assert (state["epoch"], state["micro_in_epoch"]) == (1, 0) and state["loss"] == state["loss"]
     state["epoch"], state["micro_in_epoch"] = 0, 6  # what the in-epoch save of step 6 holds
+    del state["epoch_samples"]  # as an earlier version saved it: the epoch's place in micro-batches alone
     torch.save(state, ckpt / "state.pt")
     assert main([*args, "--resume", "--set", "train.max_steps=none"]) == 0  # the saved config had max_steps=6
     client, run = _mlflow_run(workdir, "edge")
@@ -297,3 +299,44 @@ def test_corrupt_checkpoint_and_existing_run(workdir, capsys):
     assert "corrupt" in err and str(newest) in err and err.count("\n") <= 2
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_resume_to_another_tracking_store_says_where_each_part_is(workdir, capsys):
+    """--tracking-uri on a resume: a new MLflow run in that store holds this session, and the note says so
+    (and where the earlier steps are), not that the run had none."""
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "t"]
+    assert main([*args, "--set", "train.max_steps=2"]) == 0
+    other = f"sqlite:///{workdir / 'other.db'}"
+    assert main([*args, "--resume", "--set", "train.max_steps=4", "--tracking-uri", other]) == 0
+    out = capsys.readouterr().out
+    assert "'t' tracked to sqlite:///" in out and f"this session tracks to {other}: a new MLflow run there " \
+        "holds it from step 2, the earlier steps stay in sqlite:///" in out, out[-3000:]
+    assert "has no MLflow run yet" not in out
+
+
+def test_a_resume_that_shortens_the_run_below_its_checkpoint_says_so(workdir, capsys):
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "short", "--set", "train.epochs=3"]
+    assert main([*args, "--set", "train.max_steps=4"]) == 0
+    (workdir / "raysys_runs" / "short" / "final_metrics.json").unlink()  # as a run stopped at step 4 leaves it
+    capsys.readouterr()
+    assert main([*args, "--resume", "--set", "train.max_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "the run's length (3 epochs, train.max_steps=2) ends before its checkpoint at step 4: nothing left to " \
+           "train; that model is evaluated and recorded as the run's result" in out, out[-2000:]
+
+
+def test_a_bare_resume_takes_the_newest_run_that_has_not_ended(workdir, capsys):
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--set", "train.max_steps=2"]
+    assert main(args) == 0
+    time.sleep(1.1)  # default names differ by the second
+    assert main(args) == 0
+    older, newer = sorted(p for p in (workdir / "raysys_runs").iterdir() if p.name.startswith("deep_gpcm-"))
+    (older / "final_metrics.json").unlink()  # as a run stopped before its end leaves it
+    capsys.readouterr()
+    assert main(["train", "deep_gpcm", "--resume", "--set", "train.max_steps=3"]) == 0
+    assert f"run '{older.name}'" in capsys.readouterr().out
+    assert (older / "final_metrics.json").is_file()
+    for run in (older, newer):
+        shutil.rmtree(run)
+    assert main(["train", "deep_gpcm", "--resume"]) == 2
+    assert "no earlier deep_gpcm run named by default (deep_gpcm-<date>-<time>)" in capsys.readouterr().err

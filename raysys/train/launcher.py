@@ -15,6 +15,7 @@ import os
 import math
 import shutil
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -77,11 +78,12 @@ def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
     if launch.resume and not name:  # newest run of this workload
         if remote:
             runs = [n for n in remote.listdir() if n.startswith(f"{wl_name}-")]  # <workload>-<time>: sorts by time
-        else:
-            runs = [p.name for p in sorted((p for p in root.glob(f"{wl_name}-*") if p.is_dir()),
-                                           key=lambda p: p.stat().st_mtime)]
+        else:  # the newest one that has not ended, else the newest
+            dirs = sorted((p for p in root.glob(f"{wl_name}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+            runs = [p.name for p in ([p for p in dirs if not (p / "final_metrics.json").exists()] or dirs)]
         if not runs:
-            raise ConfigError(f"--resume: no earlier {wl_name} run under {root}")
+            raise ConfigError(f"--resume: no earlier {wl_name} run named by default ({wl_name}-<date>-<time>) under "
+                              f"{root}; a run you named: --resume --name NAME")
         name = runs[-1]
     name = name or f"{wl_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if remote:
@@ -118,6 +120,21 @@ def saved_config(run_dir: Path) -> Optional[Path]:
         except (OSError, yaml.YAMLError):
             pass
     return None
+
+
+def _tracked_to(run_dir: Path) -> Optional[str]:
+    """The tracking URI the run's newest config snapshot recorded (None: none recorded)."""
+    snap = saved_config(run_dir)
+    try:
+        uri = (yaml.safe_load(snap.read_text()).get("launch") or {}).get("tracking_uri") if snap else None
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return uri if isinstance(uri, str) and uri else None
+
+
+def _latest_step(store: CheckpointStore) -> int:
+    latest = store.latest()
+    return int(store.meta(latest).get("step", 0)) if latest is not None else 0
 
 
 def _next_snapshot(run_dir: Path, resume: bool) -> Path:
@@ -399,9 +416,9 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
              check: Optional[Callable[[Any], None]] = None) -> OpenRun:
     """Validate everything, then create: the run folder (locked), the config snapshot and the MLflow run
     (reopened when resuming). Any problem found before the folder exists leaves nothing behind.
-    ``fits(cfg, state)``: raises a CheckpointError when a resume's changed config cannot take the
-    checkpoint's state (a shape outside the checkpoint's identity). ``check(cfg)``: the workload's own
-    check of the prepared config, which raises a ConfigError (before anything exists)."""
+    ``fits(cfg, state)``: raises a CheckpointError when the model a resume builds (its settings changed, or its
+    code) cannot take the checkpoint's state (a shape outside the checkpoint's identity). ``check(cfg)``: the
+    workload's own check of the prepared config, which raises a ConfigError (before anything exists)."""
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
@@ -430,8 +447,14 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
             record_event(run_dir, f"checkpoint cleanup: {line}")
         if store.latest() is not None:
-            state, _ = store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
-            if fits is not None and (tags or {}).get("raysys.resume_changes"):  # the same config fits by itself
+            state, meta = store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
+            added = store.added(meta)
+            if added:  # the workload's config grew fields since the checkpoint: their values now are said
+                many = len(added) > 1
+                print(f"[raysys] note: the checkpoint predates config key{'s' if many else ''} "
+                      + ", ".join(f"{k} (now {v!r})" for k, v in added.items())
+                      + f": the run goes on with {'them as they are' if many else 'it as it is'} now", flush=True)
+            if fits is not None:  # a changed setting, or the workload's code changed since the checkpoint
                 fits(cfg, state)
     created = not launch.resume
     if created:
@@ -441,12 +464,17 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         cfg_dict = to_dict(cfg)
         if hasattr(launch, "tracking_uri") and cfg_dict.get("launch", {}).get("tracking_uri") is None:
             cfg_dict["launch"]["tracking_uri"] = uri  # the store it tracks to: a --resume from elsewhere finds it
+        tracked_to = _tracked_to(run_dir) if launch.resume else None  # before this session's snapshot
         cfg_file = _next_snapshot(run_dir, launch.resume)
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
         experiment = launch.experiment or f"raysys-{wl.name}"
         new_mlflow_run = created or (parent_run_id is None and tracking.find_run(uri, experiment, name) is None)
         if launch.resume and new_mlflow_run:
-            if getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(launch.tracking_uri) == uri:
+            if tracked_to and getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(tracked_to) != uri:
+                print(f"[raysys] note: '{name}' tracked to {tracked_to}; this session tracks to {uri}: a new MLflow "
+                      f"run there holds it from step {_latest_step(store)}, the earlier steps stay in {tracked_to} "
+                      "(resume without --tracking-uri to go on in that run)", flush=True)
+            elif getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(launch.tracking_uri) == uri:
                 print(f"[raysys] note: '{name}' has no MLflow run yet (its first session ended before it made one): "
                       "this session's holds it from here", flush=True)
             else:
@@ -537,28 +565,70 @@ def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:
         seen = (f"{odd}: checkpoint {list(have[odd]) if odd in have else 'none'}, "
                 f"now {list(want[odd]) if odd in want else 'none'}")
         changed = (tags or {}).get("raysys.resume_changes", "")
-        raise CheckpointError(f"the checkpoint does not fit the model this config builds ({seen}); changed on this "
-                              f"resume: {changed}. Resume with the run's settings, or start a new run (another --name)")
+        why = (f"changed on this resume: {changed}. Resume with the run's settings" if changed else
+               "the run's config is unchanged, so the workload's code builds another model than the one it saved. "
+               "Resume with that code")
+        raise CheckpointError(f"the checkpoint does not fit the model this config builds ({seen}); {why}, or start "
+                              "a new run (another --name)")
 
     return fits
 
 
-def _hooks_work(wl: registry.Workload) -> Optional[Callable[[Any], None]]:
-    """For a task with its own optimizer hooks: the mistakes ``optim.task_optimizer`` and ``task_scheduler``
-    refuse (a parameter left out, a plateau's mode) are found here, on a model built on torch's meta device,
-    before the run exists, not in its workers after. The hooks' own errors are left to the workers, which
-    meet them again with their tracebacks."""
+class WorkloadCodeError(ConfigError):
+    """The workload's own code (its Task's datasets or build_model) raised an error of the code itself."""
+
+
+CODE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, IndexError, ZeroDivisionError, ImportError)
+"""Errors of a workload's own code, whatever node runs it. Not among them: what may fail on the driver alone
+(RuntimeError: no GPU here, no Ray Train context, an op meta tensors lack; OSError: data on the workers' nodes;
+AssertionError: torch without CUDA)."""
+
+
+def _built(wl: registry.Workload, cfg: Any) -> Any:
+    """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
+    memory), before the run exists; None where it cannot be built here. An error of the code itself
+    (``CODE_ERRORS``) is one line naming the hook, the error and where it was raised, not the workers' traceback
+    after the run was made and restarted ``max_failures`` times."""
+    import torch
+
+    task = wl.task
+    for hook in ("datasets", "build_model"):
+        try:
+            if hook == "datasets":
+                task.datasets(cfg)
+            else:
+                with torch.device("meta"):
+                    return task.build_model(cfg)
+        except ConfigError:
+            raise
+        except CODE_ERRORS as e:
+            frames = traceback.extract_tb(e.__traceback__)  # where in the workload's code, not inside torch
+            where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
+                     or frames)[-1]
+            what = DataError if hook == "datasets" and isinstance(e, ValueError) else WorkloadCodeError
+            detail = (str(e).strip().splitlines() or [""])[0][:300]
+            raise what(f"{wl.name}: its Task.{hook} raised {type(e).__name__}"
+                       + (f": {detail}" if detail else "") + f" ({Path(where.filename).name}:{where.lineno}; "
+                       "nothing was created)") from None
+        except Exception:  # what may fail here alone: the workers build it, and meet any error there
+            return None
+    return None
+
+
+def _code_works(wl: registry.Workload) -> Callable[[Any], None]:
+    """``open_run``'s check of a TorchTask workload: its model builds (``_built``) and, for a task with its own
+    optimizer hooks, the mistakes ``optim.task_optimizer`` and ``task_scheduler`` refuse (a parameter left
+    out, a plateau's mode) are found on that meta model, before the run exists, not in its workers after.
+    The hooks' own errors are left to the workers, which meet them again with their tracebacks."""
     from raysys.train.optim import hooks_used
 
     task = wl.task
-    if not hooks_used(task):
-        return None
 
     def check(cfg: Any) -> None:
         from raysys.train.optim import task_optimizer, task_scheduler
 
-        model = _meta_model(task, cfg)
-        if model is None:
+        model = _built(wl, cfg)
+        if model is None or not hooks_used(task):
             return
         try:
             opt = task_optimizer(task, cfg, model, wl.name)
@@ -626,7 +696,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
     run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl.task, tags),
-                   check=_hooks_work(wl))
+                   check=_code_works(wl))
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
 

@@ -156,7 +156,26 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         raise ConfigError(f"{wl.name}: its model has SyncBatchNorm, which torch synchronises on GPUs only, and its "
                           f"{world} workers train on CPUs: set launch.gpus_per_worker, or keep plain BatchNorm")
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
-    total_steps = steps_per_epoch * tc.epochs if tc.max_steps is None else min(tc.max_steps, steps_per_epoch * tc.epochs)
+
+    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints,
+                            local_keys=wl.extra.get("local_keys", ()), holder=payload.get("holder"),
+                            config=payload["config"])
+    latest = store.latest()
+    state, meta = store.load(latest) if latest is not None else (None, {})
+    step, epoch, start = 0, 0, 0  # start: this worker's samples of the epoch already trained on
+    if state is not None:
+        step, epoch = state["step"], state["epoch"]
+        start = min(per_worker, _epoch_samples(state, meta, tc.batch_size, world) // world)
+    # where the epoch resumes, in this session's micro-batches: a resume with another batch size or worker count
+    # (steps per epoch) goes on from the same share of the epoch, and trains the epochs that remain
+    left = (per_worker - start) // tc.batch_size if cfg.loader.drop_last else math.ceil((per_worker - start) / tc.batch_size)
+    micro_done = micro_per_epoch - left
+    total_steps = (step + math.ceil(left / tc.grad_accum) + steps_per_epoch * max(0, tc.epochs - epoch - 1)
+                   if epoch < tc.epochs else step)
+    if tc.max_steps is not None:
+        total_steps = min(tc.max_steps, total_steps)
     opt = task_optimizer(task, cfg, model, wl.name)
     sched = task_scheduler(task, cfg, opt, total_steps, wl.name, wl.quality_metric, wl.quality_mode)
     plateau = is_plateau(sched)  # stepped with the quality after each evaluation, not at each step
@@ -166,16 +185,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     monitor = StabilityMonitor(spike_factor=tc.spike_factor)
     speed = Throughput()
 
-    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
-    run_dir.mkdir(parents=True, exist_ok=True)
-    store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints,
-                            local_keys=wl.extra.get("local_keys", ()), holder=payload.get("holder"),
-                            config=payload["config"])
-    step, epoch, micro_done = 0, 0, 0
     loss_val = float("nan")
-    latest = store.latest()
-    if latest is not None:
-        state, meta = store.load(latest)
+    if state is not None:
         # a task's own schedule fixed to the run's length (OneCycleLR, a cosine's T_max) is rebuilt for a new one
         stretched = own_schedule and not plateau and state.get("total_steps", total_steps) != total_steps
         try:
@@ -189,13 +200,12 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             from raysys.checkpoint import CheckpointError  # (a shape, the optimizer): no restart fixes it
 
             raise CheckpointError(f"checkpoint {latest.name} does not fit the model or optimizer this config builds: "
-                                  f"{_first_mismatch(str(e))}. Resume with the run's settings, or start a new run "
+                                  f"{_first_mismatch(str(e)).rstrip('.')}. Resume with the run's settings, or start a new run "
                                   "(another --name)") from None
         scaler.load_state_dict(state["scaler"])
         timer.load_state_dict(state["timer"])
         monitor.load_state_dict(state["monitor"])
         _set_rng_state(state["rng"])
-        step, epoch, micro_done = state["step"], state["epoch"], state["micro_in_epoch"]
         # the last step's loss: an epoch-end report right after the resume must not say NaN
         loss_val = float(state.get("loss", float("nan")))
         if rank == 0:  # the epoch as the progress bar counts it (from 1), and where in it the run is
@@ -225,6 +235,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
                         "rng": _rng_state(), "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
+                        "epoch_samples": min(per_worker, start + (micro_done - micro_at_start) * tc.batch_size) * world,
                         "loss": loss_val, "total_steps": total_steps},
                        step, {"epoch": epoch})
 
@@ -252,8 +263,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     diverged = stopped = False
     nonfinite_streak = 0
     model.train()
+    micro_at_start = micro_done  # micro_done counts from here in this epoch's first `start` samples
     while epoch < tc.epochs and step < total_steps and not diverged and not stopped:
-        sampler.set_epoch(epoch, start=micro_done * tc.batch_size)
+        sampler.set_epoch(epoch, start=start)
         it = iter(make_loader(train_ds, tc.batch_size, sampler, task.collate, cfg.loader, device,
                               seed=tc.seed * 100_003 + epoch))
         exhausted = False
@@ -331,7 +343,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             break
         if exhausted and not diverged:  # epoch finished: evaluate, report, checkpoint at the boundary
             epoch += 1
-            micro_done = 0
+            micro_done = micro_at_start = start = 0
             metrics = {"train/loss": loss_val, "train/lr": opt.param_groups[0]["lr"], "train/epoch": float(epoch),
                        **speed.rates(world), **monitor.metrics()}
             evals = epoch % tc.eval_every_epochs == 0 or epoch == tc.epochs
@@ -368,6 +380,12 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                          "length to continue); its recorded final metrics and config are kept")
         ray.train.report({**kept, "done": 1.0})
         return
+    shortened = state is not None and total_steps < state.get("total_steps", total_steps)  # than its checkpoint's
+    if step == step_at_start and shortened and rank == 0:  # a resume that shortened the run below its checkpoint
+        sink.message(f"[{wl.name}] the run's length ({tc.epochs} epochs"
+                     + (f", train.max_steps={tc.max_steps}" if tc.max_steps is not None else "")
+                     + f") ends before its checkpoint at step {step}: nothing left to train; that model is "
+                     "evaluated and recorded as the run's result")
     final = {"step": step, "steps_this_session": step - step_at_start, "world_size": world,
              "stability/diverged": float(diverged), **monitor.metrics(),
              # no step this session (killed after its last checkpoint, before this): no speed to report, not 0
@@ -395,6 +413,17 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         else:
             sink.message(f"[{wl.name}] step-time breakdown {what}:\n{breakdown}")
     ray.train.report({**final, "done": 1.0})
+
+
+def _epoch_samples(state: dict, meta: dict, batch_size: int, world: int) -> int:
+    """The samples of its epoch a checkpoint had trained on, over all workers. A checkpoint of an earlier
+    version kept only its micro-batches: their size and the worker count come from the config it recorded."""
+    if "epoch_samples" in state:
+        return int(state["epoch_samples"])
+    saved = meta.get("config") or {}
+    batch = saved.get("train", {}).get("batch_size", batch_size)
+    workers = max(1, saved.get("launch", {}).get("workers", world) or 1)
+    return int(state.get("micro_in_epoch", 0)) * int(batch) * int(workers)
 
 
 def _first_mismatch(text: str) -> str:
