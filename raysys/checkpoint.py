@@ -271,7 +271,8 @@ class CheckpointStore:
                 raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "
                                            f"{remote.display}/{name} ({str(e).splitlines()[0][:200]}); the earlier "
                                            "checkpoints are intact") from e
-        for stale in self.complete()[:-self.keep]:
+        ended = ended_steps(self.run_dir)  # the models the run ended with before a --resume extended it: kept
+        for stale in [c for c in self.complete()[:-self.keep] if int(c.name.split("_")[1]) not in ended]:
             if self.remote is not None:
                 self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
             # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not a
@@ -378,3 +379,42 @@ def _why_unreadable(e: Exception) -> str:
     elif not text:
         text = "the file is empty or cut short" if isinstance(e, EOFError) else "no detail"
     return f"{type(e).__name__}: {text[:200]}"
+
+
+FINAL_FILE = "final_metrics.json"
+
+
+def ended_steps(run_dir: Path) -> set[int]:
+    """The steps at which the run ended (its ``final_metrics*.json``): their checkpoints are its results."""
+    steps = set()
+    for path in Path(run_dir).glob("final_metrics*.json"):
+        try:
+            step = json.loads(path.read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            steps.add(step)
+    return steps
+
+
+def record_final(run_dir: Path, final: dict, breakdown: Optional[str] = None) -> None:
+    """Write the run's ``final_metrics.json`` (and its ``breakdown.md``). What an earlier session recorded when
+    the run ended at another step (a --resume then extended it) is kept beside them, as
+    ``final_metrics.step_N.json`` and ``breakdown.step_N.md``, not overwritten; its checkpoint is kept too
+    (``ended_steps``)."""
+    from raysys import storage
+
+    run_dir = Path(run_dir)
+    path = run_dir / FINAL_FILE
+    try:
+        earlier = json.loads(path.read_text()) if storage.pull(path) else None
+    except (OSError, ValueError):
+        earlier = None
+    step = earlier.get("step") if isinstance(earlier, dict) else None
+    if isinstance(step, int) and step != final.get("step"):
+        storage.write_text(run_dir / f"final_metrics.step_{step}.json", path.read_text())
+        if storage.pull(run_dir / "breakdown.md"):
+            storage.write_text(run_dir / f"breakdown.step_{step}.md", (run_dir / "breakdown.md").read_text())
+    if breakdown is not None:
+        storage.write_text(run_dir / "breakdown.md", breakdown)
+    storage.write_text(path, json.dumps(final, indent=1, default=float))

@@ -7,12 +7,11 @@ checkpoints and restores through the :class:`Session`, and never imports Ray or 
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Mapping, Optional
 
 from raysys import console, storage
-from raysys.checkpoint import CheckpointStore
+from raysys.checkpoint import CheckpointStore, record_final
 from raysys.lifecycle import StopPoller, reached_end, stop_requested
 from raysys.console import Sink
 from raysys.train.failures import record_event
@@ -208,7 +207,7 @@ def _result(run: OpenRun, final: dict, session: Session, failure: str = "") -> R
     """A closed run's result; its final metrics are written unless it was stopped (then it resumes) or
     it kept those it recorded before."""
     if stop_requested() is None and not session.kept_final:
-        storage.write_text(run.run_dir / "final_metrics.json", json.dumps(final, indent=1, default=float))
+        record_final(run.run_dir, final)
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
                      resume_command=run.resume_command(), failure=failure)
 

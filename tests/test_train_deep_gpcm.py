@@ -340,3 +340,19 @@ def test_a_bare_resume_takes_the_newest_run_that_has_not_ended(workdir, capsys):
         shutil.rmtree(run)
     assert main(["train", "deep_gpcm", "--resume"]) == 2
     assert "no earlier deep_gpcm run named by default (deep_gpcm-<date>-<time>)" in capsys.readouterr().err
+
+
+def test_extending_a_finished_run_keeps_what_it_ended_with(workdir):
+    """A --resume that trains a finished run further: the model it ended with (its checkpoint) and what it
+    recorded then (final metrics, breakdown) are kept beside the new ones, not rotated away or overwritten."""
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "ext"]
+    assert main([*args, "--set", "train.epochs=1"]) == 0  # the quick preset has 6 steps per epoch
+    run = workdir / "raysys_runs" / "ext"
+    first = json.loads((run / "final_metrics.json").read_text())
+    assert first["step"] == 6
+    assert main([*args, "--resume", "--set", "train.epochs=4"]) == 0  # keep_checkpoints=2 rotates steps 12 .. 24
+    assert json.loads((run / "final_metrics.json").read_text())["step"] == 24
+    assert json.loads((run / "final_metrics.step_6.json").read_text()) == first
+    assert (run / "breakdown.step_6.md").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
+        "step_000000006", "step_000000018", "step_000000024"]

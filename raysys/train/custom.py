@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
+from raysys.checkpoint import record_final
 from raysys.config import from_dict
 from raysys.session import Session
 from raysys.train.failures import fit_with_restarts
@@ -63,8 +64,7 @@ def _train_worker(payload: dict) -> None:
     if rank == 0 and ran_to_end:
         lifecycle.reached_end(payload["stop"])
         if not session.kept_final:
-            storage.write_text(storage.worker_run_dir(payload) / "final_metrics.json",
-                               json.dumps({**final, "world_size": world}, indent=1, default=float))
+            record_final(storage.worker_run_dir(payload), {**final, "world_size": world})
 
 
 def _init_jax_distributed(rank: int, world: int) -> None:

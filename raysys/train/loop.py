@@ -8,7 +8,6 @@ fixed step/epoch boundaries so that every rank makes the same ``ray.train.report
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -22,7 +21,7 @@ import torch
 
 from raysys import lifecycle, storage
 from raysys import workload as registry
-from raysys.checkpoint import CheckpointStore
+from raysys.checkpoint import CheckpointStore, record_final
 from raysys.console import Sink
 from raysys.config import ConfigError, from_dict
 from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
@@ -402,8 +401,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         final.update(last_eval)
         breakdown = timer.table()
         logger.log_text(breakdown, "breakdown.md")
-        storage.write_text(run_dir / "breakdown.md", breakdown)
-        storage.write_text(run_dir / "final_metrics.json", json.dumps(final, indent=1))
+        record_final(run_dir, final, breakdown)
         from raysys.train.launcher import BENCH_ENV
 
         what = ("of this quality run (its first steps included; the bench's ratio is timed apart)"
