@@ -323,7 +323,8 @@ class CheckpointStore:
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path} is corrupt: unreadable meta.json ({e}). It was left untouched.") from None
+            raise CheckpointError(f"checkpoint {path} is corrupt: unreadable meta.json ({e}). It was left untouched; "
+                                  f"{self._aside_hint(path)}") from None
         if meta.get("workload") != self.workload:
             raise CheckpointError(
                 f"checkpoint {path} belongs to workload '{meta.get('workload')}', not '{self.workload}'; "
@@ -345,7 +346,9 @@ class CheckpointStore:
 def refuse_different(path: Path, diff: dict[str, tuple[Any, Any]]) -> None:
     """``diff``: what :meth:`CheckpointStore.differences` found."""
     said = "; ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items())
-    raise CheckpointError(f"checkpoint {path} was written with a different config: {said}. "
+    data = [k for k in diff if k.rsplit(".", 1)[-1] == "digest"]
+    why = (f" ({', '.join(data)}: the data files now hold other data than the run trained on)" if data else "")
+    raise CheckpointError(f"checkpoint {path} was written with a different config: {said}{why}. "
                           "Resume with the same settings, or start a new run (another --name).")
 
 

@@ -162,6 +162,15 @@ def test_an_empty_or_cut_state_file_is_one_clear_refusal(tmp_path, damage):
     assert "to resume from step_000000001" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_an_unreadable_meta_json_says_how_to_resume_from_the_one_before(tmp_path):
+    s = _store(tmp_path)
+    s.save({"x": torch.ones(3)}, 1)
+    path = s.save({"x": torch.ones(3)}, 2)
+    (path / "meta.json").write_text("")
+    with pytest.raises(CheckpointError, match="unreadable meta.json .* to resume from step_000000001, move it aside"):
+        s.load()
+
+
 def test_foreign_and_mismatched_checkpoints_refused(tmp_path):
     _store(tmp_path).save({"x": torch.ones(1)}, 1)
     with pytest.raises(CheckpointError, match="belongs to workload 'w'"):

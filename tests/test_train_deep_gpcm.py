@@ -157,7 +157,8 @@ def test_a_run_on_your_data_resumes_from_a_copy_elsewhere_but_not_on_other_data(
     df.to_parquet(b / "copy.parquet")
     capsys.readouterr()
     assert main([*args, "--resume", "--set", "train.epochs=3"]) == 2
-    assert "different config: data.digest" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "different config: data.digest" in err and "the data files now hold other data than the run trained on" in err
 
 
 def test_two_ddp_workers_match_one(workdir, ray_cluster):
