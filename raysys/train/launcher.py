@@ -578,10 +578,10 @@ class WorkloadCodeError(ConfigError):
     """The workload's own code (its Task's datasets or build_model) raised an error of the code itself."""
 
 
-CODE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, IndexError, ZeroDivisionError, ImportError)
+CODE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, IndexError, ZeroDivisionError)
 """Errors of a workload's own code, whatever node runs it. Not among them: what may fail on the driver alone
 (RuntimeError: no GPU here, no Ray Train context, an op meta tensors lack; OSError: data on the workers' nodes;
-AssertionError: torch without CUDA)."""
+ImportError: a package the workers' runtime env installs; AssertionError: torch without CUDA)."""
 
 
 def _built(wl: registry.Workload, cfg: Any) -> Any:
