@@ -341,7 +341,16 @@ def train_population(cfgs, sessions):
     return digits_jax.train_population(cfgs, sessions)
 
 
-WORKLOAD = dataclasses.replace(digits_jax.WORKLOAD, name="narrow_only",
+@dataclasses.dataclass
+class PickyConfig(digits_jax.DigitsJaxConfig):
+    def validate(self):  # one combination of knobs, each valid alone, is refused
+        if self.model.hidden == 32 and self.train.seed == 2:
+            raise ConfigError("hidden 32 with seed 2 is refused")
+
+
+WORKLOAD = dataclasses.replace(digits_jax.WORKLOAD, name="narrow_only", config_cls=PickyConfig,
+                               presets={k: (lambda f=f: PickyConfig(**vars(f()))) for k, f in
+                                        digits_jax.WORKLOAD.presets.items()},
                                population=Population(train_population, digits_jax.MEMBER_KNOBS))
 '''
 
@@ -350,7 +359,8 @@ WORKLOAD = dataclasses.replace(digits_jax.WORKLOAD, name="narrow_only",
 def test_a_config_error_in_a_vectorized_program_fails_its_members_once(tmp_path):
     """Two programs (two widths) of two members each: the one whose train_population raises a ConfigError
     fails at once, both its members `error` with the message (no --max-failures restart), while the
-    other program's members train."""
+    other program's members train, but for one whose knobs together are no valid config: it fails alone,
+    as its lone trial would, and the program runs its other member."""
     import os
 
     import yaml
@@ -371,15 +381,16 @@ def test_a_config_error_in_a_vectorized_program_fails_its_members_once(tmp_path)
     assert proc.returncode == 0
     assert attempts.read_text().count("attempt") == 1
     failed = [l for l in proc.stdout.splitlines() if " FAILED: " in l]
-    assert len(failed) == 2 and all("ConfigError: model.hidden=64 does not fit this device (not restarted" in l
-                                    for l in failed)
-    assert "4 trials — 2 ok, 2 error" in proc.stdout and "starting again" not in proc.stdout
+    assert len(failed) == 3 and sum("ConfigError: model.hidden=64 does not fit this device (not restarted" in l
+                                    for l in failed) == 2
+    assert sum("hidden 32 with seed 2 is refused" in l for l in failed) == 1
+    assert "4 trials — 1 ok, 3 error" in proc.stdout and "starting again" not in proc.stdout
     assert "not acceptable" not in proc.stderr  # Optuna is told the failures, not their NaN objectives
     with open(project / "raysys_runs" / "sweeps" / "v" / "report" / "trials.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted((r["model.hidden"], r["status"]) for r in rows) == [("32", "ok"), ("32", "ok"),
-                                                                      ("64", "error"), ("64", "error")]
-    assert all("does not fit this device" in r["reason"] for r in rows if r["status"] == "error")
+    assert sorted((r["model.hidden"], r["train.seed"], r["status"]) for r in rows) == [
+        ("32", "1", "ok"), ("32", "2", "error"), ("64", "1", "error"), ("64", "2", "error")]
+    assert all("does not fit this device" in r["reason"] for r in rows if r["model.hidden"] == "64")
 
 
 PID_RECORDING = '''

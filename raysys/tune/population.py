@@ -174,9 +174,10 @@ def run_population_trial(config: dict, setup) -> None:
     from ray import tune
 
     from raysys import workload as registry
+    from raysys.config import ConfigError
     from raysys.session import run_population
-    from raysys.tune.trial import (begin_trial, fail_permanently, finished_final, log_event, release_trial_memory,
-                                   reused_final, trial_config, training)
+    from raysys.tune.trial import (begin_trial, fail_permanently, finished_final, log_event, permanent_reason,
+                                   release_trial_memory, reused_final, trial_config, training)
 
     trial_id = tune.get_context().get_trial_id()
     begin_trial()
@@ -192,6 +193,15 @@ def run_population_trial(config: dict, setup) -> None:
             reports.reporter(j)(reused_final(setup, mid, final))
         else:
             todo.append(j)
+    cfgs = {}
+    for j in list(todo):  # a member whose knobs together are no valid config fails alone, as its lone trial would
+        try:
+            cfgs[j] = trial_config(setup, all_knobs[j], ids[j])
+        except ConfigError as e:
+            reason = permanent_reason(e) or str(e)
+            log_event(setup.sweep_dir, f"fail {ids[j]} {reason}")
+            reports.fail(j, reason)
+            todo.remove(j)
     if not todo:
         reports.finish()
         return
@@ -199,11 +209,10 @@ def run_population_trial(config: dict, setup) -> None:
     # them at their step boundary first, and the trial stays unfinished (trial.training)
     with training(setup, trial_id):
         try:
-            cfgs = [trial_config(setup, all_knobs[j], ids[j]) for j in todo]
-            for j, cfg in zip(todo, cfgs):
-                log_event(setup.sweep_dir, f"start {ids[j]} run={cfg.launch.name} resume={cfg.launch.resume} "
+            for j in todo:
+                log_event(setup.sweep_dir, f"start {ids[j]} run={cfgs[j].launch.name} resume={cfgs[j].launch.resume} "
                                            f"population={trial_id}")
-            results = run_population(wl, cfgs, parent_run_id=setup.parent_run_id,
+            results = run_population(wl, [cfgs[j] for j in todo], parent_run_id=setup.parent_run_id,
                                      tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
                                      reports=[reports.reporter(j) for j in todo])
             if reports.ended is not None:  # Tune ended the trial; its members stopped with their checkpoints
