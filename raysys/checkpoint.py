@@ -271,8 +271,9 @@ class CheckpointStore:
                 raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "
                                            f"{remote.display}/{name} ({str(e).splitlines()[0][:200]}); the earlier "
                                            "checkpoints are intact") from e
-        ended = ended_steps(self.run_dir)  # the models the run ended with before a --resume extended it: kept
-        for stale in [c for c in self.complete()[:-self.keep] if int(c.name.split("_")[1]) not in ended]:
+        stale = self.complete()[:-self.keep]
+        ended = ended_steps(self.run_dir, self.remote) if stale else set()  # what the run ended with before: kept
+        for stale in [c for c in stale if int(c.name.split("_")[1]) not in ended]:
             if self.remote is not None:
                 self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
             # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not a
@@ -387,8 +388,14 @@ def _why_unreadable(e: Exception) -> str:
 FINAL_FILE = "final_metrics.json"
 
 
-def ended_steps(run_dir: Path) -> set[int]:
-    """The steps at which the run ended (its ``final_metrics*.json``): their checkpoints are its results."""
+def ended_steps(run_dir: Path, remote: Optional[tuple] = None) -> set[int]:
+    """The steps at which the run ended (its ``final_metrics*.json``): their checkpoints are its results.
+    ``remote``: (storage, run name) of a run on remote storage, whose files are fetched first."""
+    if remote is not None:
+        store, name = remote
+        for n in store.listdir(name):
+            if n.startswith("final_metrics") and n.endswith(".json"):
+                store.get(Path(run_dir) / n, name, n)
     steps = set()
     for path in Path(run_dir).glob("final_metrics*.json"):
         try:

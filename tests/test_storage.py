@@ -148,6 +148,11 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     assert "resumed step=12 epoch=2 from=step_000000012" in _text(client, "runs/on-s3/events.log")
     assert "runs/on-s3/checkpoints/step_000000024/meta.json" in _keys(client, "runs/on-s3/")
     assert "runs/on-s3/config.resume-1.yaml" in _keys(client, "runs/on-s3/")
+    # trained further after its end: what it ended with is kept in the bucket beside the new result
+    keys = _keys(client, "runs/on-s3/")
+    assert {"runs/on-s3/checkpoints/step_000000012/meta.json", "runs/on-s3/final_metrics.step_12.json",
+            "runs/on-s3/breakdown.step_12.md"} <= set(keys), keys
+    assert json.loads(_text(client, "runs/on-s3/final_metrics.json"))["step"] == 24
     # the same name again, without --resume: refused, nothing changed
     twice = _train(tmp_path, *QUICK, "--storage-path", uri, "--name", "on-s3")
     assert twice.returncode == 2 and "already exists" in twice.stderr
