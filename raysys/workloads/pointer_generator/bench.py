@@ -226,8 +226,9 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     # learning: both paths go on to LEARN_STEPS optimizer steps from the same weights on the same notes (16 a
     # step), then their loss on the held-out notes (teacher-forced) against the weights' first; and the ROUGE
     # of their summaries, which after so few steps is near zero (docs/benchmarks.md has 400-step runs)
-    n_learn = min(LEARN_STEPS[quick], len(train_ds) // accum)
-    for s in range(steps + 1, n_learn):
+    # (so far: a warm-up step, the timed ones and the memory step's, which repeats the warm-up's notes)
+    n_learn = max(steps + 2, min(LEARN_STEPS[quick], len(train_ds) // accum + 1))
+    for s in range(steps + 1, n_learn - 1):
         group = [train_ds[i] for i in range(s * accum, (s + 1) * accum)]
         _opt_step(models["naive"], opts["naive"], [task.collate([it]) for it in group], device)
         _opt_step(models["optimized"], opts["optimized"],
