@@ -273,7 +273,7 @@ class CheckpointStore:
                                            "checkpoints are intact") from e
         stale = self.complete()[:-self.keep]
         ended = ended_steps(self.run_dir, self.remote) if stale else set()  # what the run ended with before: kept
-        for stale in [c for c in stale if int(c.name.split("_")[1]) not in ended]:
+        for stale in [c for c in stale if _step_of(c) not in ended and not self.ended(c)]:
             if self.remote is not None:
                 self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
             # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not a
@@ -282,6 +282,18 @@ class CheckpointStore:
             os.replace(stale, gone)
             shutil.rmtree(gone, ignore_errors=True)
         return final
+
+    def mark_ended(self, path: Path) -> None:
+        """Mark checkpoint ``path`` as the model the run ended with (``record_final``)."""
+        (path / ENDED_MARK).write_text("the model this run ended with: pruning keeps it\n")
+        if self.remote is not None:
+            self.remote[0].put(path / ENDED_MARK, self.remote[1], "checkpoints", path.name, ENDED_MARK)
+
+    def ended(self, path: Path) -> bool:
+        """Whether checkpoint ``path`` is one the run ended with (``mark_ended``)."""
+        if self.remote is not None:
+            return self.remote[0].kind(self.remote[1], "checkpoints", path.name, ENDED_MARK) == "file"
+        return (path / ENDED_MARK).is_file()
 
     def load(self, path: Optional[Path] = None) -> tuple[dict, dict]:
         """Load (state, meta) from ``path`` or the latest checkpoint; raise CheckpointError if unusable."""
@@ -386,10 +398,13 @@ def _why_unreadable(e: Exception) -> str:
 
 
 FINAL_FILE = "final_metrics.json"
+ENDED_MARK = "ENDED"
+"""In a checkpoint's folder: the model the run ended with, kept when a --resume trains it further."""
 
 
 def ended_steps(run_dir: Path, remote: Optional[tuple] = None) -> set[int]:
-    """The steps at which the run ended (its ``final_metrics*.json``): their checkpoints are its results.
+    """The steps at which the run ended (its ``final_metrics*.json``): their checkpoints are its results (a
+    run of an earlier version has no ``ENDED_MARK``).
     ``remote``: (storage, run name) of a run on remote storage, whose files are fetched first."""
     if remote is not None:
         store, name = remote
@@ -407,24 +422,34 @@ def ended_steps(run_dir: Path, remote: Optional[tuple] = None) -> set[int]:
     return steps
 
 
-def record_final(run_dir: Path, final: dict, breakdown: Optional[str] = None) -> None:
-    """Write the run's ``final_metrics.json`` (and its ``breakdown.md``). What an earlier session recorded when
-    the run ended at another step (a --resume then extended it) is kept beside them, as
-    ``final_metrics.step_N.json`` and ``breakdown.step_N.md``, not overwritten; its checkpoint is kept too
-    (``ended_steps``)."""
+def record_final(store: "CheckpointStore", final: dict, breakdown: Optional[str] = None) -> None:
+    """Write the run's ``final_metrics.json`` (and its ``breakdown.md``), and mark its newest checkpoint as the
+    model it ended with (``ENDED_MARK``: pruning keeps it). What an earlier session recorded when the run
+    ended at another step (a --resume then trained it further) is kept beside them, as
+    ``final_metrics.step_N.json`` and ``breakdown.step_N.md``, not overwritten."""
     from raysys import storage
 
-    run_dir = Path(run_dir)
+    run_dir = store.run_dir
     path = run_dir / FINAL_FILE
     try:
         earlier = json.loads(path.read_text()) if storage.pull(path) else None
     except (OSError, ValueError):
         earlier = None
-    step = earlier.get("step") if isinstance(earlier, dict) else None
-    if isinstance(step, int) and step != final.get("step"):
-        storage.write_text(run_dir / f"final_metrics.step_{step}.json", path.read_text())
-        if storage.pull(run_dir / "breakdown.md"):
-            storage.write_text(run_dir / f"breakdown.step_{step}.md", (run_dir / "breakdown.md").read_text())
+    done = store.complete()
+    now = _step_of(done[-1]) if done else None
+    if isinstance(earlier, dict):
+        marked = [c for c in reversed(done) if store.ended(c)]
+        was = _step_of(marked[0]) if marked else earlier.get("step")  # the mark, or (an older run) its file's step
+        if isinstance(was, int) and was != now:
+            storage.write_text(run_dir / f"final_metrics.step_{was}.json", path.read_text())
+            if storage.pull(run_dir / "breakdown.md"):
+                storage.write_text(run_dir / f"breakdown.step_{was}.md", (run_dir / "breakdown.md").read_text())
     if breakdown is not None:
         storage.write_text(run_dir / "breakdown.md", breakdown)
     storage.write_text(path, json.dumps(final, indent=1, default=float))
+    if done:
+        store.mark_ended(done[-1])
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1])

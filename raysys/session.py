@@ -43,6 +43,7 @@ class Session:
         self.kept_final = False
         """True when ``finish`` kept the final metrics the run recorded before (resumed after its end)."""
         self.resumed = False  # a checkpoint was restored: events.log has this resume
+        self.restored_step: Optional[int] = None  # the step of the checkpoint restored
         self.saw_stop = False  # should_stop() said True: the loop may have ended before its end
         self.shapes: Optional[tuple[Any, int]] = None
         """(the program's shape check, this member's index) for a member of a population."""
@@ -114,6 +115,8 @@ class Session:
                               "it must be a dict (name -> array or number)")
         if self.shapes is not None:
             self.shapes[0].saw(self.shapes[1], state, step)
+        if step == self.restored_step:  # nothing trained since the restore: the checkpoint there stays as it was
+            return  # (a resume that changed a setting would otherwise write the old model with the new setting)
         if self.is_main:  # with the metrics logged so far: a resume after the end still has them
             self.store.save(state, step, extra_meta={"last_metrics": self.last_metrics, "last_step": self.last_step})
 
@@ -130,6 +133,7 @@ class Session:
         if self.is_main and not self.resumed:
             record_event(self.run_dir, f"resumed step={meta.get('step')} from={latest.name}")
         self.resumed = True
+        self.restored_step = meta.get("step")
         return state
 
     def artifact_text(self, text: str, name: str) -> None:
@@ -207,7 +211,7 @@ def _result(run: OpenRun, final: dict, session: Session, failure: str = "") -> R
     """A closed run's result; its final metrics are written unless it was stopped (then it resumes) or
     it kept those it recorded before."""
     if stop_requested() is None and not session.kept_final:
-        record_final(run.run_dir, final)
+        record_final(session.store, final)
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=stop_requested(),
                      resume_command=run.resume_command(), failure=failure)
 

@@ -295,6 +295,14 @@ def find_run(uri: str, experiment: str, run_name: str) -> Optional[str]:
     return runs[0].info.run_id if runs else None
 
 
+def run_tag(uri: str, run_id: str, key: str) -> Optional[str]:
+    """A tag of a run, or None (not set, or the store did not answer)."""
+    try:
+        return _client(uri).get_run(run_id).data.tags.get(key)
+    except Exception:
+        return None
+
+
 def start_run(uri: str, experiment: str, run_name: str, tags: Optional[Mapping[str, str]] = None,
               parent_run_id: Optional[str] = None, resume: bool = False) -> str:
     """Create the MLflow run (or, when resuming, find the one with this name) and return its id."""

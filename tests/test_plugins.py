@@ -518,6 +518,17 @@ def test_each_resume_of_a_train_fn_run_is_in_its_events_log(workdir):
     resumed = [line for line in lines if line.startswith("resumed")]
     assert resumed == ["resumed step=5 from=step_000000005", "resumed step=10 from=step_000000010"]
     assert _mlflow_run(workdir / "mlflow.db", "r").info.status == "FINISHED"
+    # each session ended the run, and each resume trained it further: what it ended with is kept each time
+    run = workdir / "raysys_runs" / "r"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
+        "step_000000005", "step_000000010", "step_000000015"]
+    assert (run / "final_metrics.step_5.json").is_file() and (run / "final_metrics.step_10.json").is_file()
+    # a resume that trains nothing leaves the checkpoint it restored as it was, whatever it changed
+    ckpt = run / "checkpoints" / "step_000000015"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert main([*args, "--set", "train.steps=15", "--set", "opt.lr=0.2", "--set", "train.end_checkpoint=true",
+                 "--resume"]) == 0
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
 
 
 MISTAKES = '''

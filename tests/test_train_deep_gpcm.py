@@ -357,3 +357,13 @@ def test_extending_a_finished_run_keeps_what_it_ended_with(workdir):
     assert (run / "breakdown.step_6.md").is_file()
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
         "step_000000006", "step_000000018", "step_000000024"]
+
+
+def test_the_resume_changes_tag_keeps_every_resumes_changes(workdir):
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "tag"]
+    assert main([*args, "--set", "train.max_steps=2"]) == 0
+    assert main([*args, "--resume", "--set", "train.max_steps=4"]) == 0
+    assert main([*args, "--resume", "--set", "train.max_steps=6", "--set", "optim.lr=0.002"]) == 0
+    _, run = _mlflow_run(workdir, "tag")
+    assert run.data.tags["raysys.resume_changes"] == (
+        "resume-1: train.max_steps: 2 -> 4 | resume-2: optim.lr: 0.001 -> 0.002; train.max_steps: 4 -> 6")

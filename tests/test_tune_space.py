@@ -378,3 +378,24 @@ def test_a_workload_given_another_task_takes_that_tasks_quality_metric_and_mode(
     assert (pinned.quality_metric, pinned.quality_mode) == ("eval/f1", "max")  # the task's mode is its own metric's
     with pytest.raises(ConfigError, match="quality_mode must be 'max' or 'min'"):
         dataclasses.replace(base, quality_mode="lowest")
+
+
+def test_a_resumed_sweep_whose_space_changed_is_refused_naming_each_change(tmp_path):
+    import json
+
+    from raysys.tune.runner import _check_same_space
+
+    path = Path(__file__).resolve().parents[1] / "tune_spaces" / "deep_gpcm.yaml"
+    stored = {"space": json.loads(json.dumps(spaces.load(path).to_dict(), default=str))}
+    _check_same_space(stored, spaces.load(path), path)  # the same space: resumes
+    data = yaml.safe_load(path.read_text())
+    data["space"]["optim.lr"] = {"loguniform": [1.0e-4, 3.0e-3]}
+    del data["space"]["loader.num_workers"]
+    data["space"]["train.spike_factor"] = {"choice": [5.0, 10.0]}
+    changed = tmp_path / "space.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        _check_same_space(stored, spaces.load(changed), changed)
+    said = str(e.value)
+    assert "optim.lr" in said and "0.0003" in said and "0.0001" in said, said
+    assert "loader.num_workers" in said and "removed" in said and "train.spike_factor" in said and "added" in said

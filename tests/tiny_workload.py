@@ -47,6 +47,8 @@ class TrainConfig:
     """At this step the process sends itself SIGTERM, a second stop request (0: never)."""
     ask_stop: bool = True
     """Ask session.should_stop() at each step boundary (False: the loop runs to its end regardless)."""
+    end_checkpoint: bool = False
+    """Also checkpoint after the loop, whatever it trained (as loops that save their end state do)."""
 
 
 @dataclass
@@ -81,6 +83,8 @@ def _member(cfg: TinyConfig, session) -> dict:
             os.kill(os.getpid(), signal.SIGTERM)
         if step % cfg.train.checkpoint_every == 0:
             session.checkpoint({"w": w, "step": step}, step)
+    if tc.end_checkpoint:
+        session.checkpoint({"w": w, "step": step}, step)
     return final
 
 

@@ -64,7 +64,7 @@ def _train_worker(payload: dict) -> None:
     if rank == 0 and ran_to_end:
         lifecycle.reached_end(payload["stop"])
         if not session.kept_final:
-            record_final(storage.worker_run_dir(payload), {**final, "world_size": world})
+            record_final(session.store, {**final, "world_size": world})
 
 
 def _init_jax_distributed(rank: int, world: int) -> None:

@@ -497,7 +497,10 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         raise
     logger = tracking.MLflowLogger(uri, run_id, buffer=run_dir / tracking.BUFFER_FILE)
     if launch.resume and (tags or {}).get("raysys.resume_changes"):  # the run's params keep their first values
-        logger.set_tags({"raysys.resume_changes": tags["raysys.resume_changes"]})
+        # each resume's changes, after the earlier ones': "resume-1: ... | resume-2: ..." (its config snapshot's name)
+        said = f"{cfg_file.stem.split('.', 1)[-1]}: {tags['raysys.resume_changes']}"
+        before = tracking.run_tag(uri, run_id, "raysys.resume_changes")
+        logger.set_tags({"raysys.resume_changes": (f"{before} | {said}" if before else said)[-5000:]})
     if launch.resume and logger.pending:
         sent = logger.pending
         if logger.flush():

@@ -401,7 +401,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         final.update(last_eval)
         breakdown = timer.table()
         logger.log_text(breakdown, "breakdown.md")
-        record_final(run_dir, final, breakdown)
+        record_final(store, final, breakdown)
         from raysys.train.launcher import BENCH_ENV
 
         what = ("of this quality run (its first steps included; the bench's ratio is timed apart)"

@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space", required=True, metavar="YAML",
                    help="tune space file (tune_spaces/<workload>.yaml): workload, base preset, fixed overrides, knobs")
     p.add_argument("--num-samples", type=int, metavar="N",
-                   help="trials to run in total (default: 8; a resumed sweep keeps its own); grid combinations are "
-                        "tried first")
+                   help="trials to run in total (default: 8; a --resume keeps the sweep's own: another N is refused); "
+                        "grid combinations are tried first")
     p.add_argument("--max-concurrent", type=int, metavar="K",
                    help="trials at once; default and upper bound: as many as fit the cluster's CPUs/GPUs (each "
                         "trial's own CPU plus all its Train workers must fit at the same time)")

@@ -184,12 +184,16 @@ def _check_tune_state(sweep_dir: Path) -> None:
 
 
 def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
-    now = json.loads(json.dumps(sp.to_dict(), default=str))
-    before = stored["space"]
-    diff = [k for k in sorted(set(now) | set(before)) if now.get(k) != before.get(k)]
+    from raysys.config import flatten
+
+    now = flatten(json.loads(json.dumps(sp.to_dict(), default=str)))
+    before = flatten(stored["space"])
+    diff = [f"{k}: {before[k]!r} -> {now[k]!r}" if k in before and k in now else
+            f"{k}: {'added' if k in now else 'removed'}" for k in sorted(set(now) | set(before))
+            if now.get(k) != before.get(k)]
     if diff:
-        raise ConfigError(f"--resume: the space differs from the one this sweep started with ({path}) in: "
-                          f"{', '.join(diff)}. Resume with the same space file and --preset/--set, or start a new --name")
+        raise ConfigError(f"--resume: the space differs from the one this sweep started with ({path}): "
+                          f"{'; '.join(diff)}. Resume with the same space file and --preset/--set, or start a new --name")
 
 
 SWEEP_WIND_DOWN_S = 120.0
