@@ -111,7 +111,7 @@ def _main(argv: list[str] | None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", help="a built-in or installed workload, or your own as module:attr or path/to/file.py:attr (see "
                                     "`python -m raysys list`)")
-    p.add_argument("--quick", action="store_true", help="fewer repeats and a short quality run (a few minutes on a laptop CPU; the full bench takes longer)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and a shorter learning check (a few minutes on a laptop CPU; the full bench takes longer)")
     p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "
                                     "(default: quick with --quick where it exists, else default)")
     p.add_argument("--config", metavar="YAML", help="YAML file of config keys applied to the configuration the bench "
@@ -148,7 +148,7 @@ def _main(argv: list[str] | None) -> int:
                               f"itself; time one path with `python -m raysys train {args.workload} --set "
                               f"{wl.path_key}=...` (its perf/ metrics)")
         print(f"[raysys.bench] measuring {wl.name}{' (quick)' if args.quick else ''} on {measured_on}: step times, "
-              "then a short quality run per path; the table comes at the end", flush=True)
+              "then how each path learns from the same weights; the table comes at the end", flush=True)
         if wl.bench is None:
             from raysys.bench_generic import generic_bench
 

@@ -5,7 +5,8 @@ optimizer step of the configured path, warm-up first, then timed repeats (median
 workload names its ``path_key`` both paths run, interleaved so that drift on a shared machine hits
 both alike, from the same initial weights; their losses on the same weights and batch are compared
 (the fast path must compute the same function) and each path's quality is its evaluation after the
-same timed steps. A workload with its own bench (``Workload.bench``) is measured by that instead.
+same timed steps. Each pass of those steps trains on the same batches: the first pass's loss against
+the last's says whether a path learns, and one whose loss falls far less than the other's fails the bench. A workload with its own bench (``Workload.bench``) is measured by that instead.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import torch
 
 from raysys import workload as registry
 from raysys.config import ConfigError, apply_overrides
+
+
+LEARN_PARITY = 0.25
+"""The least share of one path's fall in loss over the timed steps the other path's fall must reach: one
+function on both paths falls alike (dropout draws apart); a path that learns nothing falls by far less."""
 
 
 def _device() -> torch.device:
@@ -166,14 +172,28 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         if eval_batches and res[label[p]]["quality"] is None:
             problems.append(f"{label[p]}: evaluate() returned no {task.quality_metric} (Task.quality_metric); "
                             f"it returned {', '.join(map(str, res[label[p]]['eval'])) or 'nothing'}")
+    # learning: each pass of the timed steps trains on the same batches, so its first pass's loss against
+    # its last pass's shows whether the path learns, and the two paths from the same weights learn alike
+    passes = {p: (float(torch.stack(losses[p][1:1 + n_batches]).float().mean()),
+                  float(torch.stack(losses[p][-n_batches:]).float().mean())) for p in paths}
+    fell = {p: a - b for p, (a, b) in passes.items()}
+    if len(paths) == 2:
+        more, less = sorted(paths, key=lambda p: -fell[p])
+        if fell[more] > 0.01 * abs(passes[more][0]) and fell[less] < LEARN_PARITY * fell[more]:
+            problems.append(f"{less}: its loss on the same batches did not fall as the other path's did over the "
+                            f"timed steps ({passes[less][0]:.4g} -> {passes[less][1]:.4g}; {more}: "
+                            f"{passes[more][0]:.4g} -> {passes[more][1]:.4g})")
     if problems:
         res["problems"] = problems
     ignored = sorted(k for k in (overrides or {}) if k in ("train.max_steps", "train.epochs"))
     if ignored:  # the bench trains its own fixed steps, the same for both paths
         res["notes"] = [f"{', '.join(ignored)}: not used here; the bench times and judges {1 + repeats * n_batches} "
                         "steps of its own"]
+    res["learning"] = {label[p]: {"first_pass_loss": a, "last_pass_loss": b} for p, (a, b) in passes.items()}
+    res["extra"] = {f"learning: loss on the same {n_batches} batches, first pass -> pass {repeats}":
+                    ", ".join(f"{label[p]} {a:.4g} -> {b:.4g}" for p, (a, b) in passes.items())}
     if len(paths) == 2:
         res["speedup"] = res["naive"]["step_s"] / res["optimized"]["step_s"]
         res["loss_abs_diff_same_weights"] = parity
-        res["extra"] = {"|loss naive - loss optimized| on the same weights and batch": f"{parity:.2e}"}
+        res["extra"]["|loss naive - loss optimized| on the same weights and batch"] = f"{parity:.2e}"
     return res

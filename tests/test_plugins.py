@@ -420,6 +420,8 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
                   "--json", "b.json"]) == 0
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["overrides"] == {"model.hidden": "8", "model.dropout": "0.0"}
+    learning = res["learning"]  # both paths learn on the same batches: their loss falls from the first pass
+    assert all(v["last_pass_loss"] < v["first_pass_loss"] for v in learning.values()) and "problems" not in res
     assert res["params"] == (64 * 8 + 8) + (8 * 8 + 8) + (8 * 10 + 10)  # the 8-wide MLP, not the default 128
     assert "measured with: model.hidden=8 model.dropout=0.0" in capsys.readouterr().out
     # the device as the speed was timed (the bench's quality runs change torch's threads after), and the code
@@ -542,6 +544,13 @@ class EmptyTask(digits_mlp.DigitsTask):
         return [], super().datasets(cfg)[1]  # a filter that kept nothing
 
 
+class StuckTask(digits_mlp.DigitsTask):  # its optimized path computes the loss, but no gradient
+    def loss(self, model, batch):
+        loss, stats = super().loss(model, batch)
+        return (loss.detach() + 0 * sum(p.sum() for p in model.parameters()) if model.path == "optimized"
+                else loss), stats
+
+
 class NanTask(digits_mlp.DigitsTask):
     def loss(self, model, batch):
         loss, stats = super().loss(model, batch)
@@ -573,6 +582,7 @@ BUILD = dataclasses.replace(W, name="build", task=BrokenBuild())
 DATA = dataclasses.replace(W, name="data", task=BrokenData())
 EMPTY = dataclasses.replace(W, name="empty", task=EmptyTask())
 NAN = dataclasses.replace(W, name="nan", task=NanTask())
+STUCK = dataclasses.replace(W, name="stuck", task=StuckTask())
 NODEFAULT = dataclasses.replace(W, name="nodefault", config_cls=NoDefaultConfig, presets={"default": NoDefaultConfig})
 NET = dataclasses.replace(W, name="net", extra={"identity_sections": ("data",)})  # its model section unchecked
 '''
@@ -613,6 +623,9 @@ def test_a_users_mistakes_are_said_plainly(project):
 
     proc = _run(["python", "-m", "raysys.bench", "mistakes:NAN", "--quick"], project)
     assert proc.returncode == 1 and "raysys.bench: optimized: " in proc.stderr and "losses are not finite" in proc.stderr
+    # the same loss on the same weights, but the optimized path learns nothing: the bench says so, exit 1
+    proc = _run(["python", "-m", "raysys.bench", "mistakes:STUCK", "--quick"], project)
+    assert proc.returncode == 1 and "raysys.bench: optimized: its loss on the same batches did not fall as the other path's" in proc.stderr
 
 
 @pytest.mark.parametrize("attr, line", [
