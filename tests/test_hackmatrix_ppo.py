@@ -72,7 +72,8 @@ def test_quick_run_bf16_and_resume_with_other_num_envs(workdir, capsys):
     capsys.readouterr()
     # resume with twice the envs: params and Adam state continue, envs start fresh
     assert main([*args, "--set", "train.total_timesteps=20480", "--set", "train.num_envs=64", "--resume"]) == 0
-    assert "resumed at 10240 env steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed at 10240 env steps" in out and "the environments start afresh" in out
     second = _final(workdir, "h")
     assert second["perf/env_steps"] == 10240 + 64 * 32 * 5
     # the best return of the whole run, its first session's included (it used to restart at each resume)

@@ -204,6 +204,9 @@ def _start(cfg: HackMatrixPPOConfig, session, mesh):
         # the whole state came back (envs, observations, PRNG streams): the run continues bit-exact
         runner = jax.tree.unflatten(tree, [jax.device_put(np.asarray(t).astype(x.dtype), x.sharding)
                                            for t, x in zip(saved, leaves)])
+    elif saved is not None:  # another num_envs or num_steps: the saved envs do not fit this program
+        session.message("the environments start afresh: the checkpoint's env states have another shape "
+                        "(train.num_envs or train.num_steps changed); params and Adam state go on")
     session.message(f"resumed at {env_steps} env steps ({updates} updates)")
     return runner, env_steps, updates
 
