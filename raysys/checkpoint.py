@@ -271,9 +271,9 @@ class CheckpointStore:
                 raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "
                                            f"{remote.display}/{name} ({str(e).splitlines()[0][:200]}); the earlier "
                                            "checkpoints are intact") from e
-        stale = self.complete()[:-self.keep]
-        ended = ended_steps(self.run_dir, self.remote) if stale else set()  # what the run ended with before: kept
-        for stale in [c for c in stale if _step_of(c) not in ended and not self.ended(c)]:
+        older = self.complete()[:-self.keep]
+        ended = ended_steps(self.run_dir, self.remote) if older else set()  # what the run ended with before: kept
+        for stale in [c for c in older if _step_of(c) not in ended and not self.ended(c)]:
             if self.remote is not None:
                 self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
             # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not a
@@ -285,6 +285,7 @@ class CheckpointStore:
 
     def mark_ended(self, path: Path) -> None:
         """Mark checkpoint ``path`` as the model the run ended with (``record_final``)."""
+        path.mkdir(parents=True, exist_ok=True)  # a remote run's checkpoint may have no local copy
         (path / ENDED_MARK).write_text("the model this run ended with: pruning keeps it\n")
         if self.remote is not None:
             self.remote[0].put(path / ENDED_MARK, self.remote[1], "checkpoints", path.name, ENDED_MARK)
@@ -438,8 +439,8 @@ def record_final(store: "CheckpointStore", final: dict, breakdown: Optional[str]
     done = store.complete()
     now = _step_of(done[-1]) if done else None
     if isinstance(earlier, dict):
-        marked = [c for c in reversed(done) if store.ended(c)]
-        was = _step_of(marked[0]) if marked else earlier.get("step")  # the mark, or (an older run) its file's step
+        marked = next((c for c in reversed(done) if store.ended(c)), None)
+        was = _step_of(marked) if marked else earlier.get("step")  # the mark, or (an older run) its file's step
         if isinstance(was, int) and was != now:
             storage.write_text(run_dir / f"final_metrics.step_{was}.json", path.read_text())
             if storage.pull(run_dir / "breakdown.md"):
