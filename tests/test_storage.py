@@ -207,7 +207,8 @@ def test_a_jax_run_on_s3_resumes_from_its_numpy_checkpoint(tmp_path, s3):
     first = _train(tmp_path, *args, "--set", "train.total_timesteps=10240")
     assert first.returncode == 0
     keys = _keys(client, "runs/jax-on-s3/checkpoints/")
-    assert keys == ["runs/jax-on-s3/checkpoints/step_000010240/meta.json",
+    assert keys == ["runs/jax-on-s3/checkpoints/step_000010240/ENDED",  # the model the run ended with
+                    "runs/jax-on-s3/checkpoints/step_000010240/meta.json",
                     "runs/jax-on-s3/checkpoints/step_000010240/state.npz"], keys
     again = _train(tmp_path, *args, "--resume", "--set", "train.total_timesteps=20480")
     assert again.returncode == 0 and "resumed at 10240 env steps" in again.stdout
