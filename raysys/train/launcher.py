@@ -587,11 +587,12 @@ CODE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, Index
 ImportError: a package the workers' runtime env installs; AssertionError: torch without CUDA)."""
 
 
-def _built(wl: registry.Workload, cfg: Any) -> Any:
+def _built(wl: registry.Workload, cfg: Any, say: bool = True) -> Any:
     """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
     memory), before the run exists; None where it cannot be built here. An error of the code itself
-    (``CODE_ERRORS``) is one line naming the hook, the error and where it was raised, not the workers' traceback
-    after the run was made and restarted ``max_failures`` times."""
+    (``CODE_ERRORS``) is one line naming the hook, the error and where it was raised (with ``say``), not the
+    workers' traceback after the run was made and restarted ``max_failures`` times. A ConfigError is left to
+    the workers: it may check this process's devices, and there it fails the run at once with its message."""
     import torch
 
     task = wl.task
@@ -602,9 +603,11 @@ def _built(wl: registry.Workload, cfg: Any) -> Any:
             else:
                 with torch.device("meta"):
                     return task.build_model(cfg)
-        except ConfigError:
-            raise
+        except ConfigError:  # may be a check of this process's own devices ("needs a GPU"): the workers' to make
+            return None
         except CODE_ERRORS as e:
+            if not say:
+                return None
             frames = traceback.extract_tb(e.__traceback__)  # where in the workload's code, not inside torch
             where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
                      or frames)[-1]
@@ -618,8 +621,10 @@ def _built(wl: registry.Workload, cfg: Any) -> Any:
     return None
 
 
-def _code_works(wl: registry.Workload) -> Callable[[Any], None]:
-    """``open_run``'s check of a TorchTask workload: its model builds (``_built``) and, for a task with its own
+def _code_works(wl: registry.Workload, say: bool = True) -> Callable[[Any], None]:
+    """``open_run``'s check of a TorchTask workload: its model builds (``_built``; ``say``: its errors are the
+    command's, before the run exists; a sweep's trial or a fold leaves them to its run, which records them
+    as a failed child run beside the others) and, for a task with its own
     optimizer hooks, the mistakes ``optim.task_optimizer`` and ``task_scheduler`` refuse (a parameter left
     out, a plateau's mode) are found on that meta model, before the run exists, not in its workers after.
     The hooks' own errors are left to the workers, which meet them again with their tracebacks."""
@@ -630,7 +635,9 @@ def _code_works(wl: registry.Workload) -> Callable[[Any], None]:
     def check(cfg: Any) -> None:
         from raysys.train.optim import task_optimizer, task_scheduler
 
-        model = _built(wl, cfg)
+        if not say and not hooks_used(task):
+            return
+        model = _built(wl, cfg, say)
         if model is None or not hooks_used(task):
             return
         try:
@@ -699,7 +706,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
     run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl.task, tags),
-                   check=_code_works(wl))
+                   check=_code_works(wl, say=parent_run_id is None))
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
 
