@@ -271,9 +271,7 @@ class CheckpointStore:
                 raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "
                                            f"{remote.display}/{name} ({str(e).splitlines()[0][:200]}); the earlier "
                                            "checkpoints are intact") from e
-        older = self.complete()[:-self.keep]
-        ended = ended_steps(self.run_dir, self.remote) if older else set()  # what the run ended with before: kept
-        for stale in [c for c in older if _step_of(c) not in ended and not self.ended(c)]:
+        for stale in [c for c in self.complete()[:-self.keep] if not self.ended(c)]:  # what a run ended with: kept
             if self.remote is not None:
                 self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
             # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not a
@@ -401,26 +399,6 @@ def _why_unreadable(e: Exception) -> str:
 FINAL_FILE = "final_metrics.json"
 ENDED_MARK = "ENDED"
 """In a checkpoint's folder: the model the run ended with, kept when a --resume trains it further."""
-
-
-def ended_steps(run_dir: Path, remote: Optional[tuple] = None) -> set[int]:
-    """The steps at which the run ended (its ``final_metrics*.json``): their checkpoints are its results (a
-    run of an earlier version has no ``ENDED_MARK``).
-    ``remote``: (storage, run name) of a run on remote storage, whose files are fetched first."""
-    if remote is not None:
-        store, name = remote
-        for n in store.listdir(name):
-            if n.startswith("final_metrics") and n.endswith(".json"):
-                store.get(Path(run_dir) / n, name, n)
-    steps = set()
-    for path in Path(run_dir).glob("final_metrics*.json"):
-        try:
-            step = json.loads(path.read_text()).get("step")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(step, int):
-            steps.add(step)
-    return steps
 
 
 def record_final(store: "CheckpointStore", final: dict, breakdown: Optional[str] = None) -> None:

@@ -548,7 +548,7 @@ def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
               "server)", flush=True)
 
 
-def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:
+def _model_fits(wl: registry.Workload, tags: Optional[dict]) -> Callable[[Any, dict], None]:
     """A resume's check that the model its config builds takes the checkpoint's weights: a setting that
     changes a shape may lie outside the sections a checkpoint compares (``identity_sections``). The model
     is built as a worker builds it (data first), on torch's meta device: shapes, no memory."""
@@ -557,7 +557,7 @@ def _model_fits(task: Any, tags: Optional[dict]) -> Callable[[Any, dict], None]:
         saved = state.get("model") if isinstance(state, dict) else None
         if not isinstance(saved, dict):
             return
-        model = _meta_model(task, cfg)
+        model = _built(wl.task, wl.name, cfg, say=False)
         if model is None:  # not buildable here: the workers build it, and a mismatch fails there in one line
             return
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -587,7 +587,7 @@ CODE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, Index
 ImportError: a package the workers' runtime env installs; AssertionError: torch without CUDA)."""
 
 
-def _built(wl: registry.Workload, cfg: Any, say: bool = True) -> Any:
+def _built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
     """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
     memory), before the run exists; None where it cannot be built here. An error of the code itself
     (``CODE_ERRORS``) is one line naming the hook, the error and where it was raised (with ``say``), not the
@@ -595,7 +595,6 @@ def _built(wl: registry.Workload, cfg: Any, say: bool = True) -> Any:
     the workers: it may check this process's devices, and there it fails the run at once with its message."""
     import torch
 
-    task = wl.task
     for hook in ("datasets", "build_model"):
         try:
             if hook == "datasets":
@@ -613,7 +612,7 @@ def _built(wl: registry.Workload, cfg: Any, say: bool = True) -> Any:
                      or frames)[-1]
             what = DataError if hook == "datasets" and isinstance(e, ValueError) else WorkloadCodeError
             detail = (str(e).strip().splitlines() or [""])[0][:300]
-            raise what(f"{wl.name}: its Task.{hook} raised {type(e).__name__}"
+            raise what(f"{name}: its Task.{hook} raised {type(e).__name__}"
                        + (f": {detail}" if detail else "") + f" ({Path(where.filename).name}:{where.lineno}; "
                        "nothing was created)") from None
         except Exception:  # what may fail here alone: the workers build it, and meet any error there
@@ -637,7 +636,7 @@ def _code_works(wl: registry.Workload, say: bool = True) -> Callable[[Any], None
 
         if not say and not hooks_used(task):
             return
-        model = _built(wl, cfg, say)
+        model = _built(task, wl.name, cfg, say)
         if model is None or not hooks_used(task):
             return
         try:
@@ -675,19 +674,6 @@ def say_unread_optim(task: Any, cfg: Any, model: Any, name: str, knobs: Optional
               "show the value)", flush=True)
 
 
-def _meta_model(task: Any, cfg: Any) -> Any:
-    """The model a worker would build from ``cfg`` (data first: a model may take a size from it, a
-    vocabulary), on torch's meta device: shapes, no memory. None where it cannot be built here."""
-    import torch
-
-    try:
-        task.datasets(cfg)
-        with torch.device("meta"):
-            return task.build_model(cfg)
-    except Exception:
-        return None
-
-
 def _log_dataset(wl: registry.Workload, cfg: Any, uri: str, run_id: str) -> None:
     """The workload's data as the run's MLflow input, where it names one (``Workload.dataset``)."""
     info = wl.dataset(cfg) if wl.dataset is not None else None
@@ -705,7 +691,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     wl = registry.get(wl_name)
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
-    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl.task, tags),
+    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl, tags),
                    check=_code_works(wl, say=parent_run_id is None))
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
