@@ -47,6 +47,14 @@ class Session:
         self.saw_stop = False  # should_stop() said True: the loop may have ended before its end
         self.shapes: Optional[tuple[Any, int]] = None
         """(the program's shape check, this member's index) for a member of a population."""
+        self.pbt: Any = None
+        """A population member's PBT rounds (raysys.train.pbt.Exploit) when its sweep runs them, else None."""
+        self.member: Optional[int] = None  # this member's index in ``pbt``
+        self.carry: dict[str, Any] = {}
+        """The shared layer's own state of this run, saved in each checkpoint's meta (a member's PBT knobs)."""
+        self.extra_metrics: dict[str, float] = {}
+        """Logged with every ``log`` (a member's current PBT knobs, so MLflow charts its schedule)."""
+        self.restored_meta: Optional[dict] = None  # the meta of the checkpoint restored
 
     def halt(self, reason: str) -> None:
         """Stop training this run only (a population masks it); ``should_stop`` stays for the whole program."""
@@ -70,7 +78,9 @@ class Session:
             bar: Optional[tuple[float, float]] = None, unit: str = "step") -> None:
         """Record step metrics (MLflow, and Tune when inside a sweep) and update the progress display:
         ``progress`` is its text, ``bar`` = (done, total) in ``unit`` (default: ``step`` of unknown total)."""
-        metrics = numbers(metrics, f"{self.run.wl.name}: session.log")
+        metrics = {**numbers(metrics, f"{self.run.wl.name}: session.log"), **self.extra_metrics}
+        if self.pbt is not None:
+            self.pbt.saw(self.member, metrics)
         self.last_metrics.update(metrics)
         self.last_step = step
         self.logged = True
@@ -118,7 +128,8 @@ class Session:
         if step == self.restored_step:  # nothing trained since the restore: the checkpoint there stays as it was
             return  # (a resume that changed a setting would otherwise write the old model with the new setting)
         if self.is_main:  # with the metrics logged so far: a resume after the end still has them
-            self.store.save(state, step, extra_meta={"last_metrics": self.last_metrics, "last_step": self.last_step})
+            self.store.save(state, step, extra_meta={"last_metrics": self.last_metrics, "last_step": self.last_step,
+                                                     **self.carry})
 
     def restore(self) -> Optional[dict]:
         """The latest checkpoint's state, or None for a fresh run. The first restore of a run is its
@@ -133,7 +144,7 @@ class Session:
         if self.is_main and not self.resumed:
             record_event(self.run_dir, f"resumed step={meta.get('step')} from={latest.name}")
         self.resumed = True
-        self.restored_step = meta.get("step")
+        self.restored_step, self.restored_meta = meta.get("step"), meta
         return state
 
     def artifact_text(self, text: str, name: str) -> None:
@@ -217,9 +228,10 @@ def _result(run: OpenRun, final: dict, session: Session, failure: str = "") -> R
 
 
 def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Optional[list] = None,
-                   reports: Optional[list] = None) -> list[RunResult]:
+                   reports: Optional[list] = None, pbt: Any = None) -> list[RunResult]:
     """K configurations of ``wl`` as one program (``wl.population``): each opens its own run (folder,
-    config snapshot, checkpoints, MLflow run), exactly as ``run_custom`` would open it alone."""
+    config snapshot, checkpoints, MLflow run), exactly as ``run_custom`` would open it alone. ``pbt``
+    (a :class:`raysys.train.pbt.PBTConfig`): the members' sessions carry its rounds for the program."""
     from contextlib import ExitStack
 
     from raysys.train.population import SameShapes
@@ -237,6 +249,10 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
     shapes = SameShapes([run.cfg for run in runs], wl.population.member_knobs)
     for i, s in enumerate(sessions):
         s.shapes = (shapes, i)
+    if pbt is not None:
+        from raysys.train.pbt import Exploit
+
+        Exploit(pbt, sessions, [run.name for run in runs])  # each session's .pbt
     with ExitStack() as stack:
         outcomes = [stack.enter_context(run.tracked()) for run in runs]
         stack.enter_context(console.live(remote=False))  # the progress bar ends before the summary

@@ -101,6 +101,14 @@ class Population:
     """Dotted config keys that may differ between members of one program: those that change no
     array shape (learning rate, coefficients, seed...). Configs that differ in anything else run
     as separate programs."""
+    explore_knobs: tuple[str, ...] = ()
+    """The member knobs that population-based training may perturb (``--scheduler pbt``): the
+    hyper-parameters of the update (learning rate, coefficients), not a seed or a budget. Non-empty
+    says ``train_fn`` runs the sweep's PBT rounds (raysys/train/pbt.py: three calls); empty, the
+    workload's sweeps refuse ``--scheduler pbt``."""
+    rank_metric: Optional[str] = None
+    """What PBT ranks members by, a metric every chunk logs, higher is better (an RL workload's episode
+    return); None: the sweep's quality metric, in its quality_mode (it must be logged during training)."""
 
     def program_key(self, cfg: Any) -> str:
         """Equal for configs that can share one program: everything but the member knobs and ``launch``."""
@@ -117,6 +125,10 @@ class Population:
 
         keys = flatten(to_dict(cfg))
         unknown = [k for k in self.member_knobs if k not in keys]
+        stray = [k for k in self.explore_knobs if k not in self.member_knobs]
+        if stray:
+            raise ConfigError(f"workload {workload}: Population.explore_knobs names {', '.join(stray)}, not one of "
+                              "its member_knobs (PBT changes knobs inside one program: they must change no shape)")
         if unknown:
             near = [m for k in unknown for m in difflib.get_close_matches(k, keys, n=1)]
             hint = f" (did you mean {', '.join(near)}?)" if near else ""

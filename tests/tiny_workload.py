@@ -122,3 +122,49 @@ WIDTH_AS_MEMBER = dataclasses.replace(WORKLOAD, name="tiny_width",
 
 # A member knob that is no key of the config.
 TYPO = dataclasses.replace(WORKLOAD, name="tiny_typo", population=Population(train_population, ("opt.lr", "opt.lrr")))
+
+
+def train_pbt_population(cfgs: list, sessions: list) -> list:
+    """The members in turn through raysys's ``InTurn`` carrier, one gradient step a chunk, with the PBT
+    rounds of a sweep that runs them (raysys/train/pbt.py); the weights are logged (``w/<j>``) so a test
+    can follow what a member took from another."""
+    from raysys.train import pbt as rounds
+    from raysys.train.population import InTurn
+
+    width = cfgs[0].model.width
+    x = np.random.default_rng(0).normal(size=(32, width))
+    y = x @ np.linspace(-1.0, 1.0, width)
+    pbt = rounds.of(sessions)
+    states = [s.restore() or {"w": np.zeros(width), "step": 0} for s in sessions]
+    cfgs = pbt.resume(cfgs) if pbt is not None else list(cfgs)
+    lrs = [c.opt.lr for c in cfgs]
+
+    def run(i, state, _):
+        w = state["w"] - lrs[i] * 2 * x.T @ (x @ state["w"] - y) / len(y)
+        return {"w": w, "step": state["step"] + 1}, float(np.mean((x @ w - y) ** 2))
+
+    def retune(new):
+        lrs[:] = [c.opt.lr for c in new]
+
+    program, finals = InTurn(states, run, 0.0, retune), [{} for _ in cfgs]
+    while True:
+        live = np.array([program.states[i]["step"] < c.train.steps and not s.halted
+                         for i, (c, s) in enumerate(zip(cfgs, sessions))])
+        if not live.any() or sessions[0].should_stop():
+            break
+        for i, (loss, _) in program.step(live).items():
+            step = program.states[i]["step"]
+            finals[i] = {"train/loss": loss, "eval/quality": -loss, "perf/samples_per_s": 1.0}
+            sessions[i].log({**finals[i], **{f"w/{j}": float(v) for j, v in enumerate(program.states[i]["w"])}}, step)
+            if step % cfgs[i].train.checkpoint_every == 0:
+                sessions[i].checkpoint(program.states[i], step)
+        if pbt is not None:
+            pbt.after_chunk(program, cfgs, [i for i in np.flatnonzero(live) if program.states[i]["step"] < cfgs[i].train.steps],
+                            inherit=lambda mine, theirs: {"w": theirs["w"], "step": mine["step"]})
+    for i, s in enumerate(sessions):
+        s.checkpoint(program.states[i], program.states[i]["step"])
+    return finals
+
+
+# Members through the InTurn carrier, PBT may perturb the learning rate.
+PBT = dataclasses.replace(WORKLOAD, name="tiny_pbt", population=Population(train_pbt_population, ("opt.lr",), ("opt.lr",)))

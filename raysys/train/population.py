@@ -165,9 +165,11 @@ class Batched:
 
     what = "one batched program (train.population=vmap)"
 
-    def __init__(self, states: Any, run: Callable, compile_s: float, alone: float):
+    def __init__(self, states: Any, run: Callable, compile_s: float, alone: float,
+                 retune: Optional[Callable[[list], None]] = None):
         self.states, self.run, self.compile_s, self.alone = states, run, compile_s, alone
         self.alone_note = f"; one member alone: {alone:.0f}"
+        self._retune = retune
 
     def step(self, todo: np.ndarray) -> dict[int, tuple[Any, float]]:
         """Members with a true ``todo`` entry advance one chunk -> {member: (host output, seconds)}."""
@@ -184,6 +186,16 @@ class Batched:
 
         return jax.tree.map(lambda x: x[i], self.states)
 
+    def put(self, i: int, state: Any) -> None:
+        """Member i's state replaced (PBT's exploit: another member's weights)."""
+        import jax
+
+        self.states = jax.tree.map(lambda xs, x: xs.at[i].set(x), self.states, state)
+
+    def retune(self, cfgs: list) -> None:
+        """The members' shape-free hyper-parameters are now those of ``cfgs`` (PBT's explore)."""
+        _retune(self._retune, cfgs)
+
 
 class InTurn:
     """``run(i, state, todo_i) -> (state, host output)`` advances member i alone."""
@@ -191,9 +203,10 @@ class InTurn:
     what = "members in turn through one program (train.population=loop)"
     alone_note = ""
 
-    def __init__(self, states: list, run: Callable, compile_s: float):
+    def __init__(self, states: list, run: Callable, compile_s: float, retune: Optional[Callable[[list], None]] = None):
         check_shapes(states)  # the lone program compiled for member 0's shapes runs every member
         self.states, self.run, self.compile_s = list(states), run, compile_s
+        self._retune = retune
 
     def step(self, todo: np.ndarray) -> dict[int, tuple[Any, float]]:
         out = {}
@@ -208,3 +221,35 @@ class InTurn:
 
     def state(self, i: int) -> Any:
         return self.states[i]
+
+    def put(self, i: int, state: Any) -> None:
+        """Member i's state replaced (PBT's exploit: another member's weights)."""
+        check_shapes([self.states[i], state])
+        self.states[i] = _copied(state)  # its own buffers: a program that donates its input frees the other's
+
+    def retune(self, cfgs: list) -> None:
+        """The members' shape-free hyper-parameters are now those of ``cfgs`` (PBT's explore)."""
+        _retune(self._retune, cfgs)
+
+
+def _copied(state: Any) -> Any:
+    """``state`` with each array leaf copied (numpy, JAX, torch), the rest as it is."""
+    def leaf(x):
+        if not hasattr(x, "shape"):
+            return x
+        return x.copy() if hasattr(x, "copy") else x.clone() if hasattr(x, "clone") else x  # a JAX clone is no copy
+
+    if "jax" in sys.modules:
+        return sys.modules["jax"].tree.map(leaf, state)
+    if isinstance(state, dict):
+        return {k: _copied(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+        return type(state)(_copied(v) for v in state)
+    return leaf(state)
+
+
+def _retune(fn: Optional[Callable[[list], None]], cfgs: list) -> None:
+    if fn is None:
+        raise TypeError("this program was built without retune=: it cannot take new hyper-parameters (PBT); "
+                        "pass the carrier a retune(cfgs) that rebuilds them")
+    fn(cfgs)

@@ -16,6 +16,7 @@ EPILOG = """examples:
   python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --name s1 --resume     # continue an interrupted sweep
   python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --address auto --max-concurrent 4
   python -m raysys.tune --space tune_spaces/deep_gpcm.yaml --set train.compile=false   # pin a knob
+  python -m raysys.tune --space tune_spaces/hackmatrix_ppo_members.yaml --vectorize 8 --scheduler pbt
 
 Objectives: the workload's throughput metric (maximised) and its quality metric (maximised, or
 minimised with objectives.quality_mode: min, e.g. a loss or an error rate); a trial that
@@ -65,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "precision...) go to separate programs. The members are batched (vmap) on a GPU/TPU and run "
                         "in turn through one compiled program on a CPU (train.population). "
                         "Default: 1 (one configuration per trial)")
+    p.add_argument("--scheduler", choices=("fifo", "pbt"), default="fifo",
+                   help="fifo (default): every trial runs to its end, only an unstable one stops early. pbt: "
+                        "population-based training inside each vectorized program (needs --vectorize K): every "
+                        "--pbt-interval chunks the worst members take a best member's weights and its "
+                        "hyper-parameters, perturbed within the space's bounds (x0.8/x1.2, a neighbouring choice); "
+                        "the knobs each member ended with are its trial's in the report, and its MLflow run charts "
+                        "them (pbt/<knob>). See docs/tune.md")
+    p.add_argument("--pbt-interval", type=int, default=4, metavar="N",
+                   help="pbt: chunks (each member's reports) between two rounds (default: %(default)s)")
+    p.add_argument("--pbt-quantile", type=float, default=0.25, metavar="Q",
+                   help="pbt: the worst Q of a program's members exploit the best Q (at least one each; "
+                        "default: %(default)s)")
     p.add_argument("--max-failures", type=int, default=2, metavar="N",
                    help="times a failed trial (its process died, e.g. killed or out of memory, or it raised) is "
                         "started again, from its run's last checkpoint; a vectorized trial's finished members are "
@@ -91,6 +104,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         if args.max_failures < 0:
             raise ConfigError(f"--max-failures must be >= 0, got {args.max_failures}")
+        if args.pbt_interval < 1:
+            raise ConfigError(f"--pbt-interval must be >= 1, got {args.pbt_interval}")
         if args.vectorize < 1:
             raise ConfigError(f"--vectorize must be >= 1, got {args.vectorize}")
         if args.budget is not None and args.budget <= 0:
@@ -105,7 +120,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             budget_minutes=args.budget, address=args.address, tracking_uri=args.tracking_uri, resume=args.resume,
             name=args.name, storage_path=args.storage_path, tolerance=args.tolerance, seed=args.seed,
             preset=args.preset, sets=parse_set_args(args.sets), vectorize=args.vectorize, max_failures=args.max_failures,
-            reuse_processes=not args.fresh_processes,
+            reuse_processes=not args.fresh_processes, scheduler=args.scheduler, pbt_interval=args.pbt_interval,
+            pbt_quantile=args.pbt_quantile,
             command=tracking.command_line(argv, module="raysys.tune")))
     except ConfigError as e:
         from raysys.train.launcher import DataError

@@ -16,10 +16,12 @@ from __future__ import annotations
 import math
 import pickle
 import signal
+import zlib
 from typing import Any, Optional, Sequence
 
 from ray.tune.search import Searcher
 
+from raysys.train import pbt
 from raysys.tune import objectives as obj
 from raysys.workload import program_key
 
@@ -93,6 +95,16 @@ def member_results(result_metrics: dict, config: dict, trial_id: str) -> list[tu
     return out
 
 
+def ended_knobs(knobs: dict, metrics: dict) -> dict:
+    """A member's knobs as PBT left them (its last ``pbt/<knob>`` values; ints stay ints), else as proposed."""
+    out = dict(knobs)
+    for key in knobs:
+        v = metrics.get(pbt.PREFIX + key)
+        if isinstance(v, (int, float)):
+            out[key] = type(knobs[key])(v) if isinstance(knobs[key], (bool, int)) else v
+    return out
+
+
 def member_frame(df, mid: str):
     """A vectorized trial's metrics dataframe -> the one member's columns, named as a lone trial's."""
     head = f"{PREFIX}/{mid}/"
@@ -154,7 +166,7 @@ class Reports:
         self.latest.update(self.pending)
         out: dict[str, Any] = {}
         for j, m in self.pending.items():
-            out |= {f"{PREFIX}/{self.ids[j]}/{k}": v for k, v in m.items() if k in KEPT}
+            out |= {f"{PREFIX}/{self.ids[j]}/{k}": v for k, v in m.items() if k in KEPT or k.startswith(pbt.PREFIX)}
         # Tune checks the searcher's metrics at the top level, and its stopper reads the verdict there:
         # the population's best objectives, unstable only once every member is
         done = [t for t in self.trackers if t.throughput is not None]
@@ -212,9 +224,12 @@ def run_population_trial(config: dict, setup) -> None:
             for j in todo:
                 log_event(setup.sweep_dir, f"start {ids[j]} run={cfgs[j].launch.name} resume={cfgs[j].launch.resume} "
                                            f"population={trial_id}")
+            schedule = None
+            if setup.pbt is not None:  # each program its own random stream, reproducible with the sweep's --seed
+                schedule = pbt.PBTConfig(**{**setup.pbt, "seed": [setup.pbt["seed"], zlib.crc32(trial_id.encode())]})
             results = run_population(wl, [cfgs[j] for j in todo], parent_run_id=setup.parent_run_id,
                                      tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
-                                     reports=[reports.reporter(j) for j in todo])
+                                     reports=[reports.reporter(j) for j in todo], pbt=schedule)
             if reports.ended is not None:  # Tune ended the trial; its members stopped with their checkpoints
                 raise reports.ended
         except Exception as e:  # the program failed, so every member did; a permanent error is not retried

@@ -133,6 +133,24 @@ def write_csv(records: Sequence[TrialRecord], path: Path, front_ids: set[str] = 
     return path
 
 
+def pbt_text(records: Sequence[TrialRecord]) -> str:
+    """A PBT sweep's members: the knobs each was proposed with and ended with, and how often it took
+    another member's weights (each round: its MLflow run's tag raysys.pbt); '' for any other sweep."""
+    members = [r for r in records if "pbt_start" in r.extra]
+    if not members:
+        return ""
+    rows = ["| trial | status | exploits | proposed | at its end |", "|---|---|---|---|---|"]
+    for r in members:
+        start, end = r.extra["pbt_start"], r.knobs
+        moved = [k for k in end if start.get(k) != end[k]]
+        rows.append(f"| {r.trial_id} | {r.status} | {r.extra.get('pbt_exploits', 0)} | "
+                    + (", ".join(f"{k}={_cell(start.get(k))}" for k in moved) + " | "
+                       + ", ".join(f"{k}={_cell(end[k])}" for k in moved) if moved else "| (unchanged)") + " |")
+    return ("**Population-based training** (--scheduler pbt): the knobs that changed in each member; the rounds, "
+            "with whose weights each took, are on its MLflow run (tag `raysys.pbt`), the schedule as metrics "
+            "`pbt/<knob>`.\n\n" + "\n".join(rows) + "\n")
+
+
 def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_metric: str, quality_metric: str,
               sweep_dir: Path, parent_log, budget_hit: bool = False,
               launch: tuple = ((), JOB_ADDRESS)) -> Optional[TrialRecord]:
@@ -151,6 +169,12 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
     if any("measured_throughput" in r.extra for r in records):
         tbl += (f"\n{throughput_metric}: the median of the trials that run the same program (they differ only "
                 "in knobs that change no array shape); each trial's own measurement is in trials.csv.\n")
+    pbt = pbt_text(records)
+    if pbt:
+        text += ("\nPBT: each trial's knobs above are those it ended with; its weights were trained on a schedule of "
+                 "them (report/pbt.md), so the command above trains those knobs from the start. The recommended "
+                 f"trial's own weights are its run {rec.run_name} in the sweep's runs/ folder: a --resume of it "
+                 "with a longer budget trains them further, with the knobs it ended with.\n" if rec is not None else "")
     print(f"\n{head}\n\n{tbl}\n{text}", flush=True)
 
     out = sweep_dir / "report"
@@ -158,12 +182,16 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
     (out / "pareto.md").write_text(f"**{head}**\n\n{tbl}")
     (out / "recommendation.md").write_text(text)
     write_csv(records, out / "trials.csv", front_ids, rec_id)
+    names = ["pareto.png", "pareto.md", "recommendation.md", "trials.csv"]
+    if pbt:
+        (out / "pbt.md").write_text(pbt)
+        names.append("pbt.md")
     plot(ordered(records, front_ids), front_ids, rec_id, out / "pareto.png", throughput_metric, quality_metric,
          f"{wl.name} sweep '{sweep_dir.name}': {len(records)} trials, {len(front)} on the front")
     from raysys import storage
 
     print(f"[raysys.tune] plot and tables: {storage.where(sweep_dir)}/report", flush=True)
-    for name in ("pareto.png", "pareto.md", "recommendation.md", "trials.csv"):
+    for name in names:
         parent_log.log_artifact(out / name)
     metrics = {"sweep/trials": len(records), "sweep/unstable": counts["unstable"], "sweep/errors": counts["error"],
                "sweep/incomplete": counts["incomplete"], "sweep/front_size": len(front)}

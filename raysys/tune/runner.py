@@ -26,6 +26,7 @@ from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
 from raysys.train.launcher import say_if_in_ray_package, storage_root
+from raysys.train.pbt import EXPLOITS
 from raysys.train.runtime import check_ray_address
 from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
@@ -65,6 +66,12 @@ class SweepOptions:
     """Configurations per trial, trained as one program (raysys.tune.population); 1: one per trial."""
     max_failures: int = 2
     """Restarts of a failed trial (Tune's FailureConfig); each continues from its run's last checkpoint."""
+    scheduler: str = "fifo"
+    """'fifo' (every trial to its end), or 'pbt': population-based training inside each vectorized program."""
+    pbt_interval: int = 4
+    """PBT: chunks (member reports) between two rounds."""
+    pbt_quantile: float = 0.25
+    """PBT: the share of a program's members that exploits, and that is exploited."""
     reuse_processes: bool = True
     """A finished trial's process takes the next trial of the same resources (Tune's ``reuse_actors``):
     its imports, MLflow client and warm caches stay, which took 35% off a sweep of short JAX trials.
@@ -372,6 +379,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     if opts.vectorize > 1 and (sp.base_config().launch.workers > 0 or "launch.workers" in sp.knobs):
         raise ConfigError(f"--vectorize {opts.vectorize} trains each program in its trial's own process: "
                           "fix launch.workers to 0 in the space")
+    pbt = _pbt_settings(opts, sp, wl)
     check_ray_address(opts.address)
     name, sweep_dir = resolve_sweep_dir(opts, wl.name)
     stored = _stored_state(sweep_dir) if opts.resume else None
@@ -382,6 +390,11 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
             _check_tune_state(sweep_dir)
         if int(stored.get("vectorize", 1)) != opts.vectorize:
             raise ConfigError(f"--resume: this sweep ran with --vectorize {stored.get('vectorize', 1)}; resume it with the same")
+        was = stored.get("pbt")
+        if (was is None) != (pbt is None) or (was and {**was, "seed": 0} != {**pbt, "seed": 0}):
+            raise ConfigError("--resume: this sweep ran " + (f"with --scheduler pbt --pbt-interval {was['interval']} "
+                              f"--pbt-quantile {was['quantile']}" if was else "without --scheduler pbt")
+                              + "; resume it with the same")
         if opts.tracking_uri and tracking.resolve_tracking_uri(opts.tracking_uri) != stored["tracking_uri"]:
             raise ConfigError(f"--resume: this sweep tracks to {stored['tracking_uri']}, not {opts.tracking_uri}")
         if opts.num_samples is not None and opts.num_samples != int(stored["num_samples"]):
@@ -432,7 +445,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
         storage.write_text(sweep_dir / STATE_FILE, json.dumps({
             "space": sp.to_dict(), "space_file": sp.source, "tracking_uri": uri, "experiment": experiment,
             "parent_run_id": parent, "num_samples": opts.num_samples, "tolerance": tolerance,
-            "vectorize": opts.vectorize, "max_concurrent": opts.max_concurrent}, indent=1, default=str))
+            "vectorize": opts.vectorize, "max_concurrent": opts.max_concurrent, "pbt": pbt}, indent=1, default=str))
     SAVED["sweep_dir"] = sweep_dir  # from here on, --resume continues it
 
     remote = storage.remote_of(sweep_dir)
@@ -449,7 +462,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                        tracking_uri=uri, experiment=experiment, parent_run_id=parent,
                        throughput_metric=throughput_metric, quality_metric=quality_metric,
                        stability=sp.stability, quality_penalty=_penalty(sp), quality_mode=sp.quality_mode,
-                       preset=sp.preset, fixed=tuple(sp.fixed.items()))
+                       preset=sp.preset, fixed=tuple(sp.fixed.items()), pbt=pbt)
     link = report.save_sweep_view(uri, parent, name, sorted(sp.knobs))
     say_if_in_ray_package(sweep_dir, uri, "sweep")
     launch = {k: getattr(base.launch, k) for k in ("workers", "cpus_per_worker", "gpus_per_worker")}
@@ -541,7 +554,37 @@ def _resume_line(opts: SweepOptions, sp: spaces.SweepSpace, name: str, sweep_dir
 
 def _extra_flags(opts: SweepOptions) -> str:
     flags = f" --preset {opts.preset}" if opts.preset else ""
+    if opts.scheduler == "pbt":
+        flags += f" --scheduler pbt --pbt-interval {opts.pbt_interval} --pbt-quantile {opts.pbt_quantile:g}"
     return flags + "".join(f" --set {k}={v}" for k, v in opts.sets.items())
+
+
+def _pbt_settings(opts: SweepOptions, sp: spaces.SweepSpace, wl: registry.Workload) -> Optional[dict]:
+    """``--scheduler pbt``: what every program's rounds need (raysys.train.pbt.PBTConfig's fields but the
+    seed), checked before anything is created; None for FIFO."""
+    if opts.scheduler != "pbt":
+        return None
+    if opts.vectorize < 2:
+        raise ConfigError("--scheduler pbt exploits and explores between the members of one program: it needs "
+                          "--vectorize K with K >= 2 (K configurations per program)")
+    explorable = tuple(wl.population.explore_knobs) if wl.population is not None else ()
+    if not explorable:
+        raise ConfigError(f"--scheduler pbt: {wl.name}'s population program runs no PBT rounds "
+                          "(Population.explore_knobs is empty; docs/your-workload.md)")
+    explore = {k: d for k, d in sp.knobs.items() if k in explorable}
+    if not explore:
+        raise ConfigError(f"--scheduler pbt: the space searches none of the knobs PBT may perturb in {wl.name} "
+                          f"({', '.join(explorable)})")
+    for k, d in explore.items():
+        if d.kind in ("choice", "grid") and not all(isinstance(v, (int, float)) for v in d.values):
+            raise ConfigError(f"--scheduler pbt: knob {k} ({d.describe()}): PBT perturbs numbers; give it numeric values")
+    if not 0 < opts.pbt_quantile <= 0.5:
+        raise ConfigError(f"--pbt-quantile must be in (0, 0.5], got {opts.pbt_quantile:g}")
+    metric = wl.population.rank_metric or str(sp.objectives.get("quality", wl.quality_metric))
+    return {"explore": {k: {"kind": d.kind, "values": list(d.values), "low": d.low, "high": d.high}
+                        for k, d in explore.items()},
+            "metric": metric, "mode": "max" if wl.population.rank_metric else sp.quality_mode,
+            "interval": opts.pbt_interval, "quantile": opts.pbt_quantile, "seed": opts.seed}
 
 
 def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl: registry.Workload):
@@ -572,7 +615,7 @@ def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl:
 def collect(grid, setup) -> list[TrialRecord]:
     """One record per trial from Tune's results (the last report of each carries our verdict), one per
     member for a vectorized trial."""
-    from raysys.tune.population import POPULATION, member_results
+    from raysys.tune.population import POPULATION, ended_knobs, member_results
     from raysys.tune.progress import OBJECTIVES_DIR
 
     records = []
@@ -580,8 +623,8 @@ def collect(grid, setup) -> list[TrialRecord]:
         m = result.metrics or {}
         trial_id = m.get("trial_id") or Path(result.path).name
         if POPULATION in (result.config or {}):  # a vectorized trial: one record per member
-            mine = [_record(mid, knobs, {**mm, "time_total_s": m.get("time_total_s")}, result.error, setup)
-                    for mid, knobs, mm in member_results(m, result.config, trial_id)]
+            mine = [_record(mid, ended_knobs(knobs, mm), {**mm, "time_total_s": m.get("time_total_s")}, result.error,
+                            setup, start=knobs) for mid, knobs, mm in member_results(m, result.config, trial_id)]
         else:
             mine = [_record(trial_id, dict(result.config or {}), m, result.error, setup)]
         reports = report_times(Path(setup.sweep_dir) / OBJECTIVES_DIR, trial_id)
@@ -592,11 +635,14 @@ def collect(grid, setup) -> list[TrialRecord]:
     return sorted(records, key=lambda r: r.trial_id)
 
 
-def _record(trial_id: str, knobs: dict, m: dict, error, setup) -> TrialRecord:
+def _record(trial_id: str, knobs: dict, m: dict, error, setup, start: Optional[dict] = None) -> TrialRecord:
+    """``start``: a PBT member's knobs as proposed (``knobs``: those it ended with)."""
     rec = TrialRecord(trial_id=trial_id, knobs=knobs, run_name=setup.run_name(trial_id),
                       throughput=_float(m.get(obj.MEASURED_THROUGHPUT)), quality=_float(m.get(obj.MEASURED_QUALITY)),
                       seconds=_float(m.get(obj.RUN_SECONDS, m.get("time_total_s"))),
                       higher_is_better=setup.quality_mode == "max")
+    if setup.pbt is not None and start is not None:
+        rec.extra["pbt_start"], rec.extra["pbt_exploits"] = start, int(_float(m.get(EXPLOITS)) or 0)
     if error is not None:
         rec.status, rec.reason = ERROR, error_summary(error)
     elif m.get(obj.FAILED):  # ended at once: an error no restart can fix

@@ -86,6 +86,8 @@ class TrialSetup:
     """The space's base preset, recorded on each trial's run with its equivalent train command."""
     fixed: tuple = ()
     """The space's fixed overrides as (key, value) pairs, for that command."""
+    pbt: Optional[dict] = None
+    """``--scheduler pbt``: raysys.train.pbt.PBTConfig's fields but the seed; None: no PBT."""
 
     @property
     def runs_dir(self) -> Path:

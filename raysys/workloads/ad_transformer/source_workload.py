@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from raysys.config import at_least, require
+from raysys.train import pbt as pbt_rounds
 from raysys.train.config import JaxLaunchConfig
 from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.workload import Population, Workload
@@ -90,6 +91,9 @@ PRESETS = {"default": default, "learn": learn, "quick": quick}
 MEMBER_KNOBS = ("source.lr", "source.max_grad_norm", "source.gamma", "source.gae_lambda", "source.clip_eps",
                 "source.vf_coef", "source.ent_coef", "source.seed", "source.steps_per_goal",
                 "train.last_updates", "train.checkpoint_every_minutes", "train.compilation_cache_dir")
+# What PBT may perturb (--scheduler pbt): the update's hyper-parameters, not the seed or the budgets.
+EXPLORE_KNOBS = ("source.lr", "source.max_grad_norm", "source.gamma", "source.gae_lambda", "source.clip_eps",
+                 "source.vf_coef", "source.ent_coef")
 
 
 def _setup(cfg: ADSourceConfig):
@@ -213,6 +217,8 @@ def train_population(cfgs: list[ADSourceConfig], sessions: list) -> list[dict]:
     goals, optimal = np.asarray(lead.train.goals, np.int32), dr.optimal_return(lead.train.goals)
     starts = [_start(c, s, goals) for c, s in zip(cfgs, sessions)]
     curves = [c for _, c in starts]
+    pbt = pbt_rounds.of(sessions)
+    cfgs = pbt.resume(cfgs) if pbt is not None else list(cfgs)  # a member's knobs where PBT had left them
     carrier = _in_turn if population_mode(lead.train.population) == "loop" else _batched
     program = carrier(cfgs, [lr for lr, _ in starts], goals)
     k, per_update, totals = lead.source.updates_per_call, _steps_per_update(lead), [c.source.updates for c in cfgs]
@@ -241,6 +247,9 @@ def train_population(cfgs: list[ADSourceConfig], sessions: list) -> list[dict]:
             finals[i] |= _metrics(returns, optimal, program.rate(n[i] * per_update, seconds), program.compile_s)
             sessions[i].log(finals[i], len(curves[i]) * per_update, bar=(len(curves[i]), totals[i]), unit="update",
                             progress=_progress(finals[i]) + f" (member 1 of {len(live)} live)" if i == live[0] else None)
+        if pbt is not None:  # the other member's params and Adam state; envs and PRNG streams stay its own
+            pbt.after_chunk(program, cfgs, [i for i in live if len(curves[i]) < totals[i]],
+                            inherit=lambda mine, theirs: mine._replace(params=theirs.params, opt_state=theirs.opt_state))
         stop = sessions[0].should_stop()
         if stop or time.perf_counter() - last_ckpt >= 60 * lead.train.checkpoint_every_minutes:
             save(range(K))
@@ -265,21 +274,24 @@ def _batched(cfgs: list, learners: list, goals):
 
     lead = cfgs[0]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *learners)
-    hps = source.stack_hparams([c.source for c in cfgs])
+    hps = [source.stack_hparams([c.source for c in cfgs])]  # a box: PBT's retune replaces it
     with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
         probe = pool.submit(_probe, lead, goals)
         t0 = time.perf_counter()
         full = np.full(len(cfgs), lead.source.updates_per_call, np.int32)
-        step = source.make_population_chunk(lead.source).lower(stacked, goals, hps, full).compile()
+        step = source.make_population_chunk(lead.source).lower(stacked, goals, hps[0], full).compile()
         compile_s = time.perf_counter() - t0
         alone = probe.result()
 
     def run(learners, n):
-        learners, returns = step(learners, goals, hps, n)
+        learners, returns = step(learners, goals, hps[0], n)
         returns = np.asarray(returns)  # [k, K, G]
         return learners, {i: returns[: n[i], i] for i in np.flatnonzero(n)}
 
-    return Batched(stacked, run, compile_s, alone)
+    def retune(cfgs):
+        hps[0] = source.stack_hparams([c.source for c in cfgs])
+
+    return Batched(stacked, run, compile_s, alone, retune)
 
 
 def _in_turn(cfgs: list, learners: list, goals):
@@ -299,7 +311,10 @@ def _in_turn(cfgs: list, learners: list, goals):
         learners, returns = step(learners, goals, hps[i], np.int32(n))
         return learners, np.asarray(returns)[:n]
 
-    return InTurn(learners, run, compile_s)
+    def retune(cfgs):
+        hps[:] = [source.hparams_of(c.source) for c in cfgs]
+
+    return InTurn(learners, run, compile_s, retune)
 
 
 def _probe(cfg: ADSourceConfig, goals) -> float:
@@ -327,7 +342,7 @@ WORKLOAD = Workload(
     presets=PRESETS,
     bench=_bench,
     train_fn=train,
-    population=Population(train_population, MEMBER_KNOBS),
+    population=Population(train_population, MEMBER_KNOBS, EXPLORE_KNOBS, rank_metric="charts/return_fraction"),
     throughput_metric="perf/env_steps_per_s",
     # a checkpoint belongs to one source setting (its shapes and hyper-parameters); one process, local devices
     extra={"identity_sections": ("source",)},

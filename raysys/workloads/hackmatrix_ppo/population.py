@@ -16,6 +16,9 @@ others go on. Two carriers (raysys/train/population.py) can take the members, as
   compile and its probe are all cost.
 
 ``auto`` (the default) is ``loop`` on a CPU and ``vmap`` on a GPU or TPU.
+
+In a PBT sweep (``--scheduler pbt``, raysys/train/pbt.py) a member that exploits another takes its
+params and Adam state (:func:`_inherit`); its envs, observations and PRNG streams stay its own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from raysys.train import pbt as pbt_rounds
 from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.train.population import Batched, InTurn, population_mode, time_alone
 from raysys.workloads.hackmatrix_ppo import workload as lone
@@ -40,6 +44,8 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     lead, k = cfgs[0], len(cfgs)
     mesh = ppo.make_mesh()
     starts = _starts(cfgs, sessions, mesh)
+    pbt = pbt_rounds.of(sessions)
+    cfgs = pbt.resume(cfgs) if pbt is not None else list(cfgs)  # a member's knobs where PBT had left them
     carrier = _in_turn if population_mode(lead.train.population) == "loop" else _batched
     program = carrier(cfgs, [r for r, _, _ in starts], mesh)
     env_steps = np.array([e for _, e, _ in starts])
@@ -80,6 +86,8 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
             progress = lone._progress(m) + f" (member 1 of {len(members)} live)" if i == members[0] else None
             sessions[i].log(m, int(env_steps[i]), progress=progress, bar=(int(env_steps[i]), int(totals[i])),
                             unit="env-step")
+        if pbt is not None:
+            pbt.after_chunk(program, cfgs, [i for i in members if env_steps[i] < totals[i]], inherit=_inherit)
         if time.perf_counter() - last_ckpt >= 60 * lead.train.checkpoint_every_minutes:
             save(range(k))
             last_ckpt = time.perf_counter()
@@ -116,23 +124,26 @@ def _batched(cfgs: list, runners: list, mesh) -> Batched:
 
     lead = cfgs[0]
     stacked = ppo.stack_runners(runners, mesh)
-    hps = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
+    hps = [ppo.replicate(ppo.stack_hparams(cfgs), mesh)]  # a box: PBT's retune replaces it
     with ThreadPoolExecutor(1) as pool:  # XLA compiles without the GIL: the probe's program alongside
         probe = pool.submit(_probe_program, lead, mesh)
         t0 = time.perf_counter()
         active = ppo.replicate(np.ones(len(cfgs), bool), mesh)
-        step = ppo.make_population_chunk(lead, mesh).lower(stacked, hps, active).compile()
+        step = ppo.make_population_chunk(lead, mesh).lower(stacked, hps[0], active).compile()
         compile_s = time.perf_counter() - t0
         runner, hp, alone_step = probe.result()  # one member of this shape alone: its env-steps/s
         alone = time_alone(alone_step, runner, hp,
                            work=lead.train.updates_per_chunk * lead.train.num_envs * lead.train.num_steps)
 
     def run(runners, live):
-        runners, stats = step(runners, hps, ppo.replicate(live, mesh))
+        runners, stats = step(runners, hps[0], ppo.replicate(live, mesh))
         stats = {key: np.asarray(v, np.float64) for key, v in to_host(stats).items()}
         return runners, {i: {key: float(v[i]) for key, v in stats.items()} for i in np.flatnonzero(live)}
 
-    return Batched(stacked, run, compile_s, alone)
+    def retune(cfgs):
+        hps[0] = ppo.replicate(ppo.stack_hparams(cfgs), mesh)
+
+    return Batched(stacked, run, compile_s, alone, retune)
 
 
 def _in_turn(cfgs: list, runners: list, mesh) -> InTurn:
@@ -148,7 +159,15 @@ def _in_turn(cfgs: list, runners: list, mesh) -> InTurn:
         runner, stats = step(runner, hps[i])
         return runner, {key: float(v) for key, v in to_host(stats).items()}
 
-    return InTurn(runners, run, compile_s)
+    def retune(cfgs):
+        hps[:] = [ppo.replicate(ppo.hparams_of(c), mesh) for c in cfgs]
+
+    return InTurn(runners, run, compile_s, retune)
+
+
+def _inherit(mine, theirs):
+    """PBT's exploit: the other member's params and Adam state; envs and PRNG streams stay this member's."""
+    return mine._replace(params=theirs.params, opt_state=theirs.opt_state)
 
 
 def _probe_program(cfg, mesh):

@@ -310,6 +310,9 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
 MEMBER_KNOBS = ("optim.lr", "optim.anneal_lr", "optim.max_grad_norm", "ppo.gamma", "ppo.gae_lambda", "ppo.clip_eps",
                 "ppo.ent_coef", "ppo.vf_coef", "train.seed", "train.total_timesteps",
                 "train.checkpoint_every_minutes", "train.compilation_cache_dir")
+# What PBT may perturb (--scheduler pbt): the update's hyper-parameters, not the seed, budget or schedule switch.
+EXPLORE_KNOBS = ("optim.lr", "optim.max_grad_norm", "ppo.gamma", "ppo.gae_lambda", "ppo.clip_eps", "ppo.ent_coef",
+                 "ppo.vf_coef")
 
 
 def train_population(cfgs: list[HackMatrixPPOConfig], sessions: list) -> list[dict]:
@@ -355,7 +358,7 @@ WORKLOAD = Workload(
     presets=PRESETS,
     bench=_bench,
     train_fn=train,
-    population=Population(train_population, MEMBER_KNOBS),
+    population=Population(train_population, MEMBER_KNOBS, EXPLORE_KNOBS, rank_metric="charts/episode_return"),
     throughput_metric="perf/env_steps_per_s",
     # resume only needs the same network: num_envs / num_steps may change
     extra={"identity_sections": ("model",), "runner": "jax", "prepare": _check_here},
