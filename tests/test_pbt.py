@@ -195,3 +195,59 @@ def test_a_pbt_sweep_of_hackmatrix_reports_the_knobs_each_member_ended_with(work
     again = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", space, "--vectorize", "4", "--name", "p",
                             "--resume"], cwd=workdir, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "this sweep ran with --scheduler pbt --pbt-interval 1" in again.stderr
+
+
+@pytest.mark.slow  # ~2-3 min
+def test_an_interrupted_pbt_sweep_resumes_each_member_with_the_knobs_it_had(workdir):
+    """Ctrl-C once a member of a PBT sweep has taken another's weights, then --resume: each member's first
+    chunk after its checkpoint runs with the knobs that checkpoint holds (not those it was proposed with)."""
+    import json
+    import subprocess
+
+    from conftest import interrupt_sweep
+    from mlflow.tracking import MlflowClient
+
+    space = workdir / "pbt.yaml"
+    space.write_text(yaml.safe_dump({
+        "workload": "hackmatrix_ppo", "preset": "quick",
+        "fixed": {"launch.workers": 0, "train.total_timesteps": 81920, "train.checkpoint_every_minutes": 0.001,
+                  "train.compilation_cache_dir": ""},
+        "space": {"optim.lr": {"loguniform": [1.0e-4, 2.0e-3]}, "ppo.ent_coef": {"choice": [0.0, 0.01, 0.05]}}}))
+    args = ["--space", str(space), "--num-samples", "4", "--vectorize", "4", "--name", "pr", "--scheduler", "pbt",
+            "--pbt-interval", "1"]
+    runs = workdir / "raysys_runs" / "sweeps" / "pr" / "runs"
+
+    def exploited():
+        for meta in runs.glob("*/checkpoints/step_*/meta.json"):
+            try:
+                if json.loads(meta.read_text()).get("pbt", {}).get("exploits"):
+                    return True
+            except ValueError:  # being written
+                pass
+        return False
+
+    returncode, out = interrupt_sweep(args, workdir, exploited)
+    assert returncode == 130, out[-3000:]
+    held = {}
+    for run in runs.iterdir():
+        knobs = pbt.checkpoint_knobs(run, "hackmatrix_ppo")
+        steps = sorted(int(p.parent.name[len("step_"):]) for p in run.glob("checkpoints/step_*/meta.json"))
+        if knobs and steps:
+            held[run.name] = (steps[-1], knobs)
+    assert any(k["optim.lr"] != float(yaml.safe_load((runs / r / "config.yaml").read_text())["optim"]["lr"])
+               or k["ppo.ent_coef"] != yaml.safe_load((runs / r / "config.yaml").read_text())["ppo"]["ent_coef"]
+               for r, (_, k) in held.items()), held
+    resumed = subprocess.run([sys.executable, "-m", "raysys.tune", *args, "--resume"], cwd=workdir, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    children = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.`raysys.kind` != 'sweep'")
+    by_name = {next(n for n in held if n.endswith(c.data.tags["raysys.trial_id"])): c for c in children
+               if any(n.endswith(c.data.tags["raysys.trial_id"]) for n in held)}
+    assert len(by_name) == len(held)
+    for name, (step, knobs) in held.items():
+        run = by_name[name]
+        assert run.data.tags["raysys.trial_status"] == "ok"
+        for key, value in knobs.items():
+            history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"pbt/{key}")}
+            assert history[step + 1024 * 5] == pytest.approx(value), (name, key, step, history)

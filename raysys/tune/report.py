@@ -328,7 +328,11 @@ def trial_note(r: TrialRecord, setup, verdict: Optional[Verdict]) -> str:
     lines = [f"Trial {r.trial_id} of sweep {setup.sweep_name}: {where}; {status}.", "",
              "| | value |", "|---|---|",
              f"| {setup.throughput_metric} | {fmt_value(r.throughput)} |", f"| {setup.quality_metric} | {fmt_value(r.quality)} |"]
-    lines += [f"| {k} | {_cell(v)} |" for k, v in sorted(r.knobs.items())]
+    start = r.extra.get("pbt_start")
+    lines += [f"| {k} | {_cell(v)}" + (f" (PBT; proposed {_cell(start[k])})" if start and start.get(k) != v else "") + " |"
+              for k, v in sorted(r.knobs.items())]
+    if start is not None:
+        lines.append(f"| PBT exploits | {r.extra.get('pbt_exploits', 0)} (rounds: tag raysys.pbt) |")
     return "\n".join(lines) + "\n"
 
 

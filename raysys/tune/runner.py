@@ -4,7 +4,8 @@ Searcher: ``OptunaSearch`` with both objectives on the searcher (``metric=[...]`
 multi-objective TPE). Scheduler: Tune's default FIFO; the only early stop is
 :class:`StabilityStopper`, which ends trials the stability rules call unstable. No ASHA: it would
 stop trials on one metric and hand Optuna their truncated values as if complete, which biases the
-Pareto front (see docs/tune.md).
+Pareto front (see docs/tune.md). ``--scheduler pbt`` runs population-based training inside each
+vectorized program instead (raysys.train.pbt), where every member runs at the same speed.
 """
 
 from __future__ import annotations
@@ -439,6 +440,8 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                            "sweep.tolerance": tolerance, "sweep.throughput_metric": throughput_metric,
                            "sweep.quality_metric": quality_metric,
                            "sweep.quality_mode": sp.quality_mode, "sweep.seed": opts.seed,
+                           **({"sweep.scheduler": "pbt", "sweep.pbt_interval": pbt["interval"],
+                               "sweep.pbt_quantile": pbt["quantile"], "sweep.pbt_metric": pbt["metric"]} if pbt else {}),
                            **{f"space.{k}": d.describe() for k, d in sp.knobs.items()},
                            **{f"fixed.{k}": v for k, v in sp.fixed.items()}})
     if not stored:
