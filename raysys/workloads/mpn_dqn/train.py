@@ -204,6 +204,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16")
     state_shape = (cfg.hidden, build.args[0]) if cfg.stored_state else None
     replay = SequenceReplay(build.args[0], cfg.buffer_capacity, n_envs=cfg.num_envs, state_shape=state_shape)
+    if replay.state is not None:  # said once: checkpoints carry the buffer, so they grow with it
+        session.message(f"stored_state: the replay buffer keeps each step's recurrent state ({replay.state.nbytes / 2**20:.0f} MB "
+                        "when full), and every checkpoint holds the buffer's filled part")
 
     # Everything a resumed run needs to continue exactly where it stopped.
     c = {"episodes": 0, "env_steps": 0, "updates": 0, "episode_id_base": 0, "pending": 0}
