@@ -158,7 +158,7 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
     if saved is None:
         return None
     saved.get("launch", {}).update(resume=False, name=run_dir.name)
-    _pbt_knobs(wl, run_dir, saved)
+    _pbt_knobs(wl, run_dir, saved, {s.split("=", 1)[0].strip() for s in getattr(args, "sets", None) or []})
     store = saved.get("launch", {}).get("tracking_uri") or ""
     if args.tracking_uri is None and store.startswith("sqlite:///") and not Path(store[len("sqlite:///"):]).is_file():
         # its own store is on another machine (or gone): this session tracks where a new run would
@@ -174,22 +174,24 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
                           "since the run began: restore that code to resume, or start a new run (another --name)") from None
 
 
-def _pbt_knobs(wl: registry.Workload, run_dir: Path, saved: dict) -> None:
+def _pbt_knobs(wl: registry.Workload, run_dir: Path, saved: dict, overridden: set) -> None:
     """A member of a PBT sweep (raysys/train/pbt.py) goes on with the knobs its weights were trained with
-    last, not those it was proposed with: set in ``saved`` (in place) and said; --set still changes them."""
+    last, not those it was proposed with: set in ``saved`` (in place), and those PBT changed said, but
+    for the ``overridden`` ones (--set keys, which change them again)."""
     from raysys.train.pbt import checkpoint_knobs
 
-    knobs = checkpoint_knobs(run_dir, wl.name)
-    if not knobs:
-        return
-    for key, value in knobs.items():
+    changed = {}
+    for key, value in checkpoint_knobs(run_dir, wl.name).items():
         *path, last = key.split(".")
         node = saved
         for part in path:
             node = node.setdefault(part, {})
+        if node.get(last) != value and key not in overridden:
+            changed[key] = value
         node[last] = value
-    print(f"[raysys] note: population-based training left this run at {', '.join(f'{k}={v!r}' for k, v in knobs.items())}"
-          ": the resume goes on with them (--set changes them)", flush=True)
+    if changed:
+        print(f"[raysys] note: population-based training left this run at {', '.join(f'{k}={v!r}' for k, v in changed.items())}"
+              ": the resume goes on with them (--set changes them)", flush=True)
 
 
 def _checkpoint_config(wl: registry.Workload, run_dir: Path) -> Optional[dict]:

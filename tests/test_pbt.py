@@ -47,6 +47,38 @@ def test_explore_stays_in_the_domain_and_always_moves_a_number():
     assert seen["c"] == {0.0, 0.01, 0.05, 0.1}  # neighbours, and now and then any value
 
 
+def test_a_members_ended_knobs_keep_what_pbt_left():
+    from raysys.tune.population import ended_knobs
+
+    proposed = {"ppo.ent_coef": 0, "train.num": 3, "optim.lr": 1e-3, "flag": False, "train.seed": 7}
+    ended = ended_knobs(proposed, {"pbt/ppo.ent_coef": 0.1, "pbt/train.num": 4.0, "pbt/optim.lr": 1.2e-3, "pbt/flag": 1.0})
+    assert ended == {"ppo.ent_coef": 0.1, "train.num": 4, "optim.lr": 1.2e-3, "flag": True, "train.seed": 7}
+    assert isinstance(ended["train.num"], int)
+
+
+def test_a_program_whose_members_all_turn_unstable_ends_each_with_its_verdict():
+    """The report that makes the trial unstable (Tune's stopper ends it there) carries every member's last
+    state, so the members halted before it are unstable trials too, not ones stopped before their end."""
+    from raysys.tune import objectives as obj
+    from raysys.tune.population import Reports, member_results
+
+    sent = []
+    trackers = [obj.ObjectiveTracker("perf/x", "eval/q", obj.StabilityRules(bounds={"charts/entropy": {"min": 0.5}}))
+                for _ in range(3)]
+    reports = Reports(["t_0", "t_1", "t_2"], trackers, sent.append)
+    members = [reports.reporter(j) for j in range(3)]
+    for step, entropies in ((1, (1.0, 1.0, 1.0)), (2, (0.1, 1.0, 1.0)), (3, (None, 0.1, 1.0)), (4, (None, None, 0.1))):
+        for j, e in enumerate(entropies):
+            if e is not None:
+                members[j]({"perf/x": 1.0, "eval/q": -1.0, "charts/entropy": e, "step": step})
+    reports.flush()
+    last = sent[-1]
+    assert last[obj.UNSTABLE] == 1.0 and "every member unstable, the last: charts/entropy" in last[obj.REASON]
+    ended = member_results(last, {"population": [{}, {}, {}]}, "t")
+    assert [m[obj.UNSTABLE] for _, _, m in ended] == [1.0, 1.0, 1.0]
+    assert all("charts/entropy" in m[obj.REASON] for _, _, m in ended)
+
+
 def _members(tmp_path, lrs, steps=6, name="m"):
     cfgs = []
     for i, lr in enumerate(lrs):
@@ -134,6 +166,7 @@ def test_the_cli_refuses_pbt_where_it_cannot_run_before_anything_starts(workdir,
         (["--space", hm, "--scheduler", "pbt"], "needs --vectorize K with K >= 2"),
         (["--space", hm, "--scheduler", "pbt", "--vectorize", "4", "--pbt-quantile", "0.7"], "--pbt-quantile must be in (0, 0.5]"),
         (["--space", hm, "--scheduler", "pbt", "--vectorize", "4", "--pbt-interval", "0"], "--pbt-interval must be >= 1"),
+        (["--space", hm, "--vectorize", "4", "--pbt-interval", "2"], "--pbt-interval is a setting of --scheduler pbt"),
         (["--space", _space(workdir, "hackmatrix_ppo", {"train.seed": {"randint": [0, 9]}}), "--scheduler", "pbt",
           "--vectorize", "4"], "searches none of the knobs PBT may perturb in hackmatrix_ppo (optim.lr"),
         (["--space", _space(workdir, f"{TESTS / 'tiny_workload.py'}:WORKLOAD", {"opt.lr": {"uniform": [0.01, 0.1]}},
@@ -163,7 +196,6 @@ def test_a_pbt_sweep_of_hackmatrix_reports_the_knobs_each_member_ended_with(work
                           capture_output=True, text=True, timeout=500)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
-    assert "PBT: each trial's knobs above are those it ended with" in proc.stdout
     report = workdir / "raysys_runs" / "sweeps" / "p" / "report"
     assert "Population-based training" in (report / "pbt.md").read_text()
     with open(report / "trials.csv") as f:
@@ -175,9 +207,15 @@ def test_a_pbt_sweep_of_hackmatrix_reports_the_knobs_each_member_ended_with(work
     took = [r for r in children.values() if "raysys.pbt" in r.data.tags]
     assert took, "three rounds of four members moved nobody"
     for row in rows:  # the CSV's knobs: those the member ended with, as its MLflow run charts them
-        run = children[row["trial_id"]]
+        run = client.get_run(children[row["trial_id"]].info.run_id)
         assert float(row["optim.lr"]) == pytest.approx(run.data.metrics["pbt/optim.lr"])
+        assert float(row["ppo.ent_coef"]) == run.data.metrics["pbt/ppo.ent_coef"]
         assert 1e-4 <= float(row["optim.lr"]) <= 2e-3 and float(row["ppo.ent_coef"]) in (0.0, 0.01, 0.05)
+        assert f"--set ppo.ent_coef={row['ppo.ent_coef']}" in run.data.tags["raysys.command"]  # the knobs it ended with
+        if row["recommended"] == "True":  # its weights came from a schedule: the recommendation says so, and where
+            said = f"PBT: trial {row['trial_id']} took other members' weights" in proc.stdout
+            assert said == bool(run.data.metrics["pbt/exploits"]), proc.stdout[-2000:]
+            assert not said or f"--name {row['run_name']} --resume" in proc.stdout
     member = took[0]
     end_lr = member.data.metrics["pbt/optim.lr"]
     assert float(member.data.params["optim.lr"]) != pytest.approx(end_lr) or \
@@ -251,3 +289,31 @@ def test_an_interrupted_pbt_sweep_resumes_each_member_with_the_knobs_it_had(work
         for key, value in knobs.items():
             history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"pbt/{key}")}
             assert history[step + 1024 * 5] == pytest.approx(value), (name, key, step, history)
+
+
+def test_the_searcher_learns_only_from_members_pbt_left_as_proposed():
+    """A member that took another's weights ended as no proposal would: Optuna is not told its result
+    (as for a failed trial); a member PBT never touched is told as usual."""
+    from ray.tune.search import Searcher
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.population import PopulationSearcher
+
+    class Recorder(Searcher):
+        def __init__(self):
+            super().__init__(metric=[obj.THROUGHPUT, obj.QUALITY], mode=["max", "max"])
+            self.n, self.told = 0, {}
+
+        def suggest(self, trial_id):
+            self.n += 1
+            return {"optim.lr": 1e-3 * self.n}
+
+        def on_trial_complete(self, trial_id, result=None, error=False):
+            self.told[trial_id] = (result, error)
+
+    inner = Recorder()
+    outer = PopulationSearcher(inner, 2, 2, ("optim.lr",))
+    assert len(outer.suggest("t")["population"]) == 2
+    outer.on_trial_complete("t", {f"members/t_{j}/{k}": v for j in (0, 1) for k, v in
+                                  ((obj.THROUGHPUT, 10.0), (obj.QUALITY, -1.0 - j), ("pbt/exploits", float(j)))})
+    assert inner.told == {"t~0": ({obj.THROUGHPUT: 10.0, obj.QUALITY: -1.0}, False), "t~1": (None, True)}

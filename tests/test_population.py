@@ -119,3 +119,24 @@ def test_a_population_run_ends_each_member_as_its_lone_run(tmp_path, population)
         ret = alone.metrics["charts/episode_return"]
         assert together[i].metrics["charts/episode_return"] == pytest.approx(ret, rel=1e-5, abs=1e-4)
         assert together[i].metrics["perf/env_steps_per_s"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_a_member_restored_at_its_end_keeps_the_quality_it_ended_with(tmp_path):
+    """A program interrupted after one member reached its (shorter) end and before the program's final
+    metrics were written: resumed, that member trains nothing and ends with the return it had, not NaN."""
+    from raysys.session import run_population
+
+    settings = dict(ent=0.01, clip=0.2, gamma=0.99, lam=0.95, vf=0.5, grad=0.5)
+    cfgs = [_run_cfg(tmp_path, f"end-{i}", _member(lr=lr, seed=i, **settings), "loop") for i, lr in enumerate((1e-3, 5e-4))]
+    first = run_population(WORKLOAD, cfgs)
+    ended = first[0].metrics["eval/quality"]
+    for i in (0, 1):  # as if the program had stopped before writing them
+        (tmp_path / "runs" / f"end-{i}" / "final_metrics.json").unlink()
+    longer = [_run_cfg(tmp_path, f"end-{i}", _member(lr=lr, seed=i, **settings), "loop") for i, lr in enumerate((1e-3, 5e-4))]
+    longer[1].train = dataclasses.replace(longer[1].train, total_timesteps=16 * 16 * 10)
+    for c in longer:
+        c.launch.resume = True
+    again = run_population(WORKLOAD, longer)
+    assert again[0].metrics["eval/quality"] == ended and np.isfinite(ended)
+    assert again[1].metrics["perf/env_steps"] == 16 * 16 * 10

@@ -5,6 +5,7 @@ and compile pinned off, so that a trial takes seconds on 2 cores; see docs/tune.
 full-size command and its timing.
 """
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,24 @@ def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir, wor
     assert good.data.tags["raysys.trial_status"] == "ok" and parent.info.status == "FINISHED"
     csv = (workdir / "raysys_runs" / "sweeps" / "div" / "report" / "trials.csv").read_text()
     assert ",unstable," in csv
+
+
+@pytest.mark.timeout(600)
+def test_a_vectorized_program_whose_members_all_turn_unstable_ends_the_sweep_with_their_verdicts(workdir):
+    """Every member of one program found unstable one after another (a policy entropy floor): the trial's
+    stop keeps each member's verdict, and the sweep ends whole (exit 0, a report), not 'interrupted'
+    with members 'stopped before the end' that no --resume could ever finish."""
+    space = workdir / "floor.yaml"
+    space.write_text(yaml.safe_dump({
+        "workload": "hackmatrix_ppo", "preset": "quick", "fixed": {"launch.workers": 0, "train.compilation_cache_dir": ""},
+        "space": {"optim.lr": {"loguniform": [1.0e-3, 2.0e-3]}, "train.seed": {"randint": [0, 99]}},
+        "stability": {"bounds": {"charts/entropy": {"min": 0.6}}}}))
+    proc = _sweep(workdir, "--space", str(space), "--num-samples", "3", "--vectorize", "3", "--name", "floor")
+    assert proc.returncode == 0 and "interrupted" not in proc.stdout
+    assert "3 trials — 3 unstable" in proc.stdout and "UNSTABLE: None" not in proc.stdout
+    with open(workdir / "raysys_runs" / "sweeps" / "floor" / "report" / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows] == ["unstable"] * 3 and all("charts/entropy" in r["reason"] for r in rows)
 
 
 def _events(sweep_dir: Path) -> list[list[str]]:

@@ -31,6 +31,8 @@ PREFIX = "pbt/"
 EXPLOITS = PREFIX + "exploits"
 META = "pbt"
 """The key of a member's PBT state in its checkpoints' meta."""
+CLOCK = "pbt_clock"
+"""The program's chunk and round counts in its members' checkpoints' meta."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,10 @@ class Exploit:
         from raysys.config import apply_overrides, flatten, to_dict
 
         out = list(cfgs)
+        clocks = [(getattr(s, "restored_meta", None) or {}).get(CLOCK) or {} for s in self.sessions]
+        # the rounds go on where they were: the same cadence, and the random stream where it was
+        self.chunks = max((int(c.get("chunks", 0)) for c in clocks), default=0)
+        self.rounds = max((int(c.get("rounds", 0)) for c in clocks), default=0)
         for i, (cfg, s) in enumerate(zip(cfgs, self.sessions)):
             saved = (getattr(s, "restored_meta", None) or {}).get(META) or {}
             now = flatten(to_dict(cfg))
@@ -149,9 +155,12 @@ class Exploit:
         from raysys.config import apply_overrides
 
         self.chunks += 1
-        if self.chunks % self.c.interval:
+        due = self.chunks % self.c.interval == 0
+        self.rounds += due
+        for s in self.sessions:  # saved with the members' next checkpoints
+            s.carry[CLOCK] = {"chunks": self.chunks, "rounds": self.rounds}
+        if not due:
             return []
-        self.rounds += 1
         live = [int(i) for i in live if not self.sessions[int(i)].halted]
         scores = [float(np.mean(self.seen[i])) if self.seen[i] else math.nan for i in live]
         self.seen = [[] for _ in self.sessions]

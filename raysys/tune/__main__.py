@@ -73,11 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "hyper-parameters, perturbed within the space's bounds (x0.8/x1.2, a neighbouring choice); "
                         "the knobs each member ended with are its trial's in the report, and its MLflow run charts "
                         "them (pbt/<knob>). See docs/tune.md")
-    p.add_argument("--pbt-interval", type=int, default=4, metavar="N",
-                   help="pbt: chunks (each member's reports) between two rounds (default: %(default)s)")
-    p.add_argument("--pbt-quantile", type=float, default=0.25, metavar="Q",
-                   help="pbt: the worst Q of a program's members exploit the best Q (at least one each; "
-                        "default: %(default)s)")
+    p.add_argument("--pbt-interval", type=int, metavar="N",
+                   help="pbt: chunks (each member's reports) between two rounds (default: 4)")
+    p.add_argument("--pbt-quantile", type=float, metavar="Q",
+                   help="pbt: the worst Q of a program's members exploit the best Q (at least one each; default: 0.25)")
     p.add_argument("--max-failures", type=int, default=2, metavar="N",
                    help="times a failed trial (its process died, e.g. killed or out of memory, or it raised) is "
                         "started again, from its run's last checkpoint; a vectorized trial's finished members are "
@@ -104,6 +103,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         if args.max_failures < 0:
             raise ConfigError(f"--max-failures must be >= 0, got {args.max_failures}")
+        given = [f for f in ("pbt_interval", "pbt_quantile") if getattr(args, f) is not None]
+        if given and args.scheduler != "pbt":
+            raise ConfigError(f"--{given[0].replace('_', '-')} is a setting of --scheduler pbt, which this command "
+                              "does not ask for")
+        args.pbt_interval = 4 if args.pbt_interval is None else args.pbt_interval
+        args.pbt_quantile = 0.25 if args.pbt_quantile is None else args.pbt_quantile
         if args.pbt_interval < 1:
             raise ConfigError(f"--pbt-interval must be >= 1, got {args.pbt_interval}")
         if args.vectorize < 1:

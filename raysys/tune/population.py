@@ -73,6 +73,8 @@ class PopulationSearcher(Searcher):
         for mid, iid in zip(member_ids(trial_id, len(self.members.get(trial_id, []))), self.members.pop(trial_id, [])):
             values = {m: (result or {}).get(f"{PREFIX}/{mid}/{m}") for m in (obj.THROUGHPUT, obj.QUALITY)}
             complete = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values())
+            # a member that took another's weights (PBT) ended as no proposal of the searcher would: left out
+            complete = complete and not (result or {}).get(f"{PREFIX}/{mid}/{pbt.EXPLOITS}")
             self.inner.on_trial_complete(iid, values if complete and not error else None,
                                          error=error or not complete)
 
@@ -96,12 +98,12 @@ def member_results(result_metrics: dict, config: dict, trial_id: str) -> list[tu
 
 
 def ended_knobs(knobs: dict, metrics: dict) -> dict:
-    """A member's knobs as PBT left them (its last ``pbt/<knob>`` values; ints stay ints), else as proposed."""
+    """A member's knobs as PBT left them (its last ``pbt/<knob>`` values), else as proposed."""
     out = dict(knobs)
     for key in knobs:
-        v = metrics.get(pbt.PREFIX + key)
-        if isinstance(v, (int, float)):
-            out[key] = type(knobs[key])(v) if isinstance(knobs[key], (bool, int)) else v
+        v, was = metrics.get(pbt.PREFIX + key), knobs[key]
+        if isinstance(v, (int, float)):  # an int stays one where the value is whole (a randint), else the float
+            out[key] = bool(v) if isinstance(was, bool) else int(v) if isinstance(was, int) and float(v).is_integer() else v
     return out
 
 
@@ -163,6 +165,9 @@ class Reports:
     def flush(self) -> None:
         if not self.pending:
             return
+        fresh = list(self.pending)
+        if all(t.unstable for t in self.trackers):  # Tune's stopper ends the trial on this report: it must hold
+            self.pending = {**self.latest, **self.pending}  # every member's last state, as finish's would
         self.latest.update(self.pending)
         out: dict[str, Any] = {}
         for j, m in self.pending.items():
@@ -174,6 +179,8 @@ class Reports:
         qs = [t.quality for t in done if not t.unstable and t.quality is not None]
         out[obj.QUALITY] = max(qs, key=lambda q: q * self.trackers[0].sign) if qs else math.nan  # the best, either mode
         out[obj.UNSTABLE] = float(all(t.unstable for t in self.trackers))
+        if out[obj.UNSTABLE]:
+            out[obj.REASON] = "every member unstable, the last: " + str(self.trackers[fresh[-1]].reason)
         if all(obj.FINAL in m for m in self.pending.values()) and len(self.pending) == len(self.ids):
             out[obj.FINAL] = 1.0
         out["members_live"] = float(sum(not t.unstable for t in self.trackers))

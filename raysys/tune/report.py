@@ -170,11 +170,15 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
         tbl += (f"\n{throughput_metric}: the median of the trials that run the same program (they differ only "
                 "in knobs that change no array shape); each trial's own measurement is in trials.csv.\n")
     pbt = pbt_text(records)
-    if pbt:
-        text += ("\nPBT: each trial's knobs above are those it ended with; its weights were trained on a schedule of "
-                 "them (report/pbt.md), so the command above trains those knobs from the start. The recommended "
-                 f"trial's own weights are its run {rec.run_name} in the sweep's runs/ folder: a --resume of it "
-                 "with a longer budget trains them further, with the knobs it ended with.\n" if rec is not None else "")
+    if pbt and rec is not None and rec.extra.get("pbt_exploits"):
+        from raysys import storage
+
+        text += (f"\nPBT: trial {rec.trial_id} took other members' weights {rec.extra['pbt_exploits']} time(s), and its "
+                 "knobs above are those it ended with (report/pbt.md): the command above trains them from the start, "
+                 "not the schedule that made its weights. Those weights are its run's, which a --resume trains "
+                 f"further with the knobs it ended with (raise its budget with --set):\n\n    python -m raysys train "
+                 f"{shlex.quote(sp.workload)} --storage-path {shlex.quote(storage.where(sweep_dir) + '/runs')} "
+                 f"--name {rec.run_name} --resume\n")
     print(f"\n{head}\n\n{tbl}\n{text}", flush=True)
 
     out = sweep_dir / "report"
@@ -240,6 +244,8 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
             continue
         _send_buffered(uri, run_id, setup, r)  # before the verdict: the run's own records come first
         tags = {"raysys.trial_status": r.status, "raysys.knobs": " ".join(f"{k}={v}" for k, v in sorted(r.knobs.items()))}
+        if r.extra.get("pbt_start") not in (None, r.knobs):  # PBT changed its knobs: the command trains those it ended with
+            tags["raysys.command"] = setup.run_tags(r.trial_id, r.knobs)["raysys.command"]
         if r.reason:
             tags["raysys.trial_reason"] = r.reason[:5000]
         else:  # an earlier, interrupted session of the sweep may have left one

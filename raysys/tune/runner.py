@@ -391,11 +391,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
             _check_tune_state(sweep_dir)
         if int(stored.get("vectorize", 1)) != opts.vectorize:
             raise ConfigError(f"--resume: this sweep ran with --vectorize {stored.get('vectorize', 1)}; resume it with the same")
-        was = stored.get("pbt")
-        if (was is None) != (pbt is None) or (was and {**was, "seed": 0} != {**pbt, "seed": 0}):
-            raise ConfigError("--resume: this sweep ran " + (f"with --scheduler pbt --pbt-interval {was['interval']} "
-                              f"--pbt-quantile {was['quantile']}" if was else "without --scheduler pbt")
-                              + "; resume it with the same")
+        _check_same_pbt(stored.get("pbt"), pbt)
         if opts.tracking_uri and tracking.resolve_tracking_uri(opts.tracking_uri) != stored["tracking_uri"]:
             raise ConfigError(f"--resume: this sweep tracks to {stored['tracking_uri']}, not {opts.tracking_uri}")
         if opts.num_samples is not None and opts.num_samples != int(stored["num_samples"]):
@@ -560,6 +556,18 @@ def _extra_flags(opts: SweepOptions) -> str:
     if opts.scheduler == "pbt":
         flags += f" --scheduler pbt --pbt-interval {opts.pbt_interval} --pbt-quantile {opts.pbt_quantile:g}"
     return flags + "".join(f" --set {k}={v}" for k, v in opts.sets.items())
+
+
+def _check_same_pbt(was: Optional[dict], now: Optional[dict]) -> None:
+    """A resumed sweep keeps its scheduler: the same flags, and the same ranking and explored knobs."""
+    if (was is None) != (now is None) or (was and (was["interval"], was["quantile"]) != (now["interval"], now["quantile"])):
+        raise ConfigError("--resume: this sweep ran " + (f"with --scheduler pbt --pbt-interval {was['interval']} "
+                          f"--pbt-quantile {was['quantile']:g}" if was else "without --scheduler pbt")
+                          + "; resume it with the same")
+    if was and (was["metric"], sorted(was["explore"])) != (now["metric"], sorted(now["explore"])):
+        raise ConfigError(f"--resume: this sweep's PBT ranked by {was['metric']} and explored {', '.join(sorted(was['explore']))}; "
+                          f"the workload's code now says {now['metric']} and {', '.join(sorted(now['explore']))}: "
+                          "resume it with the code it ran with, or start a new sweep")
 
 
 def _pbt_settings(opts: SweepOptions, sp: spaces.SweepSpace, wl: registry.Workload) -> Optional[dict]:

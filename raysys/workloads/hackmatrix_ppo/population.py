@@ -99,6 +99,10 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     sessions[0].message(f"population of {k}: {done / max(wall, 1e-9):.0f} env-steps/s together{program.alone_note}")
     for i in range(k):
         trained = int(env_steps[i] - starts[i][1])
+        if trained == 0:  # restored at its end (a resumed sweep): what it ended with, not a chunk it never ran
+            last = sessions[i].last_metrics
+            finals[i] = {"eval/quality": last.get("eval/quality", last.get("charts/episode_return", float("nan")))}
+            continue
         finals[i] |= {"eval/quality": finals[i].get("charts/episode_return", float("nan")),
                       lone.BEST: float(best[i]), "perf/train_seconds": float(t_train[i]),
                       "perf/env_steps": int(env_steps[i]),
