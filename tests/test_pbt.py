@@ -317,3 +317,24 @@ def test_the_searcher_learns_only_from_members_pbt_left_as_proposed():
     outer.on_trial_complete("t", {f"members/t_{j}/{k}": v for j in (0, 1) for k, v in
                                   ((obj.THROUGHPUT, 10.0), (obj.QUALITY, -1.0 - j), ("pbt/exploits", float(j)))})
     assert inner.told == {"t~0": ({obj.THROUGHPUT: 10.0, obj.QUALITY: -1.0}, False), "t~1": (None, True)}
+
+
+def test_a_member_found_unstable_before_a_resume_is_known_unstable_from_the_sweeps_log(tmp_path):
+    """What the sweep's objective log keeps of a vectorized trial's reports is enough for a resumed trial to
+    keep a member frozen with its verdict (population.unstable_before) instead of training it afresh."""
+    from types import SimpleNamespace
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.population import unstable_before
+    from raysys.tune.progress import OBJECTIVES_DIR, ObjectiveLog
+
+    log = ObjectiveLog(str(tmp_path / OBJECTIVES_DIR))
+    trial = SimpleNamespace(trial_id="t")
+    log.on_trial_result(0, [], trial, {"members/t_0/step": 1, "members/t_0/stability/unstable": 0.0,
+                                       "members/t_1/step": 1, "members/t_1/stability/unstable": 0.0})
+    log.on_trial_result(1, [], trial, {"members/t_1/step": 2, "members/t_1/stability/unstable": 1.0,
+                                       f"members/t_1/{obj.REASON}": "charts/entropy = 0.1 below its floor 0.5"})
+    setup = SimpleNamespace(sweep_dir=str(tmp_path))
+    assert unstable_before(setup, "t", "t_0") is None
+    assert unstable_before(setup, "t", "t_1") == "charts/entropy = 0.1 below its floor 0.5"
+    assert unstable_before(setup, "other", "other_0") is None

@@ -212,6 +212,11 @@ def run_population_trial(config: dict, setup) -> None:
             reports.reporter(j)(reused_final(setup, mid, final))
         else:
             todo.append(j)
+    for j in list(todo):  # found unstable in an earlier session of the sweep: it stays halted, with its verdict
+        if (why := unstable_before(setup, trial_id, ids[j])) is not None:
+            trackers[j].reason = why
+            reports.reporter(j)({})
+            todo.remove(j)
     cfgs = {}
     for j in list(todo):  # a member whose knobs together are no valid config fails alone, as its lone trial would
         try:
@@ -251,6 +256,22 @@ def run_population_trial(config: dict, setup) -> None:
             reports.reporter(j)({**res.metrics, "done": 1.0})
             log_event(setup.sweep_dir, f"end {ids[j]}")
     reports.finish()
+
+
+def unstable_before(setup, trial_id: str, mid: str) -> Optional[str]:
+    """The unstable verdict an earlier session of the sweep reported for member ``mid`` (the sweep's
+    objective log), or None. The member was frozen then; a resumed trial keeps it so instead of training
+    it afresh under rules (a collapse, loss spikes) whose history its new tracker would not have."""
+    from pathlib import Path
+
+    from raysys.tune.progress import OBJECTIVES_DIR, objective_history
+
+    rows = objective_history(Path(setup.sweep_dir) / OBJECTIVES_DIR, trial_id)
+    flag, why = f"{PREFIX}/{mid}/{obj.UNSTABLE}", f"{PREFIX}/{mid}/{obj.REASON}"
+    if rows is None or flag not in rows or not (rows[flag] == 1).any():
+        return None
+    reasons = rows[why].dropna() if why in rows else []
+    return str(reasons.iloc[-1]) if len(reasons) else "unstable (found in an earlier session of the sweep)"
 
 
 def pool_throughput(records: list, member_knobs: Sequence[str]) -> None:

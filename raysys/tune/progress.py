@@ -68,7 +68,7 @@ class ObjectiveLog(Callback):
     lose what came before a killed driver (they reach the sweep's folder only when Tune syncs them),
     so a resumed trial's history would start where it resumed."""
 
-    KEYS = ("step", obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY)
+    KEYS = ("step", obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY, obj.UNSTABLE, obj.REASON)
 
     def __init__(self, folder: str):
         self.folder = folder
