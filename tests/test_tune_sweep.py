@@ -205,7 +205,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):
     """SIGTERM to the sweep's whole process group, then --resume: finished trials are kept, the
     interrupted one continues from its checkpoint."""
     args = ["--space", str(SPACE), "--num-samples", "3", "--max-concurrent", "1", *TINY,
-            "--set", "train.epochs=3", "--set", "train.checkpoint_every_steps=2", "--name", "intr"]
+            "--set", "train.epochs=8", "--set", "train.checkpoint_every_steps=2", "--name", "intr"]
     sweep_dir = workdir / "raysys_runs" / "sweeps" / "intr"
 
     def ready():  # one trial has finished and the next one is under way (and has a checkpoint)
