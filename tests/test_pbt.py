@@ -1,6 +1,7 @@
 """Population-based training inside a vectorized program (raysys/train/pbt.py, ``--scheduler pbt``)."""
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -130,6 +131,10 @@ def test_a_round_hands_the_best_members_weights_and_a_perturbed_rate_to_the_wors
         _, lr = _history(tmp_path, f"m{i}", "pbt/opt.lr")
         assert lr[7] == pytest.approx(last[i])  # the first step of the resume: not the proposed rate
         assert again[i].metrics["pbt/exploits"] >= res[i].metrics["pbt/exploits"]
+    # the rounds went on where they were: the clock counts the program's chunks over both sessions
+    newest = sorted((tmp_path / "runs" / "m0" / "checkpoints").glob("step_*"))[-1]
+    clock = json.loads((newest / "meta.json").read_text())[pbt.CLOCK]
+    assert clock["chunks"] == 8 and clock["rounds"] == 4 and clock["seen"] == []  # a round every 2 chunks
     assert pbt.checkpoint_knobs(tmp_path / "runs" / f"m{moved[0]}", "tiny_pbt")["opt.lr"] == \
         pytest.approx(again[moved[0]].metrics["pbt/opt.lr"])
 

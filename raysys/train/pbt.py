@@ -133,6 +133,8 @@ class Exploit:
         # the rounds go on where they were: the same cadence, and the random stream where it was
         self.chunks = max((int(c.get("chunks", 0)) for c in clocks), default=0)
         self.rounds = max((int(c.get("rounds", 0)) for c in clocks), default=0)
+        self.seen = [[float(v) for v in c.get("seen", [])] if int(c.get("chunks", -1)) == self.chunks else []
+                     for c in clocks]  # the scores toward the next round, where the member saved with the program
         for i, (cfg, s) in enumerate(zip(cfgs, self.sessions)):
             saved = (getattr(s, "restored_meta", None) or {}).get(META) or {}
             now = flatten(to_dict(cfg))
@@ -152,15 +154,17 @@ class Exploit:
         ``inherit(its state, src's state)`` (default: src's whole state) through ``program.put``, and
         ``cfgs[dst]`` its new knobs (in place), which ``program.retune(cfgs)`` hands to the program.
         -> the (dst, src) pairs of this call (none between rounds)."""
-        from raysys.config import apply_overrides
-
         self.chunks += 1
         due = self.chunks % self.c.interval == 0
         self.rounds += due
-        for s in self.sessions:  # saved with the members' next checkpoints
-            s.carry[CLOCK] = {"chunks": self.chunks, "rounds": self.rounds}
-        if not due:
-            return []
+        moves = self._round(program, cfgs, live, inherit) if due else []
+        for i, s in enumerate(self.sessions):  # saved with the members' next checkpoints
+            s.carry[CLOCK] = {"chunks": self.chunks, "rounds": self.rounds, "seen": list(self.seen[i])}
+        return moves
+
+    def _round(self, program: Any, cfgs: list, live: Sequence[int], inherit: Optional[Callable]) -> list:
+        from raysys.config import apply_overrides
+
         live = [int(i) for i in live if not self.sessions[int(i)].halted]
         scores = [float(np.mean(self.seen[i])) if self.seen[i] else math.nan for i in live]
         self.seen = [[] for _ in self.sessions]
