@@ -258,6 +258,9 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
         stack.enter_context(console.live(remote=False))  # the progress bar ends before the summary
         stack.enter_context(shapes.active())  # the carriers' shape check names the knob
         outs = wl.population.train_fn(shapes.cfgs, sessions)
+        if pbt is not None and sessions[0].pbt.chunks == 0 and any(s.logged for s in sessions):
+            sessions[0].message(f"{wl.name}: its train_population never called pbt.after_chunk, so no PBT round ran "
+                                "(docs/your-workload.md: the three calls)")
         finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
         for outcome, final, s in zip(outcomes, finals, sessions):
             _judge(outcome, final, s)
