@@ -147,6 +147,18 @@ class Superseded(CheckpointError):
     (a --resume) holds now: the fence that keeps it from writing over the new session's checkpoints."""
 
 
+def newest_meta(run_dir: str | Path, workload: str) -> tuple[Optional[Path], dict]:
+    """(the newest complete checkpoint of a run, its meta.json), or (None, {}) where there is none or it cannot
+    be read: for a resume's notes before the run opens; an unreadable checkpoint is the resume's to refuse,
+    in its own words."""
+    try:
+        store = CheckpointStore(run_dir, workload, {})
+        latest = store.latest()
+        return (latest, store.meta(latest)) if latest is not None else (None, {})
+    except Exception:
+        return None, {}
+
+
 class CheckpointStore:
     def __init__(self, run_dir: str | Path, workload: str, identity: dict[str, Any], keep: int = 2,
                  local_keys: tuple[str, ...] = (), holder: Optional[str] = None, config: Optional[dict] = None):

@@ -197,15 +197,11 @@ def _pbt_knobs(wl: registry.Workload, run_dir: Path, saved: dict, overridden: se
 def _checkpoint_config(wl: registry.Workload, run_dir: Path) -> Optional[dict]:
     """Every config snapshot of the run damaged (by hand, a disk): the config its newest checkpoint recorded,
     said in a note; without one, this command's config, also said (not silently)."""
-    from raysys.checkpoint import CheckpointStore
+    from raysys.checkpoint import newest_meta
 
     damaged = [p.name for p in (run_dir / "config.yaml", *sorted(run_dir.glob("config.resume-*.yaml"))) if p.is_file()]
-    try:
-        store = CheckpointStore(run_dir, wl.name, {})
-        latest = store.latest()
-        config = store.meta(latest).get("config") if latest is not None else None
-    except Exception:  # an unreadable checkpoint is the resume's to refuse, in its own words
-        latest, config = None, None
+    latest, meta = newest_meta(run_dir, wl.name)
+    config = meta.get("config")
     if not damaged and config is None:
         return None  # no snapshot was ever written (killed before it): nothing to say
     what = (f"the run's saved config ({', '.join(damaged)} in {run_dir}) cannot be read" if damaged

@@ -156,9 +156,9 @@ def test_batched_put_replaces_one_member_and_in_turn_put_copies():
         t.put(0, {"w": jnp.zeros(3)})
 
 
-def _space(tmp_path, workload, space, preset="quick", **top):
+def _space(tmp_path, workload, space, preset="quick", fixed=(), **top):
     path = tmp_path / f"space{len(list(tmp_path.glob('space*.yaml')))}.yaml"
-    path.write_text(yaml.safe_dump({"workload": workload, "preset": preset, "fixed": {"launch.workers": 0},
+    path.write_text(yaml.safe_dump({"workload": workload, "preset": preset, "fixed": {"launch.workers": 0, **dict(fixed)},
                                     "space": space, **top}))
     return str(path)
 
@@ -250,13 +250,11 @@ def test_an_interrupted_pbt_sweep_resumes_each_member_with_the_knobs_it_had(work
     from conftest import interrupt_sweep
     from mlflow.tracking import MlflowClient
 
-    space = workdir / "pbt.yaml"
-    space.write_text(yaml.safe_dump({
-        "workload": "hackmatrix_ppo", "preset": "quick",
-        "fixed": {"launch.workers": 0, "train.total_timesteps": 81920, "train.checkpoint_every_minutes": 0.001,
-                  "train.compilation_cache_dir": ""},
-        "space": {"optim.lr": {"loguniform": [1.0e-4, 2.0e-3]}, "ppo.ent_coef": {"choice": [0.0, 0.01, 0.05]}}}))
-    args = ["--space", str(space), "--num-samples", "4", "--vectorize", "4", "--name", "pr", "--scheduler", "pbt",
+    space = _space(workdir, "hackmatrix_ppo",
+                   {"optim.lr": {"loguniform": [1.0e-4, 2.0e-3]}, "ppo.ent_coef": {"choice": [0.0, 0.01, 0.05]}},
+                   fixed={"train.total_timesteps": 81920, "train.checkpoint_every_minutes": 0.001,
+                          "train.compilation_cache_dir": ""})
+    args = ["--space", space, "--num-samples", "4", "--vectorize", "4", "--name", "pr", "--scheduler", "pbt",
             "--pbt-interval", "1"]
     runs = workdir / "raysys_runs" / "sweeps" / "pr" / "runs"
 
@@ -340,6 +338,7 @@ def test_a_member_found_unstable_before_a_resume_is_known_unstable_from_the_swee
     log.on_trial_result(1, [], trial, {"members/t_1/step": 2, "members/t_1/stability/unstable": 1.0,
                                        f"members/t_1/{obj.REASON}": "charts/entropy = 0.1 below its floor 0.5"})
     setup = SimpleNamespace(sweep_dir=str(tmp_path))
-    assert unstable_before(setup, "t", "t_0") is None
-    assert unstable_before(setup, "t", "t_1") == "charts/entropy = 0.1 below its floor 0.5"
-    assert unstable_before(setup, "other", "other_0") is None
+    verdicts = unstable_before(setup, "t")
+    assert verdicts.get("t_0") is None
+    assert verdicts.get("t_1") == "charts/entropy = 0.1 below its floor 0.5"
+    assert unstable_before(setup, "other").get("other_0") is None

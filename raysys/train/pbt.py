@@ -205,14 +205,9 @@ class Exploit:
 
 def checkpoint_knobs(run_dir: Path, workload: str) -> dict:
     """The explored knobs a run's newest checkpoint was trained with by PBT ({} for any other run)."""
-    from raysys.checkpoint import CheckpointStore
+    from raysys.checkpoint import newest_meta
 
-    try:
-        store = CheckpointStore(run_dir, workload, {})
-        latest = store.latest()
-        return dict(((store.meta(latest).get(META) or {}).get("knobs") or {})) if latest is not None else {}
-    except Exception:  # an unreadable checkpoint is the resume's to refuse, in its own words
-        return {}
+    return dict((newest_meta(run_dir, workload)[1].get(META) or {}).get("knobs") or {})
 
 
 def _fmt(knobs: dict) -> str:

@@ -212,8 +212,9 @@ def run_population_trial(config: dict, setup) -> None:
             reports.reporter(j)(reused_final(setup, mid, final))
         else:
             todo.append(j)
+    verdicts = unstable_before(setup, trial_id)
     for j in list(todo):  # found unstable in an earlier session of the sweep: it stays halted, with its verdict
-        if (why := unstable_before(setup, trial_id, ids[j])) is not None:
+        if (why := verdicts.get(ids[j])) is not None:
             trackers[j].reason = why
             reports.reporter(j)({})
             todo.remove(j)
@@ -258,20 +259,23 @@ def run_population_trial(config: dict, setup) -> None:
     reports.finish()
 
 
-def unstable_before(setup, trial_id: str, mid: str) -> Optional[str]:
-    """The unstable verdict an earlier session of the sweep reported for member ``mid`` (the sweep's
-    objective log), or None. The member was frozen then; a resumed trial keeps it so instead of training
-    it afresh under rules (a collapse, loss spikes) whose history its new tracker would not have."""
+def unstable_before(setup, trial_id: str) -> dict[str, str]:
+    """{member id: the unstable verdict an earlier session of the sweep reported for it} (the sweep's
+    objective log). Those members were frozen then; a resumed trial keeps them so instead of training
+    them afresh under rules (a collapse, loss spikes) whose history their new trackers would not have."""
     from pathlib import Path
 
     from raysys.tune.progress import OBJECTIVES_DIR, objective_history
 
     rows = objective_history(Path(setup.sweep_dir) / OBJECTIVES_DIR, trial_id)
-    flag, why = f"{PREFIX}/{mid}/{obj.UNSTABLE}", f"{PREFIX}/{mid}/{obj.REASON}"
-    if rows is None or flag not in rows or not (rows[flag] == 1).any():
-        return None
-    reasons = rows[why].dropna() if why in rows else []
-    return str(reasons.iloc[-1]) if len(reasons) else "unstable (found in an earlier session of the sweep)"
+    out, tail = {}, f"/{obj.UNSTABLE}"
+    for flag in [c for c in rows.columns if c.startswith(f"{PREFIX}/") and c.endswith(tail)] if rows is not None else []:
+        if (rows[flag] == 1).any():
+            head = flag[:-len(tail)]
+            reasons = rows[f"{head}/{obj.REASON}"].dropna() if f"{head}/{obj.REASON}" in rows else []
+            out[head[len(PREFIX) + 1:]] = (str(reasons.iloc[-1]) if len(reasons)
+                                          else "unstable (found in an earlier session of the sweep)")
+    return out
 
 
 def pool_throughput(records: list, member_knobs: Sequence[str]) -> None:

@@ -156,6 +156,7 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
               launch: tuple = ((), JOB_ADDRESS)) -> Optional[TrialRecord]:
     """Print the front and the recommendation; write them (and the plot) as parent-run artifacts, and the
     recommendation as the parent run's description."""
+    from raysys import storage
     from raysys.tune.plot import plot
 
     front = pareto_front(records)
@@ -171,8 +172,6 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
                 "in knobs that change no array shape); each trial's own measurement is in trials.csv.\n")
     pbt = pbt_text(records)
     if pbt and rec is not None and rec.extra.get("pbt_exploits"):
-        from raysys import storage
-
         text += (f"\nPBT: trial {rec.trial_id} took other members' weights {rec.extra['pbt_exploits']} time(s), and its "
                  "knobs above are those it ended with (report/pbt.md): the command above trains them from the start, "
                  "not the schedule that made its weights. Those weights are its run's, which a --resume trains "
@@ -192,8 +191,6 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
         names.append("pbt.md")
     plot(ordered(records, front_ids), front_ids, rec_id, out / "pareto.png", throughput_metric, quality_metric,
          f"{wl.name} sweep '{sweep_dir.name}': {len(records)} trials, {len(front)} on the front")
-    from raysys import storage
-
     print(f"[raysys.tune] plot and tables: {storage.where(sweep_dir)}/report", flush=True)
     for name in names:
         parent_log.log_artifact(out / name)
