@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[BENCH_ENV] = "1"  # its quality runs' stores are temporary: no MLflow links to them
     got: dict = {}
 
-    def interrupt(signum, frame):  # SIGTERM (`timeout`, a scheduler) and SIGHUP end it as Ctrl-C does
+    def interrupt(signum, frame):  # SIGTERM (`timeout`, a scheduler), SIGHUP and SIGUSR1/2 end it as Ctrl-C does
         if signum == signal.SIGHUP:
             console.drop_lost_outputs()
         got.setdefault("signum", signum)
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        from raysys.lifecycle import stop_signals
+        from raysys.lifecycle import STOP_SIGNALS, stop_signals
 
-        handlers = {s: signal.signal(s, interrupt) for s in stop_signals((signal.SIGTERM, signal.SIGHUP))}
+        handlers = {s: signal.signal(s, interrupt) for s in stop_signals(STOP_SIGNALS[1:])}
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C mid-measurement: no traceback into whatever it was timing

@@ -216,7 +216,9 @@ def _checkpoint_config(wl: registry.Workload, run_dir: Path) -> Optional[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    from raysys.lifecycle import STOP_SIGNALS
+
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         return _main(argv)
     finally:
@@ -265,7 +267,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
             return 0
         from raysys import lifecycle
 
-        lifecycle.install_signal_handlers()  # SIGINT/SIGTERM/SIGHUP: checkpoint at the next step, then stop
+        lifecycle.install_signal_handlers()  # SIGINT/TERM/HUP/USR1/USR2: checkpoint at the next step, then stop
         from raysys.tracking import command_line
 
         tags = {"raysys.command": command_line(argv)[:5000]}  # how to run it again

@@ -7,9 +7,9 @@
   ``<run>/.raysys.lock`` held for the life of the process, so a second process is refused with the
   holder's pid instead of training into the same folder. The OS drops the lock when the process
   dies, so a crashed run never needs manual unlocking.
-- **Signals.** The first SIGINT/SIGTERM/SIGHUP asks the training loop to stop at the next step
+- **Signals.** The first SIGINT/SIGTERM/SIGHUP (or SIGUSR1/SIGUSR2, a batch system's warning) asks the training loop to stop at the next step
   boundary: it saves a checkpoint, the MLflow run is marked KILLED, the resume command is printed and
-  the process exits 130/143/129. A second signal stops at once (the last checkpoint is still there).
+  the process exits 128 + the signal (130/143/129/138/140). A second signal stops at once (the last checkpoint is still there).
   SIGHUP is a terminal that closed (an ssh session that dropped): output that leads nowhere any more
   goes to /dev/null first. Under ``nohup`` it stays ignored.
   Ray workers learn about the request from a tiny actor (:class:`StopFlag`) the driver sets. A
@@ -214,9 +214,10 @@ def is_echo(signum: int) -> bool:
     return _echoes((_stop["signum"], _stop["at"]), signum)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 """What stops a run at its next step boundary: Ctrl-C; a scheduler, ``timeout`` or ``kill``; a terminal
-that closed."""
+that closed; a batch system's warning that the job's time is nearly up (Slurm's ``--signal=USR1@90``,
+Grid Engine's ``-notify``: SIGUSR1/SIGUSR2), whose default action would kill the run mid-step."""
 
 
 def stop_signals(signals: tuple = STOP_SIGNALS) -> list[int]:
@@ -254,7 +255,7 @@ def _handler(signum, frame) -> None:
 
 
 def install_signal_handlers() -> None:
-    """Graceful SIGINT/SIGTERM/SIGHUP for this (driver) process; a SIGHUP that ``nohup`` ignores stays
+    """Graceful stop on ``STOP_SIGNALS`` for this (driver) process; a SIGHUP that ``nohup`` ignores stays
     ignored. Call again after ``ray.init``, which installs its own SIGTERM handler."""
     if threading.current_thread() is not threading.main_thread():
         return
@@ -349,8 +350,8 @@ def _worker_handler(signum, frame) -> None:
 
 
 def watch_worker_sigterm(actor: Any) -> None:
-    """In a Ray actor that runs a training loop: SIGTERM sets the run's :class:`StopFlag` instead of
-    killing the worker, so every rank stops at the next step boundary with a checkpoint. Only the main
+    """In a Ray actor that runs a training loop: SIGTERM (or SIGHUP, SIGUSR1/2) sets the run's
+    :class:`StopFlag` instead of killing the worker, so every rank stops at the next step boundary with a checkpoint. Only the main
     thread may install a handler, and Train runs the loop in a thread of its own; the main thread runs
     the actor's tasks, so the handler is installed by a task sent to this very actor (not awaited)."""
     import ray
@@ -368,11 +369,13 @@ def watch_worker_sigterm(actor: Any) -> None:
 
 
 def _install_worker_handler(_instance: Any) -> None:
-    signal.signal(signal.SIGTERM, _worker_handler)
+    for signum in STOP_SIGNALS[1:]:  # SIGINT is Ray's: a worker never sees a terminal's Ctrl-C
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _worker_handler)
 
 
 def exit_code(signum: int) -> int:
-    return 128 + int(signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP
+    return 128 + int(signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP, 138 for SIGUSR1
 
 
 class StopFlag:

@@ -855,8 +855,10 @@ def test_a_sweep_sends_what_a_trial_buffered_in_an_outage(tmp_path):
 
 # ---- signals and resume -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
 def test_a_signal_saves_marks_killed_and_says_how_to_resume(tmp_path, sig):
+    """SIGUSR1 is a batch system's warning that the job's time is nearly up (Slurm's --signal=USR1@90):
+    its default action killed the run mid-step, its MLflow run RUNNING for ever."""
     args = ["deep_gpcm", "--workers", "0", "--name", "sig", "--set", "train.checkpoint_every_steps=3"]
     run = _start(tmp_path, *args)
     ckpts = tmp_path / "raysys_runs" / "sig" / "checkpoints"
@@ -1014,7 +1016,8 @@ def test_a_hang_up_drops_only_outputs_that_lead_nowhere(tmp_path):
     assert (tmp_path / "out.txt").read_text() == "after\n"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGUSR2, marks=pytest.mark.slow)])
 def test_a_signal_to_the_whole_process_group_stops_ray_workers_at_a_step_boundary(tmp_path, sig):
     """The signal reaches every process of the command's group, as Ctrl-C in a terminal (SIGINT) or
     `timeout`, Slurm's scancel and a systemd stop (SIGTERM) send it. Ray's own processes (GCS, raylet)

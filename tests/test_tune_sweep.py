@@ -199,6 +199,37 @@ def test_a_killed_sweep_driver_leaves_its_runs_killed_and_resumes_whole(workdir)
     assert sorted(c.info.status for c in children) == ["FINISHED", "FINISHED"]
 
 
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGUSR2", "SIGTERM"])
+def test_every_stop_signal_takes_tunes_clean_stop_and_names_itself(sig):
+    """What fit does first (Tune's own ``_setup_signal_catching`` installs its SIGUSR1 stop), then the
+    signal: Tune's clean stop is set, the sweep knows which signal came (it exits 128 + it), and the
+    handlers it found are back afterwards. Before, a SIGUSR1 (Slurm's ``--signal=USR1@90`` warning)
+    took Tune's stop directly, without telling the trials to stop at a step boundary, and the sweep
+    exited 130 as if Ctrl-C; a SIGUSR2 (Grid Engine's ``-notify``) killed it."""
+    import os
+    import signal
+    import time
+
+    import ray.tune.tune as tune_run
+
+    from raysys.lifecycle import STOP_SIGNALS
+    from raysys.tune.runner import _signals_stop_like_ctrl_c
+
+    signum = getattr(signal, sig)
+    found = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    setup = tune_run._setup_signal_catching
+    with _signals_stop_like_ctrl_c() as got:
+        stopped = tune_run._setup_signal_catching()
+        os.kill(os.getpid(), signum)
+        deadline = time.monotonic() + 10
+        while not stopped.is_set() and time.monotonic() < deadline:  # the handler runs between bytecodes
+            time.sleep(0.01)
+        assert stopped.is_set()
+    assert got["signum"] == signum
+    assert tune_run._setup_signal_catching is setup
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == found
+
+
 # the same interruption on S3 storage runs in the default suite (tests/test_storage.py)
 @pytest.mark.slow
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(workdir):

@@ -235,14 +235,20 @@ def _signals_stop_like_ctrl_c(stop_actor=None):
     dies at once on SIGTERM, the signal a scheduler or ``timeout`` sends, and on SIGHUP, a terminal that
     closed; and after one SIGINT it puts back the handler it found, so the echo of one signal sent to the
     process and then its group (``timeout``, Slurm) would stop it at once, mid-save. Around ``fit``,
-    SIGINT, SIGTERM and SIGHUP all take Tune's own SIGUSR1 path, an echo is ignored, and a signal sent
-    again stops at once. The dict it yields records which signal came."""
+    every ``lifecycle.STOP_SIGNALS`` (SIGUSR1 included) first lets the trials stop at a step boundary and
+    then takes Tune's own SIGUSR1 path; an echo is ignored, and a signal sent again stops at once. The
+    dict it yields records which signal came."""
     got: dict = {}
     if threading.current_thread() is not threading.main_thread():
         yield got
         return
 
+    tune_stop: dict = {}  # Tune's SIGUSR1 handler, installed by fit: its clean stop
+
     def on_signal(signum, frame):
+        if signum == signal.SIGUSR1 and got.pop("relay", False):  # the wind-down below, done: Tune stops now
+            tune_stop["handler"](signal.SIGUSR1, frame)
+            return
         if signum == signal.SIGHUP:  # a terminal that closed: nothing may write to it any more
             console.drop_lost_outputs()
         if "signum" in got:
@@ -250,21 +256,42 @@ def _signals_stop_like_ctrl_c(stop_actor=None):
                 return
             raise KeyboardInterrupt
         got["signum"], got["at"] = signum, time.monotonic()
-        tune_stop = signal.getsignal(signal.SIGUSR1)  # installed by fit
-        if not callable(tune_stop):
+        if not callable(tune_stop.get("handler")):  # fit has not started (or Ray's internals changed)
             raise KeyboardInterrupt
         if stop_actor is None:
-            tune_stop(signal.SIGUSR1, frame)
+            tune_stop["handler"](signal.SIGUSR1, frame)
             return
-        # Tune's handler, in the main thread, once the trials have stopped
-        _wind_down_then(stop_actor, lambda: os.kill(os.getpid(), signal.SIGUSR1), signal.Signals(signum).name)
+
+        def relay() -> None:  # Tune's handler must run in the main thread: through a signal to ourselves
+            got["relay"] = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+        _wind_down_then(stop_actor, relay, signal.Signals(signum).name)  # once the trials have stopped
+
+    # fit installs Tune's SIGUSR1 handler just before it starts the trials: take it over there, so a batch
+    # system's SIGUSR1 warning stops the sweep as SIGTERM does (trials at a step boundary, exit 138)
+    import ray.tune.tune as tune_run
+
+    tune_setup = getattr(tune_run, "_setup_signal_catching", None)
+
+    def setup_signal_catching(*a, **kw):
+        interrupted = tune_setup(*a, **kw)
+        if signal.getsignal(signal.SIGUSR1) is not on_signal:
+            tune_stop["handler"] = signal.signal(signal.SIGUSR1, on_signal)
+        return interrupted
 
     previous = {s: signal.signal(s, on_signal) for s in lifecycle.stop_signals()}
+    if tune_setup is not None:
+        tune_run._setup_signal_catching = setup_signal_catching
+    else:  # a Ray without that hook: SIGUSR1 stays Tune's own stop
+        signal.signal(signal.SIGUSR1, previous.pop(signal.SIGUSR1))
     tune_sigint = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # SIGINT stays with on_signal
     try:
         yield got
     finally:
+        if tune_setup is not None:
+            tune_run._setup_signal_catching = tune_setup
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         if tune_sigint is None:
