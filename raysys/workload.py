@@ -409,6 +409,49 @@ def _note_local(mod) -> None:
         _LOCAL_ROOTS.add(str(root))
 
 
+def _code_root(module: str) -> Optional[Path]:
+    """The folder (or single file) of ``module``'s own code: a built-in's package under raysys.workloads, else
+    the top-level package (or module) it belongs to, as ``_note_local`` carries it."""
+    parts = module.split(".")
+    top = ".".join(parts[:3]) if parts[:2] == ["raysys", "workloads"] else parts[0]
+    mod = sys.modules.get(top)
+    if mod is None or top == "raysys":  # raysys's own shared code is not the workload's
+        return None
+    if getattr(mod, "__file__", None):
+        path = Path(mod.__file__).resolve()
+        return path.parent if path.name == "__init__.py" else path
+    folders = list(getattr(mod, "__path__", []))  # a namespace package (no __init__.py)
+    return Path(folders[0]).resolve() if len(folders) == 1 else None
+
+
+CODE_FILES_MAX = 500
+"""A workload's own code is a few files; a root with more than this (a plug-in module at the top of a big
+folder) is digested by its first files in name order."""
+
+
+def code_digest(wl: Workload) -> dict[str, str]:
+    """``{file: sha256 prefix}`` of the Python source of ``wl``'s own code (its config class's, its task's,
+    its train functions' packages): what a resume compares to say that the code changed since the run's last
+    session. Files are named relative to their root's folder (``deep_gpcm/model.py``), so a copy of the
+    project elsewhere digests the same."""
+    import hashlib
+
+    objs = (wl.config_cls, wl.train_fn, wl.task, wl.population.train_fn if wl.population else None)
+    modules = {o.__name__ if isinstance(o, type(sys)) else getattr(o, "__module__", None) or type(o).__module__
+               for o in objs if o is not None}
+    roots = {r for r in (_code_root(m) for m in modules if m) if r is not None}
+    out: dict[str, str] = {}
+    for root in sorted(roots):
+        files = [root] if root.is_file() else sorted(
+            p for p in root.rglob("*.py") if not any(part.startswith((".", "__pycache__")) for part in p.relative_to(root).parts))
+        for f in files[:CODE_FILES_MAX]:
+            try:
+                out[str(f.relative_to(root.parent))] = hashlib.sha256(f.read_bytes()).hexdigest()[:16]
+            except OSError:  # unreadable now: not part of what can be compared
+                pass
+    return out
+
+
 def get(name: str) -> Workload:
     """The workload called ``name``: a built-in, an installed plug-in, or a ``module:attr`` or
     ``path/to/file.py:attr`` spec."""

@@ -722,6 +722,7 @@ def test_a_resume_after_the_workloads_config_grew_or_renamed_a_field(project):
     proc = _run([*args, "--resume", "--set", "train.max_steps=8"], project)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the checkpoint predates config key model.act (now 'relu'): the run goes on with it as it is now" in proc.stdout
+    assert "the workload's code changed since this run's last session: digits_mlp.py (changed)" in proc.stdout
     code.write_text(grown.replace("hidden", "width"))
     run_dir = project / "raysys_runs" / "g"
     before = sorted(p.name for p in run_dir.rglob("*"))
@@ -730,6 +731,38 @@ def test_a_resume_after_the_workloads_config_grew_or_renamed_a_field(project):
     assert "no longer fits digits_mlp's config: unknown config key 'model.hidden'" in proc.stderr
     assert "Its code changed since the run began" in proc.stderr
     assert sorted(p.name for p in run_dir.rglob("*")) == before
+
+
+def test_a_resume_after_the_workloads_code_changed_says_so(project):
+    """A change that keeps every shape (a fix to the loss, say) loads the checkpoint as before, so nothing
+    refused it, and nothing said it either: the run's curve then mixes two codes without a word. Now the
+    resume names the files that changed since the run's last session, events.log keeps it, and the MLflow
+    tag raysys.code tells the sessions' codes apart. The same code again: not a word."""
+    from mlflow.tracking import MlflowClient
+
+    code = project / "digits_mlp.py"
+    args = ["python", "-m", "raysys", "train", "digits_mlp:WORKLOAD", "--preset", "quick", "--workers", "0",
+            "--name", "c"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+
+    def code_tag() -> str:
+        (run,) = client.search_runs([client.get_experiment_by_name("raysys-digits_mlp").experiment_id])
+        return run.data.tags["raysys.code"]
+
+    assert _run([*args, "--set", "train.max_steps=3"], project).returncode == 0
+    first = code_tag()
+    proc = _run([*args, "--resume", "--set", "train.max_steps=5"], project)
+    assert proc.returncode == 0 and "code changed" not in proc.stdout, proc.stdout[-2000:]
+    assert code_tag() == first
+    code.write_text(code.read_text() + "\n\ndef helper():  # an edit that keeps every shape\n    return 1\n")
+    proc = _run([*args, "--resume", "--set", "train.max_steps=7"], project)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("note: the workload's code changed since this run's last session: digits_mlp.py (changed); the run "
+            "goes on from its checkpoint with the code as it is now") in proc.stdout
+    assert "resumed with changed code: digits_mlp.py (changed)" in (project / "raysys_runs" / "c" / "events.log").read_text()
+    assert code_tag() != first
+    proc = _run([*args, "--resume", "--set", "train.max_steps=9"], project)  # the new code is now the run's
+    assert proc.returncode == 0 and "code changed" not in proc.stdout, proc.stdout[-2000:]
 
 
 # slow (~60 s). It once hung in CI: the trial's own failure report met a report of Train's still in Ray's

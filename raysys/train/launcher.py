@@ -467,6 +467,10 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         tracked_to = _tracked_to(run_dir) if launch.resume else None  # before this session's snapshot
         cfg_file = _next_snapshot(run_dir, launch.resume)
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
+        code = registry.code_digest(wl)
+        if launch.resume and store.latest() is not None:
+            _say_code_changes(run_dir, code)
+        storage.write_text(run_dir / CODE_FILE, json.dumps(code, indent=1, sort_keys=True))
         experiment = launch.experiment or f"raysys-{wl.name}"
         new_mlflow_run = created or (parent_run_id is None and tracking.find_run(uri, experiment, name) is None)
         if launch.resume and new_mlflow_run:
@@ -481,7 +485,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                 print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store, or this one was made anew): a new MLflow "
                       "run holds this session; the earlier steps stay where they were recorded", flush=True)
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
-                                                                 **(tags or {})},
+                                                                 "raysys.code": _code_id(code), **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
         watcher = None
         if parent_run_id is None and not os.environ.get(BENCH_ENV):  # a command's own run (see raysys.watcher)
@@ -501,6 +505,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         said = f"{cfg_file.stem.split('.', 1)[-1]}: {tags['raysys.resume_changes']}"
         before = tracking.run_tag(uri, run_id, "raysys.resume_changes")
         logger.set_tags({"raysys.resume_changes": (f"{before} | {said}" if before else said)[-5000:]})
+    if launch.resume:  # the code of the run's last session (a new MLflow run got it at its start)
+        logger.set_tags({"raysys.code": _code_id(code)})
     if launch.resume and logger.pending:
         sent = logger.pending
         if logger.flush():
@@ -522,6 +528,37 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     else:
         print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
     return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file, watcher=watcher)
+
+
+CODE_FILE = "code.json"
+"""``<run>/code.json``: the digest of the workload's own code (``registry.code_digest``) in its last session."""
+
+
+def _code_id(code: dict[str, str]) -> str:
+    """One short id of a code digest: the MLflow tag ``raysys.code``, the code of the run's last session (runs
+    with the same id ran the same workload code)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _say_code_changes(run_dir: Path, code: dict[str, str]) -> None:
+    """A resume whose workload code differs from its last session's: the checkpoint loads (its shapes fit),
+    but what trains from here is other code. Said, and kept in events.log; not refused: a fix to the code
+    is a reason to resume."""
+    path = run_dir / CODE_FILE
+    try:
+        before = json.loads(path.read_text()) if storage.pull(path) else None
+    except (OSError, ValueError):
+        before = None
+    if not isinstance(before, dict) or before == code:  # a run from before this file, or the same code
+        return
+    changed = [f"{f} ({'added' if f not in before else 'removed' if f not in code else 'changed'})"
+               for f in sorted(set(before) | set(code)) if before.get(f) != code.get(f)]
+    shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+    print(f"[raysys] note: the workload's code changed since this run's last session: {shown}; the run goes on "
+          "from its checkpoint with the code as it is now", flush=True)
+    record_event(run_dir, f"resumed with changed code: {shown}")
 
 
 BENCH_ENV = "RAYSYS_IN_BENCH"
