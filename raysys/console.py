@@ -70,13 +70,49 @@ def _quiet_teardown() -> None:
 atexit.register(_quiet_teardown)
 
 
+class _OutlivesItsReader:
+    """``sys.stdout``/``sys.stderr`` after a hang-up: the output that is still read now (a ``| tee`` the same
+    hang-up ends a moment later) may lose its reader at any write. A write that fails then sends the
+    descriptor to /dev/null and goes on, instead of raising in the middle of the run's stop."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:  # EPIPE (the reader died), EIO (the terminal closed)
+            self._to_null()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            self._to_null()
+
+    def _to_null(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())  # what the stream still buffers goes there at its next flush
+            os.close(null)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def drop_lost_outputs() -> list[int]:
     """After a hang-up (SIGHUP): stdout and stderr that lead nowhere any more, a terminal that closed or
     a pipe whose reader died, go to /dev/null, so that no write error ends the run's stop halfway (the
     checkpoint, MLflow's KILLED). A file, or a terminal still open (``kill -HUP`` by hand), keeps its
-    output. Returns the descriptors dropped."""
+    output; a write that finds it gone later goes to /dev/null then (``_OutlivesItsReader``). Returns the
+    descriptors dropped now."""
     import select
 
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _OutlivesItsReader):
+            setattr(sys, name, _OutlivesItsReader(stream))
     dropped: list[int] = []
     if not hasattr(select, "poll"):  # (macOS builds without it: the outputs stay as they are)
         return dropped

@@ -987,7 +987,9 @@ def test_a_signal_after_the_last_step_leaves_a_finished_run(tmp_path):
 
 def test_a_hang_up_drops_only_outputs_that_lead_nowhere(tmp_path):
     """SIGHUP sends stdout and stderr to /dev/null only where they are lost: a closed terminal, a pipe
-    whose reader died. A file, a live pipe (``kill -HUP`` by hand) and ``nohup``'s ignored SIGHUP stay."""
+    whose reader died. A file, a live pipe (``kill -HUP`` by hand) and ``nohup``'s ignored SIGHUP stay. A
+    pipe whose reader dies after the hang-up (a ``| tee`` it ends too) goes to /dev/null at the first write
+    that fails, instead of raising BrokenPipeError in the middle of the stop."""
     import textwrap
 
     script = textwrap.dedent("""
@@ -999,17 +1001,23 @@ def test_a_hang_up_drops_only_outputs_that_lead_nowhere(tmp_path):
             os.dup2(slave, 1); os.close(master)  # the terminal hung up
         elif kind == "dead pipe":
             r, w = os.pipe(); os.dup2(w, 1); os.close(r)
-        elif kind == "live pipe":
+        elif kind in ("live pipe", "pipe that dies"):
             r, w = os.pipe(); os.dup2(w, 1)
         else:
             os.dup2(os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT), 1)
         dropped = console.drop_lost_outputs()
         os.write(1, b"after\\n")  # a lost output would raise EIO or EPIPE here
+        if kind == "pipe that dies":  # a `| tee` the same hang-up ends a moment later
+            os.close(r)
+            print("the stop goes on", flush=True)  # BrokenPipeError, before
+            print("and on")
+            sys.stdout.flush()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
         lifecycle.install_signal_handlers()
         print(dropped, signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, file=sys.stderr)
     """)
-    for kind, dropped in (("terminal", "[1]"), ("dead pipe", "[1]"), ("live pipe", "[]"), ("file", "[]")):
+    for kind, dropped in (("terminal", "[1]"), ("dead pipe", "[1]"), ("live pipe", "[]"), ("pipe that dies", "[]"),
+                          ("file", "[]")):
         proc = subprocess.run([sys.executable, "-c", script, kind, str(tmp_path / "out.txt")], env=_env(),
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and proc.stderr.split() == [dropped, "True"], (kind, proc.stderr)
