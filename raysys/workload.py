@@ -397,14 +397,19 @@ def _in_ray_worker() -> bool:
     return ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
+def _file_root(path: str) -> Path:
+    """A module's own file, or its package's folder where ``path`` is the package's ``__init__.py``."""
+    p = Path(path).resolve()
+    return p.parent if p.name == "__init__.py" else p
+
+
 def _note_local(mod) -> None:
     """Remember the top-level file/folder of a plug-in that is not an installed package, to carry it."""
     path = getattr(mod, "__file__", None)
     if not path:
         return
     top = sys.modules.get(mod.__name__.split(".")[0])
-    top_path = Path(getattr(top, "__file__", path) or path).resolve()
-    root = top_path.parent if top_path.name == "__init__.py" else top_path
+    root = _file_root(getattr(top, "__file__", path) or path)
     if not any(part in ("site-packages", "dist-packages") for part in root.parts):
         _LOCAL_ROOTS.add(str(root))
 
@@ -418,8 +423,7 @@ def _code_root(module: str) -> Optional[Path]:
     if mod is None or top == "raysys":  # raysys's own shared code is not the workload's
         return None
     if getattr(mod, "__file__", None):
-        path = Path(mod.__file__).resolve()
-        return path.parent if path.name == "__init__.py" else path
+        return _file_root(mod.__file__)
     folders = list(getattr(mod, "__path__", []))  # a namespace package (no __init__.py)
     return Path(folders[0]).resolve() if len(folders) == 1 else None
 

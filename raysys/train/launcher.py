@@ -443,11 +443,13 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         check(cfg)
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
+    resumed_from = None  # the checkpoint a resume goes on from
     if launch.resume:
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
             record_event(run_dir, f"checkpoint cleanup: {line}")
-        if store.latest() is not None:
-            state, meta = store.load()  # a corrupt or foreign checkpoint fails here, before anything starts or is written
+        resumed_from = store.latest()
+        if resumed_from is not None:
+            state, meta = store.load(resumed_from)  # a corrupt or foreign checkpoint fails here, before anything starts or is written
             added = store.added(meta)
             if added:  # the workload's config grew fields since the checkpoint: their values now are said
                 many = len(added) > 1
@@ -468,7 +470,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         cfg_file = _next_snapshot(run_dir, launch.resume)
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
         code = registry.code_digest(wl)
-        if launch.resume and store.latest() is not None:
+        if resumed_from is not None:
             _say_code_changes(run_dir, code)
         storage.write_text(run_dir / CODE_FILE, json.dumps(code, indent=1, sort_keys=True))
         experiment = launch.experiment or f"raysys-{wl.name}"
