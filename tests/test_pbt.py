@@ -80,6 +80,41 @@ def test_a_program_whose_members_all_turn_unstable_ends_each_with_its_verdict():
     assert all("charts/entropy" in m[obj.REASON] for _, _, m in ended)
 
 
+def test_a_chunk_is_sent_once_every_member_still_training_has_reported():
+    """The chunk whose checkpoints a stopped program kept went to Tune only at the next chunk's first report,
+    which never came: each member's objective history lost that step on every resume. A chunk now goes
+    once each member still training reported: a halted member holds none back, and one that ended unseen
+    (a shorter train.steps) only the chunk it missed."""
+    from raysys.tune import objectives as obj
+    from raysys.tune.population import Reports
+
+    sent = []
+    trackers = [obj.ObjectiveTracker("perf/x", "eval/q", obj.StabilityRules(bounds={"charts/entropy": {"min": 0.5}}))
+                for _ in range(3)]
+    reports = Reports(["t_0", "t_1", "t_2"], trackers, sent.append)
+    reports.training = {0, 1, 2}
+    members = [reports.reporter(j) for j in range(3)]
+
+    def chunk(step, *entropies):
+        for j, e in enumerate(entropies):
+            if e is not None:
+                members[j]({"perf/x": 1.0, "eval/q": -1.0, "charts/entropy": e, "step": step})
+
+    def steps(report):
+        return sorted(k for k in report if k.endswith("/step"))
+
+    chunk(1, 1.0, 1.0, 1.0)
+    assert len(sent) == 1 and steps(sent[0]) == ["members/t_0/step", "members/t_1/step", "members/t_2/step"]
+    chunk(2, 0.1, 1.0, 1.0)  # t_0 halts (unstable) on its report: it is sent with the others
+    assert len(sent) == 2 and sent[1][f"members/t_0/{obj.UNSTABLE}"] == 1.0
+    chunk(3, None, 1.0, 1.0)
+    assert len(sent) == 3 and sent[2]["members/t_1/step"] == 3 == sent[2]["members/t_2/step"]
+    chunk(4, None, 1.0, None)  # t_2 ended unseen: chunk 4 waits, sent at t_1's next report, then no more waits
+    assert len(sent) == 3
+    chunk(5, None, 1.0, None)
+    assert len(sent) == 5 and sent[3]["members/t_1/step"] == 4 and sent[4]["members/t_1/step"] == 5
+
+
 def _members(tmp_path, lrs, steps=6, name="m"):
     cfgs = []
     for i, lr in enumerate(lrs):

@@ -116,11 +116,16 @@ def member_frame(df, mid: str):
 
 
 class Reports:
-    """Gathers the members' reports of one chunk into one Tune report (a member reporting twice
-    means a new chunk began). Each member's report passes its own :class:`ObjectiveTracker`."""
+    """Gathers the members' reports of one chunk into one Tune report, sent once every member still
+    training has reported (or, should one have ended unseen, once a member reports twice: a new chunk
+    began). Each member's report passes its own :class:`ObjectiveTracker`."""
 
     def __init__(self, ids: list[str], trackers: list, send):
         self.ids, self.trackers, self._send = ids, trackers, send
+        self.training: set[int] = set()
+        """The members the program trains, less those halted: a chunk is whole once each has reported.
+        Sending it then, not at the next chunk's first report, keeps a stopped program's last chunk
+        (the step its checkpoints hold) in the sweep's records."""
         self.pending: dict[int, dict] = {}
         self.latest: dict[int, dict] = {}  # each member's last report sent
         self.ended: Optional[BaseException] = None
@@ -142,9 +147,14 @@ class Reports:
 
     def reporter(self, j: int):
         def report(metrics: dict) -> Optional[str]:
-            if j in self.pending:
+            if j in self.pending:  # a member that ended unseen (a shorter train.steps) held the chunk back
+                self.training &= set(self.pending)
                 self.flush()
             self.pending[j] = self.trackers[j].update(metrics)
+            if self.trackers[j].reason is not None:  # halted: it reports no more
+                self.training.discard(j)
+            if self.training and self.training <= set(self.pending):
+                self.flush()
             return self.trackers[j].reason  # a reason halts this member's session
         return report
 
@@ -240,6 +250,7 @@ def run_population_trial(config: dict, setup) -> None:
             schedule = None
             if setup.pbt is not None:  # each program its own random stream, reproducible with the sweep's --seed
                 schedule = pbt.PBTConfig(**{**setup.pbt, "seed": [setup.pbt["seed"], zlib.crc32(trial_id.encode())]})
+            reports.training = set(todo)
             results = run_population(wl, [cfgs[j] for j in todo], parent_run_id=setup.parent_run_id,
                                      tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
                                      reports=[reports.reporter(j) for j in todo], pbt=schedule)
@@ -252,6 +263,7 @@ def run_population_trial(config: dict, setup) -> None:
             results = []
         finally:
             release_trial_memory()
+    reports.training = set()  # the members' last reports go as one, the trial's last (finish)
     for j, res in zip(todo, results):
         if res.stopped_by is None:
             reports.reporter(j)({**res.metrics, "done": 1.0})
