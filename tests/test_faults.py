@@ -859,6 +859,44 @@ def test_a_sweep_sends_what_a_trial_buffered_in_an_outage(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # ~2 min: a sweep stopped by SIGTERM in an outage, resumed once the server is back
+def test_a_sweep_stopped_in_an_outage_does_not_wait_for_the_server(tmp_path):
+    """A stop signal is a deadline (a batch system's SIGKILL follows within seconds), but a sweep whose
+    tracking server was down waited for it, up to $RAYSYS_TRACKING_WAIT_S, before its exit and its resume
+    line. Now it exits 143 with the line at once, and the --resume after the server's return completes
+    every MLflow record."""
+    server = MlflowServer(tmp_path / "server").start()
+    sweep = tmp_path / "raysys_runs" / "sweeps" / "late"
+    args = ["--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"), "--num-samples", "1", "--preset", "quick",
+            "--set", "train.epochs=50", "--set", "train.checkpoint_every_steps=2", "--tracking-uri", server.url]
+    env = {**_env(), "RAYSYS_TRACKING_WAIT_S": "3600"}  # were it waited out, the communicate below times out
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args, "--name", "late"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _STARTED.append(proc)
+    try:
+        deadline = time.time() + 300
+        while not list(sweep.glob("runs/*/checkpoints/step_*/meta.json")):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        server.stop()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+        print(out[-5000:])
+        assert proc.returncode == 143 and "does not answer: the sweep's runs stay RUNNING" in out
+        resume = out.split("continue it with:\n")[1].strip().splitlines()[0]
+        assert "--resume" in resume and "waiting up to" not in out
+        server.start()
+        again = subprocess.run(["bash", "-c", resume], env=env, capture_output=True, text=True, timeout=900)
+        print(again.stdout[-5000:], again.stderr[-3000:])
+        assert again.returncode == 0 and "Recommended: trial" in again.stdout
+        runs = _mlflow_runs(server.url, "raysys-deep_gpcm")
+        assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]  # the sweep and its trial
+        (child,) = [r for r in runs if "raysys.trial_id" in r.data.tags]
+        assert child.data.tags["raysys.trial_status"] == "ok"
+    finally:
+        server.stop()
+
+
 # ---- signals and resume -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])

@@ -539,6 +539,15 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     interrupted = (bool(unfinished) or len(records) < opts.num_samples) and not budget_hit and not missing
 
     storage.push_tree(sweep_dir / OBJECTIVES_DIR)
+    if interrupted and signals.get("signum") and not _answers(uri):
+        # a stop signal is a deadline (a batch system's SIGKILL follows it within seconds): every record is
+        # on disk, and --resume sends it, so an outage is not waited out here
+        print(f"[raysys.tune] the MLflow server at {uri} does not answer: the sweep's runs stay RUNNING in MLflow, "
+              "and --resume completes their records once it answers again", flush=True)
+        print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
+              f"{max(0, opts.num_samples - len(records))} unstarted trials; continue it with:\n"
+              f"  {_resume_line(opts, sp, name, sweep_dir)}", flush=True)
+        return SweepOutcome(name, sweep_dir, parent, records, None, True, signals["signum"])
     tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
     report.finalize_children(uri, experiment, setup, records, grid,
                              None if interrupted else report.Verdict.of(records, tolerance),
@@ -556,6 +565,15 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     tracking.end_run(uri, parent, status="FINISHED")
     print(f"[raysys.tune] compare the trials in MLflow: {link}", flush=True)
     return SweepOutcome(name, sweep_dir, parent, records, rec, False)
+
+
+def _answers(uri: str) -> bool:
+    """The tracking store answers now (no wait)."""
+    try:
+        tracking.check_store(uri)
+    except ConfigError:
+        return False
+    return True
 
 
 def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Optional[dict], tags: dict):
