@@ -276,6 +276,18 @@ def test_a_reused_run_reports_its_own_time_not_the_reuse(tmp_path):
     assert "reuse a1 run=s-a1" in (tmp_path / "trial_events.log").read_text()
     assert _record("a1", {}, {**last, "time_total_s": 0.1}, None, setup).seconds == 42.0
     assert _record("c3", {}, {"time_total_s": 17.5}, None, setup).seconds == 17.5
+    # a run that ended just before the driver's SIGKILL, its "end" line never written: its seconds end
+    # when the run recorded its end, and its objectives belong to the step it ended at
+    import os
+    from datetime import datetime
+
+    b2 = tmp_path / "runs" / "s-b2_0"
+    (b2 / "checkpoints" / "step_000000040").mkdir(parents=True)
+    (b2 / "final_metrics.json").write_text(json.dumps({"eval/q": 0.5}))
+    ended = datetime.fromisoformat("2026-11-25T08:01:35").timestamp()
+    os.utime(b2 / "final_metrics.json", (ended, ended))
+    assert reused_final(setup, "b2_0", finished_final(setup, "b2_0")) == {"eval/q": 0.5, "done": 1.0, "step": 40,
+                                                                         RUN_SECONDS: 90.0}
 
 
 def test_a_resumed_trials_seconds_count_every_session_but_not_the_time_it_was_down(tmp_path):

@@ -118,6 +118,20 @@ class TrialSetup:
         steps = sorted(n for n in names if n.startswith("step_"))  # zero-padded: in step order
         return steps[-1] if steps else ""
 
+    def run_file_time(self, trial_id: str, file: str) -> Optional[float]:
+        """When one of the trial's run files was last written (epoch seconds), None if unknown."""
+        from raysys import storage
+
+        name = self.run_name(trial_id)
+        try:
+            if storage.is_remote(self.runs_storage):
+                remote = storage.Remote(self.runs_storage)
+                mtime = remote.fs.get_file_info(remote.path(name, file)).mtime
+                return mtime.timestamp() if mtime is not None else None
+            return (Path(self.runs_storage) / name / file).stat().st_mtime
+        except OSError:
+            return None
+
     def read_run_file(self, trial_id: str, file: str) -> str:
         from raysys import storage
 
@@ -192,11 +206,13 @@ def log_event(sweep_dir: str | Path, line: str) -> None:
 
 
 def run_seconds(sweep_dir: str | Path, trial_id: str, reports: Sequence[float] = (),
-                resumed_only: bool = False) -> Optional[float]:
+                resumed_only: bool = False, ended_at: Optional[float] = None) -> Optional[float]:
     """The seconds a trial ran, from <sweep>/trial_events.log, if it ended: every session of it, each from
     its ``start`` to its ``end``. A session that was cut (the sweep stopped or its driver killed, then
     ``--resume``) counts up to its last report (``reports``: their epoch times), not the time the sweep was
-    down. ``resumed_only``: None for a trial that ran in one session (Tune's clock then says it)."""
+    down. ``resumed_only``: None for a trial that ran in one session (Tune's clock then says it).
+    ``ended_at``: when its run recorded its end, for a last session whose ``end`` line the driver's death
+    kept out of the log."""
     from datetime import datetime
 
     try:
@@ -216,6 +232,8 @@ def run_seconds(sweep_dir: str | Path, trial_id: str, reports: Sequence[float] =
             sessions.append([t, None])
         elif sessions and sessions[-1][1] is None:
             sessions[-1][1] = t
+    if sessions and sessions[-1][1] is None and ended_at is not None and ended_at >= sessions[-1][0]:
+        sessions[-1][1] = ended_at
     if not sessions or sessions[-1][1] is None or (resumed_only and len(sessions) < 2):
         return None
     bounds = [s[0] for s in sessions[1:]] + [float("inf")]
@@ -257,7 +275,9 @@ def reused_final(setup: TrialSetup, trial_id: str, final: dict) -> dict:
     that): what the run recorded (``finished_final``), and its own wall time, not that of this reuse."""
     log_event(setup.sweep_dir, f"reuse {trial_id} run={setup.run_name(trial_id)}")
     final = {**final, "done": 1.0}
-    took = run_seconds(setup.sweep_dir, trial_id)
+    if (ended := setup.latest_checkpoint(trial_id)) and "step" not in final:
+        final["step"] = int(ended.split("_")[1])  # its objectives belong to the step it ended at
+    took = run_seconds(setup.sweep_dir, trial_id, ended_at=setup.run_file_time(trial_id, "final_metrics.json"))
     return final if took is None else {**final, RUN_SECONDS: took}
 
 
