@@ -859,6 +859,35 @@ def test_a_sweep_sends_what_a_trial_buffered_in_an_outage(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # ~1.5 min: a sweep's trial killed with no restart left, then continued alone
+def test_a_trial_out_of_restarts_says_how_its_run_goes_on(tmp_path):
+    """A trial killed (the OOM killer) once its restarts are used up is failed, and --resume of the sweep
+    keeps it so, without a word on how to continue it. Its run kept its checkpoints: the summary now
+    prints the command that continues it alone, and that command finishes it from its checkpoint."""
+    sweep = tmp_path / "raysys_runs" / "sweeps" / "oom"
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"),
+                             "--num-samples", "1", "--preset", "quick", "--set", "train.epochs=4", "--set",
+                             "train.checkpoint_every_steps=2", "--max-failures", "0", "--name", "oom"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _STARTED.append(proc)
+    deadline = time.time() + 300
+    while not list(sweep.glob("runs/*/checkpoints/step_*/meta.json")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    (lock,) = sweep.glob("runs/*/.raysys.lock")
+    os.kill(int(lock.read_text().split()[1]), signal.SIGKILL)  # "process <pid> on <host>"
+    out, _ = proc.communicate(timeout=600)
+    print(out[-5000:])
+    assert proc.returncode == 1  # its only trial failed
+    assert "1 failed trial(s) kept checkpoints: their restarts (--max-failures) were used up" in out
+    assert "every trial failed; the first: RuntimeError: training failed: its process was killed (SIGKILL" in out
+    (line,) = [l.strip() for l in out.splitlines() if l.strip().endswith("--resume") and "raysys train" in l]
+    again = subprocess.run(["bash", "-c", line], env=_env(), capture_output=True, text=True, timeout=600)
+    print(again.stdout[-3000:], again.stderr[-3000:])
+    assert again.returncode == 0 and "done: run 'oom-" in again.stdout
+    assert "resumed step=" in (lock.parent / "events.log").read_text()  # from its checkpoint, not from step 0
+
+
 @pytest.mark.slow  # ~2 min: a sweep stopped by SIGTERM in an outage, resumed once the server is back
 def test_a_sweep_stopped_in_an_outage_does_not_wait_for_the_server(tmp_path):
     """A stop signal is a deadline (a batch system's SIGKILL follows within seconds), but a sweep whose

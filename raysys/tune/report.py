@@ -178,6 +178,13 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
                  f"further with the knobs it ended with (raise its budget with --set):\n\n    python -m raysys train "
                  f"{shlex.quote(sp.workload)} --storage-path {shlex.quote(storage.where(sweep_dir) + '/runs')} "
                  f"--name {rec.run_name} --resume\n")
+    if stuck := [r for r in records if r.extra.get("resumable")]:
+        runs = shlex.quote(storage.where(sweep_dir) + "/runs")
+        text += (f"\n{len(stuck)} failed trial(s) kept checkpoints: their restarts (--max-failures) were used up, "
+                 "and a --resume of the sweep keeps them failed. Each run goes on alone from its last checkpoint:\n\n"
+                 + "".join(f"    cd {shlex.quote(os.getcwd())} && python -m raysys train {shlex.quote(sp.workload)} --storage-path {runs} "
+                           f"--name {r.run_name} --resume\n" for r in stuck[:5])
+                 + (f"    (and {len(stuck) - 5} more: trials.csv)\n" if len(stuck) > 5 else ""))
     print(f"\n{head}\n\n{tbl}\n{text}", flush=True)
 
     out = sweep_dir / "report"

@@ -701,6 +701,8 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup, start: Optional[d
         rec.extra["pbt_start"], rec.extra["pbt_exploits"] = start, int(_float(m.get(EXPLOITS)) or 0)
     if error is not None:
         rec.status, rec.reason = ERROR, error_summary(error)
+        # out of restarts (a kill, an OOM): --resume keeps it failed, but its run goes on from its checkpoint
+        rec.extra["resumable"] = bool(setup.latest_checkpoint(trial_id))
     elif m.get(obj.FAILED):  # ended at once: an error no restart can fix
         rec.status, rec.reason = ERROR, str(m[obj.FAILED])
     elif m.get(obj.UNSTABLE):

@@ -621,7 +621,17 @@ def _train_in_child(setup: TrialSetup, cfg: Any, tracker: ObjectiveTracker, tags
     if rc != 0 and not tracker.unstable:
         if permanent is not None:
             raise ChildFailed(permanent)
+        if rc < 0:  # its log's last line is whatever it printed before the kill, not why it ended
+            raise RuntimeError(f"training failed: its process was killed ({_signal_name(-rc)}; out of memory, "
+                               f"or a kill) (log: {log_path})")
         raise RuntimeError(f"training failed (exit {rc}): {_last_error(log_path)} (log: {log_path})")
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _stop(proc: subprocess.Popen) -> Optional[int]:
