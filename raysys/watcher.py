@@ -8,7 +8,8 @@ command says "done" once it has closed its runs itself, whatever their end; a pi
 it means the command died. The watcher then closes the run, and its children still RUNNING (a
 sweep's trials, a cross-validation's folds), as KILLED, with why in the tag ``raysys.error`` and in
 ``events.log`` -- unless a ``--resume`` already holds the run (its lock) or records wait in its
-tracking buffer (the resume sends them and ends the run itself).
+tracking buffer (the resume sends them and ends the run itself). A store that does not answer then
+(the command died in an outage) is tried again for up to ``$RAYSYS_TRACKING_WAIT_S`` (600 s).
 
 The watcher costs a Python start and then sleeps in ``read``; it imports MLflow only after a death.
 """
@@ -129,11 +130,21 @@ def main(argv: list[str]) -> int:
         pass
     if DONE in said:
         return 0
-    try:
-        _close(spec)
-    except Exception:  # nowhere to say it: the run stays RUNNING, as before there was a watcher
-        return 1
-    return 0
+    import time
+
+    # a tracking server that is away (an outage the command died in) is waited for, as a sweep waits
+    # for it (tracking.wait_for_store); a --resume meanwhile takes the run over (the lock, above)
+    wait_s = float(os.environ.get("RAYSYS_TRACKING_WAIT_S", "600")) if spec["uri"].startswith("http") else 30.0
+    deadline, delay = time.monotonic() + wait_s, 2.0
+    while True:
+        try:
+            _close(spec)
+            return 0
+        except Exception:  # past the wait, nowhere to say it: the run stays RUNNING until a --resume
+            if time.monotonic() + delay > deadline:
+                return 1
+        time.sleep(delay)
+        delay = min(2 * delay, 30.0)
 
 
 if __name__ == "__main__":

@@ -350,6 +350,29 @@ def test_a_killed_commands_mlflow_run_is_closed_by_its_watcher(tmp_path):
     assert r.info.status == "FINISHED" and "raysys.error" not in r.data.tags
 
 
+def test_a_watcher_waits_out_a_tracking_outage(tmp_path):
+    """A command killed while its tracking server was away left its runs RUNNING (until a --resume): its
+    watcher tried once and gave up. It now waits for the server, as a sweep does, and closes them."""
+    from raysys import tracking, watcher
+
+    server = MlflowServer(tmp_path / "server").start()
+    try:
+        parent = tracking.start_run(server.url, "w", "p")
+        child = tracking.start_run(server.url, "w", "c", parent_run_id=parent)
+        server.stop()
+        w = watcher.watch(server.url, parent, tmp_path, tmp_path / "lock", "resume me")
+        os.close(w.fd)  # the command died in the outage
+        with pytest.raises(subprocess.TimeoutExpired):
+            w.proc.wait(timeout=5)  # still waiting for the server (it would wait 600 s)
+        server.start()
+        assert w.proc.wait(timeout=120) == 0
+        c = _client(server.url)
+        assert (c.get_run(parent).info.status, c.get_run(child).info.status) == ("KILLED", "KILLED")
+        assert c.get_run(parent).data.tags["raysys.error"].endswith("resume it with: resume me")
+    finally:
+        server.stop()
+
+
 def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
     """The watcher acts only on a death: not after "done", not while a --resume holds the run (its lock),
     not while records wait in the run's tracking buffer; after one, the run's RUNNING children close too."""
