@@ -702,7 +702,8 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup, start: Optional[d
     if error is not None:
         rec.status, rec.reason = ERROR, error_summary(error)
         # out of restarts (a kill, an OOM): --resume keeps it failed, but its run goes on from its checkpoint
-        rec.extra["resumable"] = bool(setup.latest_checkpoint(trial_id))
+        with contextlib.suppress(Exception):  # a storage that fails now costs the hint only
+            rec.extra["resumable"] = bool(setup.latest_checkpoint(trial_id))
     elif m.get(obj.FAILED):  # ended at once: an error no restart can fix
         rec.status, rec.reason = ERROR, str(m[obj.FAILED])
     elif m.get(obj.UNSTABLE):
