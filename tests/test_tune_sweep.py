@@ -398,3 +398,7 @@ def test_interrupted_vectorized_sweep_resumes_every_member_from_its_checkpoint(w
         steps = [m.step for m in client.get_metric_history(c.info.run_id, "charts/episode_return")]
         # continued from its checkpoint: the first chunk was logged once (a restart would log it again)
         assert max(steps) == 61440 and steps.count(5120) == 1, steps
+        # the sweep's objective at every step, the one its checkpoint holds too (it was sent only with the
+        # next chunk, which the stop never trained)
+        objective = sorted(m.step for m in client.get_metric_history(c.info.run_id, "objective/throughput"))
+        assert objective == sorted(set(steps)), objective
