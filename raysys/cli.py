@@ -149,6 +149,7 @@ def _changes(before: Any, after: Any) -> str:
 def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> Any:
     """``--resume`` continues from the run's own saved config; --config/--set given now apply on top."""
     from raysys.config import from_dict
+    from raysys.tracking import sqlite_path
     from raysys.train.launcher import resolve_run_dir, saved_config
 
     launch = dict(name=args.name, resume=True, storage_path=args.storage_path or cfg.launch.storage_path)
@@ -160,7 +161,7 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
     saved.get("launch", {}).update(resume=False, name=run_dir.name)
     _pbt_knobs(wl, run_dir, saved, {s.split("=", 1)[0].strip() for s in getattr(args, "sets", None) or []})
     store = saved.get("launch", {}).get("tracking_uri") or ""
-    if args.tracking_uri is None and store.startswith("sqlite:///") and not Path(store[len("sqlite:///"):]).is_file():
+    if args.tracking_uri is None and store.startswith("sqlite:///") and not sqlite_path(store).is_file():
         # its own store is on another machine (or gone): this session tracks where a new run would
         print(f"[raysys] the run's MLflow store {store} is not here (on another machine, moved or deleted): tracking "
               "to this command's store instead "

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol
@@ -54,14 +55,28 @@ class NullLogger:
 
 def default_tracking_uri() -> str:
     uri = os.environ.get("RAYSYS_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
-    return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    return uri or sqlite_uri(Path.cwd() / "mlflow.db")
+
+
+def sqlite_uri(path: str | Path) -> str:
+    """The sqlite URI of a database file. SQLAlchemy reads the URI's path as a URL's: a '?' starts its
+    query and '%XX' is decoded, so a folder named 'really? 100%' put the store elsewhere; those two are
+    escaped (and only those: the URI stays readable)."""
+    return "sqlite:///" + str(path).replace("%", "%25").replace("?", "%3F")
+
+
+def sqlite_path(uri: str) -> Path:
+    """The database file an sqlite:/// URI names, as SQLAlchemy reads it."""
+    from urllib.parse import unquote
+
+    return Path(unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
 
 
 def resolve_tracking_uri(uri: Optional[str]) -> str:
     """Make local store URIs absolute, so Ray workers (other working dirs) write the same store."""
     uri = uri or default_tracking_uri()
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        uri = f"sqlite:///{Path(uri[len('sqlite:///'):]).resolve()}"
+        uri = sqlite_uri(sqlite_path(uri).resolve())
     elif "://" not in uri:  # a plain folder: MLflow's file store
         uri = Path(uri).resolve().as_uri()
     return uri
@@ -70,7 +85,7 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
 def _artifact_root(uri: str) -> Optional[str]:
     """Local stores keep artifacts beside the database; servers choose their own."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "mlruns").resolve().as_uri()
+        return (sqlite_path(uri).parent / "mlruns").resolve().as_uri()
     return None
 
 
@@ -85,7 +100,7 @@ def _client(uri: str):
         # that at once crash one of them. A file lock beside the database serialises the first touch.
         from filelock import FileLock
 
-        db = Path(uri[len("sqlite:///"):])
+        db = sqlite_path(uri)
         db.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(db) + ".lock"):
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
@@ -145,7 +160,7 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
         raise ConfigError(f"--tracking-uri {uri}: MLflow has no tracking store for '{scheme}://' (use "
                           "sqlite:///path/mlflow.db, http(s)://server:port or a database URL; nothing was created)")
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+        db = sqlite_path(uri)
         storage.check_local_folder(db.parent, f"--tracking-uri {uri}:")
         if db.is_dir():
             raise ConfigError(f"--tracking-uri {uri}: {db} is a folder, not a database file (nothing was created)")
@@ -265,7 +280,7 @@ def ui_lines(uri: str, link: str, prefix: str = "[raysys]") -> str:
     """What a command prints about where its runs are: the link, and how to serve a local store."""
     lines = f"{prefix} MLflow: {link}"
     if not is_server(uri):
-        lines += f"\n{prefix}   (serve this store first: mlflow ui --backend-store-uri {uri})"
+        lines += f"\n{prefix}   (serve this store first: mlflow ui --backend-store-uri {shlex.quote(uri)})"
     return lines
 
 

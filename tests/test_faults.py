@@ -281,6 +281,38 @@ def test_three_runs_at_once_on_a_fresh_store(tmp_path):
     assert sorted((r.info.run_name, r.info.status) for r in runs) == [(f"r{i}", "FINISHED") for i in range(3)]
 
 
+def test_a_folder_named_like_a_url_keeps_its_store_and_its_lines_paste(tmp_path):
+    """The default store's URI held the working folder as it is: SQLAlchemy read a '?' as the start of a
+    query (the database went to a file named after the folder's first half, outside it) and decoded a
+    '%41' (a crash after the run existed). The `mlflow ui` hint and a sweep's resume line were not quoted
+    for the shell, so a space or a quote in a path or a --set value broke them when pasted."""
+    import shlex
+    from types import SimpleNamespace
+
+    from raysys.tracking import sqlite_path
+    from raysys.tune.runner import SweepOptions, _resume_line
+
+    folder = tmp_path / "really? 100%41 it's"
+    folder.mkdir()
+    proc = _train(folder, *QUICK, "--name", "q")
+    assert proc.returncode == 0
+    hint = next(l for l in proc.stdout.splitlines() if "mlflow ui --backend-store-uri" in l)
+    uri = shlex.split(hint.split("serve this store first: ")[1].rstrip(")"))[-1]
+    assert sqlite_path(uri) == folder / "mlflow.db" and (folder / "mlflow.db").is_file()
+    # beside it, nothing but the empty folder MLflow 3.x makes of the URI's text (mlflow.store.db.utils.
+    # _make_parent_dirs_if_sqlite does not decode it): the store itself is inside
+    assert all(p == folder or not any(p.iterdir()) for p in tmp_path.iterdir())
+    (run,) = _mlflow_runs(uri, "raysys-deep_gpcm")
+    assert run.info.status == "FINISHED"
+
+    opts = SweepOptions(space="s.yaml", preset="quick", sets={"data.data_dir": "raysys_data/syn data ü"})
+    line = _resume_line(opts, SimpleNamespace(source=folder / "s.yaml"), "s", folder / "raysys_runs" / "sweeps" / "s")
+    words = shlex.split(line)
+    assert words[:2] == ["cd", os.getcwd()] and str(folder / "s.yaml") in words
+    assert words[words.index("--storage-path") + 1] == str(folder / "raysys_runs" / "sweeps")
+    assert words[words.index("--set") + 1] == "data.data_dir=raysys_data/syn data ü"
+
+
 # ---- checkpoint folders are never guessed at --------------------------------------------------------
 
 def test_foreign_and_moved_aside_folders_are_kept_and_stale_ones_cleaned(tmp_path):

@@ -174,7 +174,7 @@ class LaunchConfig:
         if self.name is not None:
             from raysys.lifecycle import validate_name
 
-            validate_name(self.name, "launch.name")
+            validate_name(self.name, "--name (launch.name)")
 
 
 @dataclass

@@ -578,7 +578,7 @@ def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
     if RAY_PACKAGE not in cwd + "/":
         return
     inside = [name for name, path in ((f"the {what}'s folder", None if storage.remote_of(run_dir) else str(run_dir)),
-                                      ("the MLflow store", uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None))
+                                      ("the MLflow store", str(tracking.sqlite_path(uri)) if uri.startswith("sqlite:///") else None))
               if path and str(Path(path).resolve()).startswith(cwd)]
     if inside:
         print(f"[raysys] note: {' and '.join(inside)} {'are' if len(inside) > 1 else 'is'} in Ray's unpacked copy "

@@ -592,15 +592,15 @@ def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Opt
 def _resume_line(opts: SweepOptions, sp: spaces.SweepSpace, name: str, sweep_dir: Path) -> str:
     where = opts.storage_path if storage.remote_of(sweep_dir) else sweep_dir.parent
     return (f"cd {shlex.quote(os.getcwd())} && python -m raysys.tune --space {shlex.quote(str(sp.source))} --name {name} "
-            f"--storage-path '{where}' --resume" + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
+            f"--storage-path {shlex.quote(str(where))} --resume" + (f" --vectorize {opts.vectorize}" if opts.vectorize > 1 else "")
             + _extra_flags(opts))
 
 
 def _extra_flags(opts: SweepOptions) -> str:
-    flags = f" --preset {opts.preset}" if opts.preset else ""
+    flags = f" --preset {shlex.quote(opts.preset)}" if opts.preset else ""
     if opts.scheduler == "pbt":
         flags += f" --scheduler pbt --pbt-interval {opts.pbt_interval} --pbt-quantile {opts.pbt_quantile:g}"
-    return flags + "".join(f" --set {k}={v}" for k, v in opts.sets.items())
+    return flags + "".join(f" --set {shlex.quote(f'{k}={v}')}" for k, v in opts.sets.items())
 
 
 def _check_same_pbt(was: Optional[dict], now: Optional[dict]) -> None:

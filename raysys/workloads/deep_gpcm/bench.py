@@ -13,6 +13,7 @@ import torch
 
 from raysys.bench_generic import sync, top_ops
 from raysys.config import apply_overrides
+from raysys.tracking import sqlite_uri
 from raysys.train.optim import fused_kwargs
 
 
@@ -160,7 +161,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for path in ("naive", "optimized"):
             overrides = {"model.path": path, "launch.workers": 0, "launch.storage_path": tmp,
-                         "launch.tracking_uri": f"sqlite:///{Path(tmp) / 'bench.db'}", "launch.name": f"bench-{path}",
+                         "launch.tracking_uri": sqlite_uri(Path(tmp) / "bench.db"), "launch.name": f"bench-{path}",
                          "train.log_every_steps": 10, "launch.gpus_per_worker": 1 if device.type == "cuda" else 0}
             if quick:
                 overrides |= {"train.max_steps": 12, "train.epochs": 1}

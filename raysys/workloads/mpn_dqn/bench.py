@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from raysys.config import apply_overrides
+from raysys.tracking import sqlite_uri
 
 
 def _run(preset: str, overrides: dict, tmp: str) -> dict:
@@ -25,7 +26,7 @@ def _run(preset: str, overrides: dict, tmp: str) -> dict:
     wl = registry.get("mpn_dqn")
     cfg = apply_overrides(wl.config(preset), {
         "launch.storage_path": tmp, "launch.name": f"bench-{preset}",
-        "launch.tracking_uri": f"sqlite:///{Path(tmp) / 'bench.db'}", **overrides})
+        "launch.tracking_uri": sqlite_uri(Path(tmp) / "bench.db"), **overrides})
     m = run_custom(wl, cfg).metrics
     keys = ("perf/env_steps_per_s", "perf/updates_per_s", "perf/env_steps", "perf/train_seconds", "charts/episodes",
             "charts/final_avg_reward", "eval/reward_per_trial", "eval/random_reward_per_trial", "eval/correct_rate")
