@@ -101,6 +101,21 @@ class RunLock:
             self.fd = None
 
 
+    @staticmethod
+    def in_use(run_dir: Path) -> bool:
+        """Whether another process holds the run folder's lock now (a run being trained)."""
+        try:
+            fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # closing drops a lock it got
+
     @classmethod
     def of(cls, run_dir: Path) -> Optional["RunLock"]:
         """The lock this process holds on ``run_dir``, if any."""

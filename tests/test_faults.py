@@ -273,6 +273,49 @@ def test_the_same_name_twice_at_once_runs_once(tmp_path):
     assert not list((tmp_path / "raysys_runs" / "twin").glob("config.resume-*"))
 
 
+def test_commands_started_in_the_same_second_get_names_of_their_own(tmp_path):
+    """Default names are <workload>-<time>: of two trains (or sweeps) started in one second without --name,
+    the second was refused as "in use", a name its user never chose. It now takes <name>-2. A name the
+    user gave is still refused, and a bare --resume takes the newest unfinished run no command trains now."""
+    import time as clock
+
+    from raysys.config import ConfigError
+    from raysys.train.config import LaunchConfig
+    from raysys.train.launcher import _claim, resolve_run_dir
+    from raysys.tune.runner import SweepOptions, _claim_sweep
+
+    root = tmp_path / "raysys_runs"
+    older, taken = root / "deep_gpcm-20260101-000000", root / "deep_gpcm-20260101-000100"
+    older.mkdir(parents=True)
+    (older / "events.log").write_text("crashed\n")
+    sweep = root / "sweeps" / "deep_gpcm-sweep-20260101-000100"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from raysys import lifecycle; lifecycle.create_run_dir(Path(sys.argv[1]), 'a'); "
+                               "(Path(sys.argv[1]) / 'events.log').write_text('training'); "
+                               "Path(sys.argv[2]).mkdir(parents=True); lifecycle.RunLock.acquire(Path(sys.argv[2]), 'b'); "
+                               "print('held', flush=True); time.sleep(60)", str(taken), str(sweep)],
+                              stdout=subprocess.PIPE, text=True)
+    _STARTED.append(holder)
+    assert holder.stdout.readline().strip() == "held"
+    os.utime(older, (clock.time() - 60, clock.time() - 60))  # the crashed run is the older one
+    default = LaunchConfig(storage_path=str(root))
+    assert _claim("deep_gpcm", default, taken.name, taken) == (f"{taken.name}-2", root / f"{taken.name}-2")
+    with pytest.raises(ConfigError, match="is in use by process"):
+        _claim("deep_gpcm", LaunchConfig(storage_path=str(root), name=taken.name), taken.name, taken)
+    again = LaunchConfig(storage_path=str(root), resume=True)
+    assert resolve_run_dir("deep_gpcm", again)[0] == older.name  # not the run the other command trains
+    opts = SweepOptions(space="s.yaml", storage_path=str(root / "sweeps"))
+    assert _claim_sweep(opts, "deep_gpcm", sweep.name, sweep, None)[0] == f"{sweep.name}-2"
+    from raysys import lifecycle
+    from raysys.tune import runner
+
+    for held in (root / f"{taken.name}-2", root / "sweeps" / f"{sweep.name}-2"):
+        lifecycle.RunLock.release_dir(held)
+        runner._LOCKED.discard(held)
+    holder.kill()
+    holder.wait()
+
+
 def test_three_runs_at_once_on_a_fresh_store(tmp_path):
     procs = [_start(tmp_path, *QUICK, "--name", f"r{i}") for i in range(3)]
     outs = [p.communicate(timeout=600) for p in procs]

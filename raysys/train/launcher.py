@@ -78,9 +78,10 @@ def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
     if launch.resume and not name:  # newest run of this workload
         if remote:
             runs = [n for n in remote.listdir() if n.startswith(f"{wl_name}-")]  # <workload>-<time>: sorts by time
-        else:  # the newest one that has not ended, else the newest
+        else:  # the newest one that has not ended and that no other command trains now, else the newest
             dirs = sorted((p for p in root.glob(f"{wl_name}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
-            runs = [p.name for p in ([p for p in dirs if not (p / "final_metrics.json").exists()] or dirs)]
+            unfinished = [p for p in dirs if not (p / "final_metrics.json").exists()]
+            runs = [p.name for p in ([p for p in unfinished if not lifecycle.RunLock.in_use(p)] or unfinished or dirs)]
         if not runs:
             raise ConfigError(f"--resume: no earlier {wl_name} run named by default ({wl_name}-<date>-<time>) under "
                               f"{root}; a run you named: --resume --name NAME")
@@ -367,6 +368,24 @@ def _hold(run_dir: Path, name: str, launch: Any, create: bool) -> lifecycle.RunL
     return lock
 
 
+def _claim(wl_name: str, launch: Any, name: str, run_dir: Path) -> tuple[str, Path]:
+    """Make and lock a new run's folder. A default name (<workload>-<time>) that another command started
+    in the same second holds goes on to <name>-2, -3, ...: a user who named nothing named no collision."""
+    import dataclasses
+
+    tries = [name] if launch.name is not None else [name, *(f"{name}-{k}" for k in range(2, 100))]
+    for i, candidate in enumerate(tries):
+        try:
+            if i:
+                name, run_dir = resolve_run_dir(wl_name, dataclasses.replace(launch, name=candidate))
+            _hold(run_dir, name, launch, create=True)
+            return name, run_dir
+        except ConfigError:
+            if i == len(tries) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _same_place(uri: str) -> str:
     """One spelling of a storage URI: its options in any order, a trailing slash or not, name one place."""
     from urllib.parse import parse_qsl, urlsplit
@@ -460,7 +479,9 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                 fits(cfg, state)
     created = not launch.resume
     if created:
-        _hold(run_dir, name, launch, create=True)
+        name, run_dir = _claim(wl.name, launch, name, run_dir)
+        if run_dir != store.run_dir:
+            store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
         lifecycle.arm(_resume_command(wl, launch, name))
     try:
         cfg_dict = to_dict(cfg)

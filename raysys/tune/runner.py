@@ -173,6 +173,25 @@ def _lock_sweep(sweep_dir: Path, name: str) -> None:
     _LOCKED.add(sweep_dir)
 
 
+def _claim_sweep(opts: SweepOptions, workload: str, name: str, sweep_dir: Path, stored) -> tuple[str, Path]:
+    """Make and lock the sweep's folder. A default name (<workload>-sweep-<time>) that another sweep started
+    in the same second holds goes on to <name>-2, -3, ...: a user who named nothing named no collision."""
+    import dataclasses
+
+    tries = [name] if opts.name is not None or stored else [name, *(f"{name}-{k}" for k in range(2, 100))]
+    for i, candidate in enumerate(tries):
+        try:
+            if i:
+                name, sweep_dir = resolve_sweep_dir(dataclasses.replace(opts, name=candidate), workload)
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            _lock_sweep(sweep_dir, name)  # the other sweep holds it while it runs
+            return name, sweep_dir
+        except ConfigError:
+            if i == len(tries) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _check_tune_state(sweep_dir: Path) -> None:
     """Ray Tune restores a sweep from its newest ``experiment_state-*.json``; one it cannot read (damaged by
     hand, or cut by an older raysys on a full disk) made it log an error and start the sweep afresh. One
@@ -449,8 +468,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     need_cpu, need_gpu = footprint(sp, base)
     concurrent = max_concurrent(ray.cluster_resources(), need_cpu, need_gpu, opts.max_concurrent)
 
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    _lock_sweep(sweep_dir, name)
+    name, sweep_dir = _claim_sweep(opts, wl.name, name, sweep_dir, stored)
     parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored,
                                      {"raysys.preset": sp.preset, "raysys.command": opts.command[:5000]})
     from raysys import watcher as watching
