@@ -170,6 +170,9 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--tracking-uri", "127.0.0.1:5000"], "did you mean http://127.0.0.1:5000?"),
     (["--workers", "1", "--address", "127.0.0.1:9"], "no Ray cluster answers at 127.0.0.1:9"),
     (["--workers", "1", "--address", "http://127.0.0.1:8265"], "an http address is a Ray dashboard's"),
+    # a cross-validation made its parent run (and took minutes of MLflow's retries) before its folds said these
+    (["--cv", "--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
+    (["--cv", "--set", "data.path=/nonexistent/seqs.txt"], "no sequences file at /nonexistent/seqs.txt"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     (tmp_path / "notes.txt").write_text("my notes\n")  # what a mistyped --tracking-uri may name
