@@ -428,6 +428,7 @@ def test_a_killed_commands_mlflow_run_is_closed_by_its_watcher(tmp_path):
     assert r.info.status == "FINISHED" and "raysys.error" not in r.data.tags
 
 
+@pytest.mark.slow  # ~25 s, most of it the watcher's back-off; the default suite checks its other cases
 def test_a_watcher_waits_out_a_tracking_outage(tmp_path):
     """A command killed while its tracking server was away left its runs RUNNING (until a --resume): its
     watcher tried once and gave up. It now waits for the server, as a sweep does, and closes them."""
