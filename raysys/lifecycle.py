@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from raysys.config import ConfigError
 
@@ -136,6 +136,19 @@ def holder_of(run_dir: Path) -> Optional[str]:
         return (Path(run_dir) / LOCK_FILE).read_text().strip() or None
     except OSError:
         return None
+
+
+def claim_first(name: str, given: bool, claim: Callable[[str], Any]) -> Any:
+    """``claim(name)``, which makes and locks what the name stands for (a ConfigError: taken). A default
+    name (<workload>-<time>, ``given`` False) that a command started in the same second holds goes on to
+    <name>-2, -3, ...: a user who named nothing named no collision. A name the user gave is refused."""
+    tries = [name] if given else [name, *(f"{name}-{k}" for k in range(2, 100))]
+    for candidate in tries[:-1]:
+        try:
+            return claim(candidate)
+        except ConfigError:
+            continue
+    return claim(tries[-1])
 
 
 def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) -> RunLock:

@@ -27,10 +27,10 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
     k = flatten(to_dict(cfg))[k_key]
     uri = tracking.resolve_tracking_uri(cfg.launch.tracking_uri)
     if not cfg.launch.resume:  # bad input is one line before anything exists: the store, then the data
-        from raysys.train.launcher import _prepare
+        from raysys.train.launcher import _prepare, prepare_of
 
         tracking.check_store(uri)
-        _prepare(wl.task.prepare if wl.task is not None else wl.extra.get("prepare"), cfg)  # (each fold's run prepares it again: made once, then checked)
+        _prepare(prepare_of(wl), cfg)  # (each fold's run prepares it again: made once, then checked)
     base = _resumed(wl, cfg.launch) if cfg.launch.resume else cfg.launch.name or _claim_base(wl, cfg.launch)
     experiment = cfg.launch.experiment or f"raysys-{wl.name}"
     parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation", **(tags or {})},
@@ -120,18 +120,15 @@ def _resumed(wl, launch: Any) -> str:
 
 def _claim_base(wl, launch: Any) -> str:
     """A default name, <workload>-cv-<time>, whose first fold's folder this process makes and locks now (its
-    run takes it over): a cross-validation started in the same second as another goes on to <name>-2."""
+    run takes it over), the next free one if taken (``lifecycle.claim_first``)."""
     from raysys.train.launcher import _hold, resolve_run_dir
 
-    base = f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}"
-    for candidate in [base, *(f"{base}-{k}" for k in range(2, 100))]:
-        try:
-            name, run_dir = resolve_run_dir(wl.name, dataclasses.replace(launch, name=f"{candidate}-fold0"))
-            _hold(run_dir, name, launch, create=True)
-            return candidate
-        except ConfigError:
-            continue
-    raise ConfigError(f"--cv: no free default name after {base}-99; choose one with --name")
+    def claim(candidate: str) -> str:
+        name, run_dir = resolve_run_dir(wl.name, dataclasses.replace(launch, name=f"{candidate}-fold0"))
+        _hold(run_dir, name, launch, create=True)
+        return candidate
+
+    return lifecycle.claim_first(f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}", False, claim)
 
 
 def _exists(wl, launch: Any) -> bool:

@@ -369,21 +369,21 @@ def _hold(run_dir: Path, name: str, launch: Any, create: bool) -> lifecycle.RunL
 
 
 def _claim(wl_name: str, launch: Any, name: str, run_dir: Path) -> tuple[str, Path]:
-    """Make and lock a new run's folder. A default name (<workload>-<time>) that another command started
-    in the same second holds goes on to <name>-2, -3, ...: a user who named nothing named no collision."""
+    """Make and lock a new run's folder, under the next free name where its name is a default one
+    (``lifecycle.claim_first``)."""
     import dataclasses
 
-    tries = [name] if launch.name is not None else [name, *(f"{name}-{k}" for k in range(2, 100))]
-    for i, candidate in enumerate(tries):
-        try:
-            if i:
-                name, run_dir = resolve_run_dir(wl_name, dataclasses.replace(launch, name=candidate))
-            _hold(run_dir, name, launch, create=True)
-            return name, run_dir
-        except ConfigError:
-            if i == len(tries) - 1:
-                raise
-    raise AssertionError("unreachable")
+    def claim(candidate: str) -> tuple[str, Path]:
+        got = (name, run_dir) if candidate == name else resolve_run_dir(wl_name, dataclasses.replace(launch, name=candidate))
+        _hold(got[1], got[0], launch, create=True)
+        return got
+
+    return lifecycle.claim_first(name, launch.name is not None, claim)
+
+
+def prepare_of(wl: registry.Workload):
+    """The workload's data step: its task's ``prepare``, or a custom loop's ``extra['prepare']``."""
+    return wl.task.prepare if wl.task is not None else wl.extra.get("prepare")
 
 
 def _same_place(uri: str) -> str:

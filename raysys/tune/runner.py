@@ -174,22 +174,17 @@ def _lock_sweep(sweep_dir: Path, name: str) -> None:
 
 
 def _claim_sweep(opts: SweepOptions, workload: str, name: str, sweep_dir: Path, stored) -> tuple[str, Path]:
-    """Make and lock the sweep's folder. A default name (<workload>-sweep-<time>) that another sweep started
-    in the same second holds goes on to <name>-2, -3, ...: a user who named nothing named no collision."""
+    """Make and lock the sweep's folder, under the next free name where its name is a default one
+    (``lifecycle.claim_first``)."""
     import dataclasses
 
-    tries = [name] if opts.name is not None or stored else [name, *(f"{name}-{k}" for k in range(2, 100))]
-    for i, candidate in enumerate(tries):
-        try:
-            if i:
-                name, sweep_dir = resolve_sweep_dir(dataclasses.replace(opts, name=candidate), workload)
-            sweep_dir.mkdir(parents=True, exist_ok=True)
-            _lock_sweep(sweep_dir, name)  # the other sweep holds it while it runs
-            return name, sweep_dir
-        except ConfigError:
-            if i == len(tries) - 1:
-                raise
-    raise AssertionError("unreachable")
+    def claim(candidate: str) -> tuple[str, Path]:
+        got = (name, sweep_dir) if candidate == name else resolve_sweep_dir(dataclasses.replace(opts, name=candidate), workload)
+        got[1].mkdir(parents=True, exist_ok=True)
+        _lock_sweep(got[1], got[0])  # the other sweep holds it while it runs
+        return got
+
+    return lifecycle.claim_first(name, opts.name is not None or bool(stored), claim)
 
 
 def _check_tune_state(sweep_dir: Path) -> None:
@@ -357,7 +352,7 @@ def _prepare(wl: registry.Workload, cfg: Any) -> Any:
     from raysys.train import launcher
 
     with registry.sweep_driver():  # the trials check their own devices, on their nodes
-        return launcher._prepare(wl.task.prepare if wl.task is not None else wl.extra.get("prepare"), cfg)
+        return launcher._prepare(launcher.prepare_of(wl), cfg)
 
 
 def _say_unread_knobs(wl: registry.Workload, base: Any, knobs: dict) -> None:
@@ -557,21 +552,20 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     interrupted = (bool(unfinished) or len(records) < opts.num_samples) and not budget_hit and not missing
 
     storage.push_tree(sweep_dir / OBJECTIVES_DIR)
-    if interrupted and signals.get("signum") and not _answers(uri):
-        # a stop signal is a deadline (a batch system's SIGKILL follows it within seconds): every record is
-        # on disk, and --resume sends it, so an outage is not waited out here
+    # a stop signal is a deadline (a batch system's SIGKILL follows it within seconds): every record is on
+    # disk and --resume sends it, so an outage is not waited out then
+    unrecorded = interrupted and signals.get("signum") and not _answers(uri)
+    if unrecorded:
         print(f"[raysys.tune] the MLflow server at {uri} does not answer: the sweep's runs stay RUNNING in MLflow, "
               "and --resume completes their records once it answers again", flush=True)
-        print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
-              f"{max(0, opts.num_samples - len(records))} unstarted trials; continue it with:\n"
-              f"  {_resume_line(opts, sp, name, sweep_dir)}", flush=True)
-        return SweepOutcome(name, sweep_dir, parent, records, None, True, signals["signum"])
-    tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
-    report.finalize_children(uri, experiment, setup, records, grid,
-                             None if interrupted else report.Verdict.of(records, tolerance),
-                             objectives_dir=str(sweep_dir / OBJECTIVES_DIR))
+    else:
+        tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
+        report.finalize_children(uri, experiment, setup, records, grid,
+                                 None if interrupted else report.Verdict.of(records, tolerance),
+                                 objectives_dir=str(sweep_dir / OBJECTIVES_DIR))
     if interrupted:
-        tracking.end_run(uri, parent, status="KILLED")
+        if not unrecorded:
+            tracking.end_run(uri, parent, status="KILLED")
         print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
               f"{max(0, opts.num_samples - len(records))} unstarted trials; continue it with:\n"
               f"  {_resume_line(opts, sp, name, sweep_dir)}", flush=True)
