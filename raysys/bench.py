@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from raysys import console
 from raysys import workload as registry
@@ -52,6 +53,26 @@ def environment() -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "raysys_commit": commit,
             "python": platform.python_version(), **{pkg: version(pkg) for pkg in ("torch", "jax", "ray")},
             "cpus": os.cpu_count()}
+
+
+def check_result(res: Any, name: str) -> dict:
+    """A workload's own bench result, checked before the table reads it: a missing key is the bench's
+    error, named in one line (the keys: ``raysys.workload.Workload.bench``)."""
+    where = f"{name}'s bench returned"
+    if not isinstance(res, dict):
+        raise ConfigError(f"{where} a {type(res).__name__}, not a dict with 'naive' and 'optimized' rows")
+    paths = res.get("paths", ("naive", "optimized"))
+    for path in paths:
+        row = res.get(path)
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where} no '{path}' row (a dict with 'throughput' and optionally 'quality'); "
+                              f"its keys: {', '.join(map(str, res)) or 'none'}")
+        if not isinstance(row.get("throughput"), (int, float)) or isinstance(row.get("throughput"), bool):
+            raise ConfigError(f"{where} a '{path}' row without a number 'throughput' (its keys: "
+                              f"{', '.join(map(str, row)) or 'none'}); add it, in the unit 'throughput_unit' names")
+    if "speedup" in res and not isinstance(res["speedup"], (int, float)):
+        raise ConfigError(f"{where} a 'speedup' that is not a number ({res['speedup']!r})")
+    return res
 
 
 def format_table(res: dict) -> str:
@@ -147,18 +168,21 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(f"--set/--config {wl.path_key}: the bench measures both paths (naive and optimized) "
                               f"itself; time one path with `python -m raysys train {args.workload} --set "
                               f"{wl.path_key}=...` (its perf/ metrics)")
+        if wl.bench is None and wl.task is None:  # said before the banner: nothing is measured
+            raise ConfigError(f"{wl.name} trains with its own loop (train_fn) and has no bench: give "
+                              "Workload(bench=...) a function that measures it")
+        if wl.bench is not None and overrides and "overrides" not in inspect.signature(wl.bench).parameters:
+            raise ConfigError(f"{wl.name}'s bench measures fixed shapes of its own and takes no --set/--config; time "
+                              f"your configuration with `python -m raysys train {wl.name} --set ...` (its perf/ "
+                              "metrics), or compare configurations with `python -m raysys.tune`")
         print(f"[raysys.bench] measuring {wl.name}{' (quick)' if args.quick else ''} on {measured_on}: step times, "
               "then how each path learns from the same weights; the table comes at the end", flush=True)
         if wl.bench is None:
             from raysys.bench_generic import generic_bench
 
             res = generic_bench(wl, quick=args.quick, preset=args.preset, overrides=overrides)
-        elif overrides and "overrides" not in inspect.signature(wl.bench).parameters:
-            raise ConfigError(f"{wl.name}'s bench measures fixed shapes of its own and takes no --set/--config; time "
-                              f"your configuration with `python -m raysys train {wl.name} --set ...` (its perf/ "
-                              "metrics), or compare configurations with `python -m raysys.tune`")
         else:
-            res = wl.bench(quick=args.quick, **({"overrides": overrides} if overrides else {}))
+            res = check_result(wl.bench(quick=args.quick, **({"overrides": overrides} if overrides else {})), wl.name)
     except ConfigError as e:
         print(f"raysys.bench: config error: {e}", file=sys.stderr)
         return 2

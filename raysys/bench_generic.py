@@ -70,6 +70,7 @@ def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[di
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,
                   overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device
+    from raysys.train.loop import checked_loss
     from raysys.train.runtime import set_threads
     from raysys.train.optim import task_optimizer
 
@@ -79,7 +80,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     task = wl.task
     preset = preset or ("quick" if quick and "quick" in wl.presets else "default")
     cfg = apply_overrides(wl.config(preset), overrides or {})
-    cfg = task.prepare(cfg) or cfg
+    cfg = (task.prepare(cfg) or cfg) if getattr(task, "prepare", None) is not None else cfg
     launch = apply_overrides(cfg, {"launch.workers": 0}).launch
     set_threads(launch)
     device = _device()
@@ -114,7 +115,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         batch = to_device(task.collate(items[0]), device)
         a.eval(), b.eval()  # no dropout: the same function must give the same loss
         with torch.no_grad():
-            la, lb = float(task.loss(a, batch)[0]), float(task.loss(b, batch)[0])
+            la, lb = (float(checked_loss(task, m, batch, wl.name)[0]) for m in (a, b))
         a.train(), b.train()
         parity = abs(la - lb)
 
@@ -123,7 +124,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     def step(p: str, batch_items: list) -> tuple[int, int]:
         batch = to_device(task.collate(batch_items), device)
         opts[p].zero_grad(set_to_none=True)
-        loss, stats = task.loss(models[p], batch)
+        loss, stats = checked_loss(task, models[p], batch, wl.name)
         losses[p].append(loss.detach())
         loss.backward()
         clip = cfg.optim.clip_grad_norm

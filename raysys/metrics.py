@@ -85,7 +85,7 @@ class PhaseTimer:
         rows = ["| phase | ms/step | share |", "|---|---:|---:|"]
         rows += [f"| {p} | {s[p + '_ms']:.2f} | {100 * s[p + '_ms'] / step:.1f}% |" for p in PHASES]
         rows.append(f"| **step** | {step:.2f} | 100% |")
-        return "\n".join(rows) + f"\n\n{self.steps} timed steps\n"
+        return "\n".join(rows) + f"\n\n{self.steps} timed steps (every session of the run)\n"
 
     def state_dict(self) -> dict:
         return {"totals": dict(self.totals), "steps": self.steps}

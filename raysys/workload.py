@@ -33,9 +33,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import inspect
 import os
 import re
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -55,11 +57,11 @@ class TorchTask(Protocol):
     Named once: the workload's ``eval/<name>`` and sweeps' objective follow. Higher is better, unless
     the task also sets ``quality_mode = "min"`` (a loss, an error rate, perplexity)."""
     token_name: str
-    """What a 'token' is for tokens/s (e.g. 'responses', 'tokens'); samples/s is always reported."""
+    """Optional (default 'tokens'): what a 'token' is for tokens/s (e.g. 'responses'); samples/s is always reported."""
 
     def prepare(self, cfg: Any) -> Any:
-        """Make or validate the data; return the config with paths made absolute. Called once on the
-        driver before workers start, and again (idempotently) in each worker, since on a cluster
+        """Optional: make or validate the data; return the config with paths made absolute. Called once on
+        the driver before workers start, and again (idempotently) in each worker, since on a cluster
         every node needs its own copy of generated data."""
 
     def datasets(self, cfg: Any) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
@@ -77,7 +79,7 @@ class TorchTask(Protocol):
     def evaluate(self, model: torch.nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, float]:
         """Quality metrics over already-on-device eval batches."""
 
-    # Optional, each (the loop looks them up with getattr; see raysys.train.optim):
+    # Optional, each (the loop looks them up with getattr; see raysys.train.optim); besides prepare and token_name:
     #   param_groups(model, cfg) -> list[dict]: torch parameter groups (no weight decay on biases and
     #       norms, another LR for an embedding) for the optimizer the config's ``optim`` section builds;
     #   optimizer(model, cfg) -> torch.optim.Optimizer: an optimizer of your own instead;
@@ -163,8 +165,12 @@ class Workload:
     presets: Mapping[str, Callable[[], Any]]
     """Named config constructors; 'default' must exist. Presets derive from each other in code."""
     bench: Optional[Callable[..., dict]] = None
-    """bench(quick: bool) -> {'device', 'naive': {...}, 'optimized': {...}, 'speedup', ...}. Optional:
-    without it ``python -m raysys.bench`` times the task's training step (raysys.bench.generic_bench)."""
+    """bench(quick: bool) -> {'naive': {...}, 'optimized': {...}}, each row with ``throughput`` (a number)
+    and optionally ``quality``; optionally ``device``, ``speedup``, ``throughput_unit`` (default samples/s),
+    ``quality_metric``, ``paths`` (the rows' names, where not naive/optimized), ``notes`` (lines),
+    ``extra`` ({label: value}) and ``problems`` (lines; the bench then exits 1). A ``bench`` that takes an
+    ``overrides`` argument gets ``--set``/``--config`` as a dict. Optional: without it
+    ``python -m raysys.bench`` times the task's training step (raysys.bench.generic_bench)."""
     task: Optional[TorchTask] = None
     train_fn: Optional[Callable[[Any, Any], dict]] = None
     throughput_metric: str = "perf/samples_per_s"
@@ -221,6 +227,63 @@ class Workload:
         return cfg
 
 
+TASK_HOOKS = {"datasets": 1, "collate": 1, "build_model": 1, "loss": 2, "evaluate": 2}
+"""A TorchTask's required methods and how many arguments the loop passes each."""
+TASK_OPTIONAL = {"prepare": 1, "param_groups": 2, "optimizer": 2, "scheduler": 3}
+
+
+def _check_hooks(wl: "Workload") -> None:
+    """The workload's functions exist and take the arguments raysys passes them: a missing ``evaluate``
+    or a ``train_fn(cfg)`` is said when the workload loads, not after a run was made and trained."""
+    from raysys.config import ConfigError
+
+    def takes(fn: Any, n: int, what: str, form: str) -> None:
+        if not callable(fn):
+            raise ConfigError(f"workload {wl.name}: its {what} is a {type(fn).__name__}, not a function {form}")
+        try:
+            inspect.signature(fn).bind(*range(n))
+        except TypeError:
+            raise ConfigError(f"workload {wl.name}: its {what} cannot be called as {form} (its signature: "
+                              f"{inspect.signature(fn)})") from None
+        except ValueError:  # a builtin without a signature: taken as it is
+            pass
+
+    task = wl.task
+    if task is not None:
+        kind = type(task).__name__
+        missing = [m for m in TASK_HOOKS if getattr(task, m, None) is None]
+        if missing:
+            raise ConfigError(f"workload {wl.name}: its task ({kind}) has no {', '.join(missing)}; a task needs "
+                              f"{', '.join(TASK_HOOKS)} and quality_metric (raysys.workload.TorchTask)")
+        for m, n in {**TASK_HOOKS, **TASK_OPTIONAL}.items():
+            if getattr(task, m, None) is not None:
+                takes(getattr(task, m), n, f"{kind}.{m}", f"{m}({', '.join(_ARGS[m])})")
+        q = getattr(task, "quality_metric", None)
+        if not isinstance(q, str) or not q:
+            raise ConfigError(f"workload {wl.name}: its task ({kind}) needs quality_metric, the name of the metric "
+                              f"its evaluate() returns that measures quality (got {q!r})")
+    if wl.train_fn is not None:
+        takes(wl.train_fn, 2, "train_fn", "train_fn(cfg, session)")
+    if wl.population is not None:
+        takes(wl.population.train_fn, 2, "Population.train_fn", "train_fn(cfgs, sessions)")
+    if wl.bench is not None:
+        takes(wl.bench, 0, "bench", "bench(quick=...)")
+        try:
+            inspect.signature(wl.bench).bind(quick=True)
+        except TypeError:
+            raise ConfigError(f"workload {wl.name}: its bench cannot be called as bench(quick=...) (its signature: "
+                              f"{inspect.signature(wl.bench)})") from None
+        except ValueError:
+            pass
+    if wl.dataset is not None:
+        takes(wl.dataset, 1, "dataset", "dataset(cfg)")
+
+
+_ARGS = {"datasets": ("cfg",), "collate": ("batch",), "build_model": ("cfg",), "loss": ("model", "batch"),
+         "evaluate": ("model", "batches"), "prepare": ("cfg",), "param_groups": ("model", "cfg"),
+         "optimizer": ("model", "cfg"), "scheduler": ("optimizer", "cfg", "total_steps")}
+
+
 def _check_config(cfg: Any, wl: "Workload", preset: str) -> None:
     """What every command relies on in a workload's config: an instance of its dataclass ``config_cls``, with
     a ``launch`` section, and no attribute a preset set that is not a field (a typo would be ignored)."""
@@ -270,10 +333,11 @@ _LOCAL_ROOTS: set[str] = set()      # files/folders of plug-ins imported from ou
 
 def register(workload: Workload, ref_: Optional[str] = None) -> Workload:
     """Make ``workload`` findable in this process as ``ref_`` (default: its name). A workload found the
-    first time is validated here, before any command creates anything (its default config is built;
-    ``Population.check``)."""
+    first time is validated here, before any command creates anything (its functions take what raysys
+    passes them; its default config is built; ``Population.check``)."""
     key = ref_ or workload.name
     if id(workload) not in _REFS:
+        _check_hooks(workload)
         default = workload.config()  # a config class that cannot be built is the workload's error, said here
         if workload.population is not None:
             workload.population.check(default, workload.name)
@@ -358,11 +422,13 @@ def _import(module: str, spec: str):
         import traceback
 
         frames = traceback.extract_tb(e.__traceback__)
-        here = str(Path(__file__).resolve().parent)
-        own = [f for f in frames if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(here)]
+        skip = (str(Path(__file__).resolve().parent), str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
+        own = [f for f in frames if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(skip)]
         frame = (own or frames)[-1]  # the user's line, not raysys's check (nor a dataclass's generated __init__)
         what = str(e) if isinstance(e, ConfigError) else f"importing {module} failed: {type(e).__name__}: {e}"
-        raise ConfigError(f"workload '{spec}': {what} ({frame.filename}, line {frame.lineno})") from None
+        if not what.startswith("workload "):  # Workload's own checks name it already
+            what = f"workload '{spec}': {what}"
+        raise ConfigError(f"{what} ({frame.filename}, line {frame.lineno})") from None
     return mod
 
 

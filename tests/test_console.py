@@ -62,7 +62,7 @@ def test_main_job_on_a_terminal_shows_a_bar_and_a_summary(tmp_path):
     assert re.search(r"\[raysys\] done: run '.*' \| eval/qwk [\d.-]+ \| perf/tokens_per_s", out)
     # the epoch's evaluation is a line of its own above the bar; the finished bar is not drawn again
     # below the breakdown and the summary that follow it
-    assert re.search(r"\[deep_gpcm\] epoch 1/1 done, loss [\d.]+ \| qwk [\d.-]+", out)
+    assert re.search(r"\[deep_gpcm\] epoch 1/1 done, mean loss [\d.]+ \| qwk [\d.-]+", out)
     assert out.rfind("%|") < out.find("step-time breakdown")
 
 

@@ -436,6 +436,66 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
         assert len(err) == 1 and needle in err[0], err
 
 
+def test_a_workloads_functions_are_checked_when_it_loads(monkeypatch):
+    """A task without a required method, a train_fn that takes the wrong arguments or is no function, a
+    bench that cannot take quick=: one line when the workload loads (every command loads it before it
+    creates anything), not a traceback in a worker after the run was made and restarted."""
+    import dataclasses
+
+    import torch
+
+    from raysys import workload as registry
+    from raysys.bench import check_result
+    from raysys.config import ConfigError
+    from raysys.train.loop import checked_loss
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    import digits_mlp
+
+    class NoEvaluate:  # a task written from scratch, evaluate forgotten
+        quality_metric = "accuracy"
+
+        def datasets(self, cfg): ...
+        def collate(self, batch): ...
+        def build_model(self, cfg): ...
+        def loss(self, model, batch): ...
+
+    class BadLoss(digits_mlp.DigitsTask):
+        def loss(self, model):  # the batch argument forgotten
+            return model
+
+    class NoPrepare(digits_mlp.DigitsTask):
+        prepare = None  # optional: a task whose data needs no preparing
+
+    base = digits_mlp.WORKLOAD
+    cases = {
+        "its task (NoEvaluate) has no evaluate; a task needs datasets, collate, build_model, loss, evaluate":
+            dataclasses.replace(base, name="a", task=NoEvaluate()),
+        "its BadLoss.loss cannot be called as loss(model, batch) (its signature: (model))":
+            dataclasses.replace(base, name="b", task=BadLoss()),
+        "its train_fn cannot be called as train_fn(cfg, session) (its signature: (cfg))":
+            dataclasses.replace(base, name="c", task=None, train_fn=lambda cfg: {}),
+        "its train_fn is a str, not a function train_fn(cfg, session)":
+            dataclasses.replace(base, name="d", task=None, train_fn="train"),
+        "its bench cannot be called as bench(quick=...) (its signature: (fast))":
+            dataclasses.replace(base, name="e", bench=lambda fast: {}),
+    }
+    for needle, wl in cases.items():
+        with pytest.raises(ConfigError) as e:
+            registry.register(wl, f"check-{wl.name}")
+        assert f"workload {wl.name}: {needle}" in str(e.value)
+    registry.register(dataclasses.replace(base, name="f", task=NoPrepare()), "check-f")  # prepare is optional
+    # a bench's result: a row without a number throughput is the bench's error, named (not a KeyError)
+    with pytest.raises(ConfigError, match="mine's bench returned a 'naive' row without a number 'throughput' "
+                                          r"\(its keys: env_steps_per_s\)"):
+        check_result({"naive": {"env_steps_per_s": 1.0}, "optimized": {"throughput": 2.0}}, "mine")
+    with pytest.raises(ConfigError, match="mine's bench returned no 'optimized' row"):
+        check_result({"naive": {"throughput": 1.0}}, "mine")
+    # a loss that returns the bare tensor: its contract named, not 'iteration over a 0-d tensor'
+    with pytest.raises(ConfigError, match=r"mine: its Task.loss returned a Tensor, not \(a scalar loss tensor"):
+        checked_loss(type("T", (), {"loss": lambda self, m, b: torch.tensor(1.0)})(), None, None, "mine")
+
+
 ERROR_RATE = '''
 import dataclasses
 

@@ -115,7 +115,12 @@ def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(
     monkeypatch.chdir(tmp_path)
     train, job = commands(str(tmp_path / "mine" / "wl.py") + ":WORKLOAD", "quick", {}, {})
     assert train.startswith(f"python -m raysys train {tmp_path}/mine/wl.py:WORKLOAD ")
-    assert job.endswith("-- python -m raysys train mine/wl.py:WORKLOAD --preset quick")
+    assert job.endswith("--working-dir . -- python -m raysys train mine/wl.py:WORKLOAD --preset quick")
+    # one outside it: the job ships the file's own folder and names the file from there
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    train, job = commands(str(tmp_path / "mine" / "wl.py") + ":WORKLOAD", "quick", {}, {})
+    assert job.endswith(f"--working-dir {tmp_path}/mine -- python -m raysys train wl.py:WORKLOAD --preset quick")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert job_address("auto") == job_address(None) == "http://127.0.0.1:8265"
 

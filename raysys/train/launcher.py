@@ -383,7 +383,7 @@ def _claim(wl_name: str, launch: Any, name: str, run_dir: Path) -> tuple[str, Pa
 
 def prepare_of(wl: registry.Workload):
     """The workload's data step: its task's ``prepare``, or a custom loop's ``extra['prepare']``."""
-    return wl.task.prepare if wl.task is not None else wl.extra.get("prepare")
+    return getattr(wl.task, "prepare", None) if wl.task is not None else wl.extra.get("prepare")
 
 
 def _same_place(uri: str) -> str:
@@ -751,7 +751,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     wl = registry.get(wl_name)
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
-    run = open_run(wl, cfg, wl.task.prepare, parent_run_id, tags, fits=_model_fits(wl, tags),
+    run = open_run(wl, cfg, prepare_of(wl), parent_run_id, tags, fits=_model_fits(wl, tags),
                    check=_code_works(wl, say=parent_run_id is None))
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger

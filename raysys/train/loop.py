@@ -14,7 +14,7 @@ import os
 import random
 import time
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -123,7 +123,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = tc.cudnn_benchmark
 
-    task.prepare(cfg)  # idempotent: on a cluster each node makes or checks its own copy of the data
+    if getattr(task, "prepare", None) is not None:  # optional; idempotent: on a cluster each node makes
+        task.prepare(cfg)  # or checks its own copy of the data
     train_ds, eval_ds = task.datasets(cfg)
     model = task.build_model(cfg).to(device)
     ddp = None
@@ -248,6 +249,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
         with torch.no_grad(), _autocast(tc.precision, device):
             metrics = task.evaluate(model, eval_loader_items)
         model.train()
+        if not isinstance(metrics, Mapping):
+            raise ConfigError(f"{wl.name}: its Task.evaluate returned a {type(metrics).__name__}, not a dict of metrics")
         out = {f"eval/{k}": float(v) for k, v in metrics.items()}
         if task.quality_metric not in metrics:  # a typo would leave every sweep of it without a quality
             raise ConfigError(f"{wl.name}: its Task.quality_metric '{task.quality_metric}' is not among the metrics "
@@ -257,6 +260,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
 
     last_ckpt_time = time.monotonic()
     step_at_start = step
+    epoch_loss = (0.0, 0)  # (sum, count) of this epoch's finite step losses, for its progress line
     last_eval: dict[str, float] = {}
     eval_step = -1  # the step last_eval measured
     diverged = stopped = False
@@ -285,7 +289,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                 sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
                 with sync:
                     with timer.phase("forward"), _autocast(tc.precision, device):
-                        loss, stats = task.loss(fwd_model, batch)
+                        loss, stats = checked_loss(task, fwd_model, batch, wl.name)
                     with timer.phase("backward"):
                         scaler.scale(loss / tc.grad_accum).backward()
                 losses.append(loss.detach())
@@ -314,6 +318,8 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             timer.end_step()
             speed.update(time.perf_counter() - t0, samples, tokens)
             monitor.observe(loss_val, float(gn))
+            if math.isfinite(loss_val):
+                epoch_loss = (epoch_loss[0] + loss_val, epoch_loss[1] + 1)
             step += 1
             diverged = nonfinite_streak >= MAX_NONFINITE
 
@@ -323,7 +329,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                            **speed.rates(world), **monitor.metrics()}
                 logger.log_metrics(metrics, step)
                 if rank == 0:
-                    sink.progress(wl.name, step, total_steps, _progress_text(epoch, tc.epochs, metrics, task.token_name))
+                    sink.progress(wl.name, step, total_steps, _progress_text(epoch, tc.epochs, metrics, getattr(task, "token_name", "tokens")))
                 ray.train.report({**metrics, "step": step})
             minutes = tc.checkpoint_every_minutes
             due = minutes is not None and time.monotonic() - last_ckpt_time >= 60 * minutes
@@ -355,13 +361,15 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
             logger.log_metrics(metrics, step)
             metrics["step"] = step
             if rank == 0:
-                text = f"epoch {epoch}/{tc.epochs} done, loss {loss_val:.4f}"
+                # the epoch's mean: its last batch may be a handful of samples, its loss noise
+                text = f"epoch {epoch}/{tc.epochs} done, mean loss {epoch_loss[0] / max(epoch_loss[1], 1):.4f}"
                 if last_eval:
                     text += f" | {task.quality_metric} {last_eval.get('eval/quality', float('nan')):.4g}"
                 sink.progress(wl.name, step, total_steps, text, keep=bool(evals))
             save_checkpoint()
             last_ckpt_time = time.monotonic()
             ray.train.report(metrics)
+            epoch_loss = (0.0, 0)
 
     if stopped:  # a signal: the checkpoint of this step is saved; the driver marks the run KILLED
         if rank == 0:
@@ -429,6 +437,16 @@ def _first_mismatch(text: str) -> str:
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     detail = next((l for l in lines[1:] if "size mismatch" in l or "Missing key" in l or "Unexpected key" in l), None)
     return (detail or (lines[0] if lines else "state_dict mismatch"))[:300]
+
+
+def checked_loss(task: Any, model: Any, batch: Any, name: str) -> tuple:
+    """``task.loss``, its contract checked: a bare tensor would otherwise fail later as 'iteration over a 0-d tensor'."""
+    out = task.loss(model, batch)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and isinstance(out[1], Mapping)):
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, tuple) else "")
+        raise ConfigError(f"{name}: its Task.loss returned a {got}, not (a scalar loss tensor, {{'samples': n, "
+                          "'tokens': n})")
+    return out
 
 
 def _progress_text(epoch: int, epochs: int, m: dict, token_name: str) -> str:

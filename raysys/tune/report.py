@@ -95,11 +95,17 @@ def commands(workload: str, preset: str, fixed: dict[str, Any], knobs: dict[str,
     def line(wl: str) -> str:
         return " ".join(filter(None, [f"python -m raysys train {wl} --preset {shlex.quote(preset)}", where, sets]))
 
-    # a job runs in Ray's copy of --working-dir: a workload file of this folder is named from it
+    # a job runs in Ray's copy of --working-dir: a workload file of this folder is named from it, and one
+    # outside it ships its own folder (the head node has no copy of this machine's absolute path)
     file, _, attr = workload.rpartition(":")
-    here = Path(file).resolve().is_relative_to(Path.cwd()) if file.endswith(".py") and os.path.isabs(file) else False
-    in_job = f"{os.path.relpath(file)}:{attr}" if here else workload
-    return line(shlex.quote(workload)), f"ray job submit --address {address} --working-dir . -- {line(shlex.quote(in_job))}"
+    in_job, ship = workload, "."
+    if file.endswith(".py") and os.path.isabs(file):
+        if Path(file).resolve().is_relative_to(Path.cwd().resolve()):
+            in_job = f"{os.path.relpath(Path(file).resolve(), Path.cwd().resolve())}:{attr}"
+        else:
+            in_job, ship = f"{Path(file).name}:{attr}", shlex.quote(str(Path(file).parent))
+    return (line(shlex.quote(workload)),
+            f"ray job submit --address {address} --working-dir {ship} -- {line(shlex.quote(in_job))}")
 
 
 def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecord], tolerance: float,
