@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raysys.config import flatten
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -283,15 +286,26 @@ class CheckpointStore:
                 raise CheckpointWriteError(e.errno or errno.EIO, f"could not upload checkpoint {final.name} to "
                                            f"{remote.display}/{name} ({str(e).splitlines()[0][:200]}); the earlier "
                                            "checkpoints are intact") from e
-        for stale in [c for c in self.complete()[:-self.keep] if not self.ended(c)]:  # what a run ended with: kept
-            if self.remote is not None:
-                self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
-            # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not a
-            # step_N half deleted
-            gone = self.root / f".pruned-{stale.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(stale, gone)
-            shutil.rmtree(gone, ignore_errors=True)
+        self._prune()
         return final
+
+    def _prune(self) -> None:
+        """Remove the checkpoints older than the newest ``keep`` (never one a run ended with). The new one is
+        saved by now: a removal that fails (the storage not answering) is a clean-up's, said and tried
+        again at the next save, never the training's error."""
+        try:
+            for stale in [c for c in self.complete()[:-self.keep] if not self.ended(c)]:
+                if self.remote is not None:  # a resumed remote run's working copy holds only what it pulled
+                    self.remote[0].delete_dir(self.remote[1], "checkpoints", stale.name)
+                if stale.exists():
+                    # out of sight first: a kill mid-removal leaves a hidden folder clean_stale removes, not
+                    # a step_N half deleted
+                    gone = self.root / f".pruned-{stale.name}-{uuid.uuid4().hex[:8]}"
+                    os.replace(stale, gone)
+                    shutil.rmtree(gone, ignore_errors=True)
+        except OSError as e:
+            log.warning("could not remove an older checkpoint of %s (%s); the next save tries again", self.run_dir,
+                        " ".join(str(e).split())[:200])
 
     def mark_ended(self, path: Path) -> None:
         """Mark checkpoint ``path`` as the model the run ended with (``record_final``)."""

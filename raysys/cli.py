@@ -293,8 +293,10 @@ def _main(argv: Optional[list[str]] = None) -> int:
                   f"(MLflow: KILLED). Resume with:\n  {result.resume_command}", flush=True)
             return lifecycle.exit_code(result.stopped_by)
         if getattr(result, "failure", ""):  # it ended without an error but diverged: the run is FAILED
+            from raysys import storage
+
             print(f"[raysys] run '{result.name}' FAILED: {result.failure} (MLflow: FAILED, tag raysys.error)\n"
-                  f"  {result.run_dir}", flush=True)
+                  f"  {getattr(result, 'where', '') or storage.where(result.run_dir)}", flush=True)
             return 1
         print(_summary(wl, result))
         return 0
@@ -376,7 +378,7 @@ def _summary(wl: registry.Workload, result: Any) -> str:
         return fmt_value(float(v)) if isinstance(v, (int, float)) else "n/a"  # 18,402 rather than 1.84e+04
 
     line = (f"[raysys] done: run '{result.name}' | {wl.quality_metric} {fmt(wl.quality_metric)} | "
-            f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {storage.where(result.run_dir)}")
+            f"{wl.throughput_metric} {fmt(wl.throughput_metric)} | {getattr(result, 'where', '') or storage.where(result.run_dir)}")
     if result.run_id:
         from raysys import tracking
 

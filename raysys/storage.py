@@ -64,6 +64,22 @@ def check_local_folder(folder: Path, what: str = "storage path") -> None:
         raise ConfigError(f"{what} {folder}: cannot write in {base} ({e.strerror or type(e).__name__})") from None
 
 
+def bounded(fs: Any) -> Any:
+    """An S3 filesystem whose every call gives up within seconds on an endpoint that accepts connections but
+    never answers (a hung server or proxy): ``from_uri`` leaves the AWS SDK's own retries, minutes per call,
+    where ``Remote._retrying`` should decide (and say) how long an outage is waited out. The options are the
+    URI's own (the filesystem's pickled form, which keeps them all); other filesystems are left as they are."""
+    import pyarrow.fs as pafs
+
+    if not isinstance(fs, pafs.S3FileSystem):
+        return fs
+    make, (options,) = fs.__reduce__()
+    try:
+        return make(options)  # pyarrow's own retry strategy: a few attempts of a few seconds each
+    except Exception:  # a pyarrow whose pickled form differs: the URI's filesystem as it was
+        return fs
+
+
 class Remote:
     """The storage root of remote runs: a pyarrow filesystem and the base path in it."""
 
@@ -77,6 +93,7 @@ class Remote:
             self.fs, self.base = pafs.FileSystem.from_uri(uri)
         except Exception as e:  # unknown scheme, missing credentials library, malformed URI
             raise ConfigError(f"storage path {uri!r}: {str(e).splitlines()[0]}") from None
+        self.fs = bounded(self.fs)
         self.base = self.base.rstrip("/")
         self.display = urlsplit(uri)._replace(query="").geturl().rstrip("/")
         if not self.base:
@@ -125,14 +142,17 @@ class Remote:
 
     def get(self, local: Path, *parts: str) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.part")
+        tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.part")  # two pulls of one file never share it
 
         def once() -> None:
             with self.fs.open_input_stream(self.path(*parts)) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst, 8 << 20)
 
-        self._retrying(once, f"download {'/'.join(parts)}")
-        tmp.replace(local)
+        try:
+            self._retrying(once, f"download {'/'.join(parts)}")
+            tmp.replace(local)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _retrying(self, once, what: str):
         """``once()``, tried again while the storage cannot be reached (an endpoint restarting, a network
@@ -306,11 +326,21 @@ def join(uri: str, *parts: str) -> str:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append to a run's or sweep's log file; on remote storage after pulling what others wrote."""
-    pull(path)
-    with open(path, "a") as f:
-        f.write(line)
-    push(path)
+    """Append to a run's or sweep's log file; on remote storage after pulling what others wrote. An object
+    store has no append: a process that pushed between this one's pull and push replaced the object, so the
+    line is looked for once pushed and appended again where it was lost then (a sweep's trials share one
+    log; a writer slower still can drop a line, which costs a trial's reported seconds or one more restart)."""
+    for _ in range(5):
+        pull(path)
+        with open(path, "a") as f:
+            f.write(line)
+        push(path)
+        if remote_of(path.parent) is None:  # a local file: appended in place
+            return
+        pull(path)
+        if line in path.read_text(errors="replace"):
+            return
+        time.sleep(0.05 + 0.1 * (uuid.uuid4().int % 10) / 10)  # apart from the other writer
 
 
 def push_tree(folder: Path) -> None:

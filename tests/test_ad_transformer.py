@@ -161,6 +161,8 @@ def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):
     ("corrupt", "shard_000.npz is not a readable numpy .npz shard"),
     ("short", "its streams are 30 steps long: no full region of data.region=40 steps"),
     ("few_goals", "has no histories of goals [9, 10,"),
+    ("bad_actions", "shard_000.npz: actions must lie in 0..4 (a 9x9 Darkroom with 5 actions), found 0..7"),
+    ("bad_states", "shard_000.npz: states must lie in 0..8"),
 ])
 def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, data_dir, case, needle):
     """A user's history folder is checked before the run exists: its shards open, it holds the goals the
@@ -179,6 +181,11 @@ def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, da
         h = H.load(made)
         H.save(H.Histories(h.goals, *(getattr(h, k)[:, :, :30] for k in ("states", "actions", "rewards", "next_states")),
                            h.returns), bad)
+    elif case.startswith("bad_"):  # values a Darkroom never gives: they failed inside the model, mid-run
+        h = H.load(made)
+        h.actions[0, 0, 3] = 7 if case == "bad_actions" else h.actions[0, 0, 3]
+        h.states[0, 0, 3] = 12 if case == "bad_states" else h.states[0, 0, 3]
+        H.save(h, bad)
     else:
         H.save(H.load(made, list(range(9))), bad)
     proc = _train(tmp_path, "ad_transformer", "--preset", "quick", "--workers", "0", "--set", "data.histories=hist",

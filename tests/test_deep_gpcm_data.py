@@ -1,6 +1,7 @@
 """Deep-GPCM data: the synthetic_OC generator, the user's layouts and their validation, splits, batching."""
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -267,6 +268,18 @@ def test_out_of_range_response_against_meta(tmp_path):
     df.at[0, "responses"] = [4] * len(df.at[0, "questions"])  # K = 4 in meta.json
     df.to_parquet(out / "sequences.parquet")
     with pytest.raises(ValueError, match="out of range 0..3"):
+        load_sequences(out)
+
+
+@pytest.mark.parametrize("meta, fragment", [
+    ("[1, 2]", "meta.json: a JSON list, not an object"),
+    ("{oops", "meta.json: not valid JSON"),
+    ('{"n_cats": "abc"}', "meta.json: n_cats must be a whole number >= 1, got 'abc'"),
+])
+def test_a_meta_json_beside_the_data_that_is_not_one_names_the_file(tmp_path, meta, fragment):
+    out = write_synthetic_oc(tmp_path, **SMALL)
+    (out / "meta.json").write_text(meta)
+    with pytest.raises(ValueError, match=re.escape(str(out / fragment))):
         load_sequences(out)
 
 

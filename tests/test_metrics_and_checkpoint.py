@@ -133,6 +133,30 @@ def test_checkpoint_atomic_keep_and_roundtrip(tmp_path):
     assert s.latest().name == "step_000000003"
 
 
+def test_a_checkpoint_pruning_cannot_do_is_said_and_done_at_the_next_save(tmp_path, monkeypatch, caplog):
+    """Removing an older checkpoint is a clean-up: a storage that fails it (not answering) leaves the new
+    checkpoint saved and the training going, with a warning, and the next save removes it; a checkpoint
+    listed but never pulled into this working copy (a resumed remote run) is no error either."""
+    s = _store(tmp_path)
+    s.save({"step": 1}, 1)
+    s.save({"step": 2}, 2)
+    real = s.ended
+
+    def down(path):
+        raise OSError("AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 28, Timeout was reached")
+
+    monkeypatch.setattr(s, "ended", down)
+    assert s.save({"step": 3}, 3).name == "step_000000003"
+    assert "could not remove an older checkpoint" in caplog.text and "the next save tries again" in caplog.text
+    assert [p.name for p in s.complete()] == ["step_000000001", "step_000000002", "step_000000003"]
+    monkeypatch.setattr(s, "ended", real)
+    listed = s.complete
+    monkeypatch.setattr(s, "complete", lambda: [s.root / "step_000000000", *listed()])  # on the storage only
+    s.save({"step": 4}, 4)
+    monkeypatch.setattr(s, "complete", listed)
+    assert [p.name for p in s.complete()] == ["step_000000003", "step_000000004"]
+
+
 def test_corrupt_checkpoint_clear_error_and_untouched(tmp_path):
     s = _store(tmp_path)
     s.save({"x": torch.ones(3)}, 1)

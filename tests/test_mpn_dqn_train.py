@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
@@ -147,6 +148,16 @@ def test_device_flag_maps_to_the_device_key():
 
 
 @pytest.mark.timeout(120)
+def test_an_episode_limit_shorter_than_a_trial_still_ends_the_evaluation():
+    """A NeuroGym task whose trial outlasts max_episode_steps never says a trial ended: each cut episode
+    counts as one (before, the evaluation of such a run looped for ever, deaf to SIGTERM)."""
+    from raysys.workloads.mpn_dqn.train import evaluate, policy_factory
+
+    cfg = apply_overrides(registry.get("mpn_dqn").config("quick"), {"max_episode_steps": 3})
+    res = evaluate(policy_factory(cfg)(), cfg, trials=3)
+    assert 0.0 <= res["correct_rate"] <= 1.0 and math.isfinite(res["reward_per_trial"])
+
+
 def test_evaluation_of_a_task_without_trials_counts_episodes():
     """``task`` may be any gymnasium id (a flat Box observation, Discrete actions). One that never says
     ``new_trial`` (CartPole) is evaluated per episode: before, its evaluation waited for ever."""

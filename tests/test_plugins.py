@@ -190,7 +190,9 @@ def test_an_error_in_the_users_training_code_is_kept_with_the_run(project):
                  "--name", "f", "--max-failures", "1"], project)
     assert proc.returncode == 1
     both = proc.stdout + proc.stderr
-    assert "training failed (RuntimeError: loss exploded at the 5th step); restarting from the last checkpoint (1/1" in both
+    # it failed at its 5th step, before its first checkpoint: the restart says it starts again from step 0
+    assert (f"training failed (RuntimeError: loss exploded at the 5th step); no checkpoint found in "
+            f"{project / 'raysys_runs' / 'f'}: restarting from step 0 (1/1") in both
     assert "Traceback" in proc.stderr
     run_dir = project / "raysys_runs" / "f"
     assert proc.stderr.rstrip().splitlines()[-3:] == [

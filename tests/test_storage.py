@@ -82,6 +82,61 @@ def test_an_upload_waits_out_a_storage_endpoint_that_restarts(s3, tmp_path, monk
     gate.close()
 
 
+def test_one_file_pulled_by_two_threads_at_once(s3, tmp_path, monkeypatch):
+    """A sweep's trials pull the same remote files at once (its trial_events.log): two pulls of one file
+    into one working copy never share a temporary name (one used to find the other's moved away)."""
+    from raysys import storage
+
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    uri, client = s3
+    remote = storage.Remote(uri)
+    (tmp_path / "src.txt").write_text("x" * 100_000)
+    remote.put(tmp_path / "src.txt", "sw", "trial_events.log")
+    local = tmp_path / "copy"
+    errors = []
+
+    def pull() -> None:
+        try:
+            remote.get(local / "trial_events.log", "sw", "trial_events.log")
+        except Exception as e:  # noqa: BLE001 - any error is the finding
+            errors.append(e)
+
+    _together([pull] * 6)
+    assert not errors and (local / "trial_events.log").read_text() == "x" * 100_000
+    assert sorted(p.name for p in local.iterdir()) == ["trial_events.log"]  # no temporary file left
+
+
+def _together(fns) -> None:
+    import threading
+
+    threads = [threading.Thread(target=fn) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.slow
+def test_an_endpoint_that_never_answers_is_one_line_not_a_hang(tmp_path):
+    """A hung S3 server or proxy (it takes connections, never answers): the storage check gives up after
+    pyarrow's few short attempts, one line and exit 2, nothing created, where the AWS SDK's own retries
+    of the URI's filesystem held the command for minutes before anything was said."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))  # listens; the kernel takes connections nobody answers
+    try:
+        port = silent.getsockname()[1]
+        uri = f"s3://{BUCKET}/runs?endpoint_override=127.0.0.1:{port}&scheme=http&allow_delayed_open=true"
+        proc = subprocess.run([sys.executable, "-m", "raysys", "train", *QUICK, "--storage-path", uri], cwd=tmp_path,
+                              env=_env(), capture_output=True, text=True, timeout=240)
+    finally:
+        silent.close()
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "cannot write there" in proc.stderr and "Timeout was reached" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def _keys(client, prefix: str) -> list[str]:
     out = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)
     return sorted(o["Key"] for o in out.get("Contents", []))
@@ -146,6 +201,10 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     again = _train(tmp_path, "deep_gpcm", "--storage-path", uri, "--name", "on-s3", "--resume", "--set", "train.epochs=4")
     assert again.returncode == 0
     assert "resumed step=12 epoch=2 from=step_000000012" in _text(client, "runs/on-s3/events.log")
+    # its working copy holds only the checkpoint it resumed from: pruning an older one (step 6) removes it
+    # from the bucket alone (it used to fail the resumed run once, spending a restart on every resume)
+    assert "restart" not in _text(client, "runs/on-s3/events.log") and "restart" not in again.stdout
+    assert "runs/on-s3/checkpoints/step_000000006/meta.json" not in _keys(client, "runs/on-s3/")
     assert "runs/on-s3/checkpoints/step_000000024/meta.json" in _keys(client, "runs/on-s3/")
     assert "runs/on-s3/config.resume-1.yaml" in _keys(client, "runs/on-s3/")
     # trained further after its end: what it ended with is kept in the bucket beside the new result

@@ -70,7 +70,7 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
             if stopped_by is not None:  # Ctrl-C/SIGTERM: no later fold starts, and no mean of a part
                 tracking.end_run(uri, parent, "KILLED")
                 return RunResult(base, result.run_dir.parent, parent, uri, {}, stopped_by=stopped_by,
-                                 resume_command=_resume_line(wl, cfg, tags, base))
+                                 resume_command=_resume_line(wl, cfg, tags, base), where=_folds_at(result))
     except BaseException:
         tracking.end_run(uri, parent, "FAILED")
         raise
@@ -91,9 +91,16 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
     print(f"[raysys] {k}-fold cross-validation of {wl.name}:\n{table}", flush=True)
     # the summary's metrics are the folds' means, under the names one run reports
     speed = [r.metrics[wl.throughput_metric] for r in results if wl.throughput_metric in r.metrics]
-    return RunResult(base, results[-1].run_dir.parent, parent, uri,
+    return RunResult(base, results[-1].run_dir.parent, parent, uri, where=_folds_at(results[-1]), metrics=
                      {**mean, **{n: mean[f"cv_mean/{n.split('/', 1)[1]}"] for n in names},
                       **({wl.throughput_metric: statistics.fmean(speed)} if speed else {})})
+
+
+def _folds_at(fold: Any) -> str:
+    """The folder of the folds' runs as users know it: on remote storage its URI, not a working copy's parent."""
+    from raysys import storage
+
+    return storage.where(fold.run_dir).rsplit("/", 1)[0]
 
 
 def _resumed(wl, launch: Any) -> str:

@@ -97,8 +97,12 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
             last = (line, at)
             attempt += 1
             record_event(run_dir, f"restart {attempt}/{max_failures} after: {line}")
-            (sink or console.Sink()).message(f"[raysys] training failed ({line}); restarting from the last "
-                                             f"checkpoint ({attempt}/{max_failures}, launch.max_failures)")
+            # where it goes on from, as found now: a storage that lost the run's checkpoints is not hidden
+            (sink or console.Sink()).message(
+                f"[raysys] training failed ({line}); restarting from the last checkpoint ({at}, "
+                f"{attempt}/{max_failures}, launch.max_failures)" if at is not None else
+                f"[raysys] training failed ({line}); no checkpoint found in {storage.where(run_dir)}: restarting "
+                f"from step 0 ({attempt}/{max_failures}, launch.max_failures)")
 
 
 def _latest_step(run_dir: Path) -> Optional[str]:

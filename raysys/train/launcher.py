@@ -46,6 +46,8 @@ class RunResult:
     resume_command: str = ""
     failure: str = ""
     """Why a run that ended without an error did not train (it diverged): its MLflow run is FAILED."""
+    where: str = ""
+    """Where its files are as users know them, where not ``storage.where(run_dir)`` (a cross-validation's folds)."""
 
 
 def identity_of(wl: registry.Workload, cfg: Any) -> dict:

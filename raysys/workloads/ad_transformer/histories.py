@@ -155,7 +155,8 @@ def _has_goals(folder: Path, m: dict, goals: Sequence[int]) -> None:
 def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int] = None) -> None:
     """Raise ValueError, naming the problem, unless ``folder`` holds the histories a run needs: the
     ``goals``, streams long enough for one ``region`` plus its query, and shards numpy can open that hold
-    every array. Reads the manifest and each shard's index only, not the arrays."""
+    every array, of the manifest's shape, holding Darkroom's values (a position on the grid, one of its
+    actions, a reward of 0 or 1): histories of another size would fail inside the model, after the run began."""
     folder, m = Path(folder), manifest(folder)
     _has_goals(folder, m, goals)
     if streams is not None and streams > int(m["streams"]):
@@ -173,6 +174,26 @@ def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int
         lost = [k for k in ("goals",) + ARRAYS if k not in names]
         if lost:
             raise ValueError(f"{path} lacks {', '.join(lost)}")
+        _check_values(path, m)
+
+
+def _check_values(path: Path, m: dict) -> None:
+    from raysys.envs.darkroom import N_ACTIONS, SIZE
+
+    with np.load(path, allow_pickle=False) as z:
+        a = {k: z[k] for k in ("goals", "states", "actions", "rewards", "next_states")}
+    want = (len(a["goals"]), int(m["streams"]), int(m["steps"]))
+    for key, tail, low, high in (("actions", (), 0, N_ACTIONS - 1), ("rewards", (), 0, 1),
+                                 ("states", (2,), 0, SIZE - 1), ("next_states", (2,), 0, SIZE - 1)):
+        v = a[key]
+        if v.shape != want + tail:
+            raise ValueError(f"{path}: {key} has shape {v.shape}; the manifest's goals x streams x steps make "
+                             f"{want + tail}")
+        if v.dtype.kind not in "iub":
+            raise ValueError(f"{path}: {key} are {v.dtype}, not whole numbers")
+        if v.size and (v.min() < low or v.max() > high):
+            raise ValueError(f"{path}: {key} must lie in {low}..{high} (a {SIZE}x{SIZE} Darkroom with {N_ACTIONS} "
+                             f"actions), found {v.min()}..{v.max()}")
 
 
 def load(folder: Path, goals: Optional[Sequence[int]] = None) -> Histories:

@@ -332,6 +332,27 @@ def _longest_run(values: list[int]) -> list[int]:
     return best
 
 
+
+def _read_meta(path: Path) -> dict:
+    """The dataset's meta.json beside it: an object whose n_questions and n_cats, where given, are whole numbers;
+    anything else is a ValueError naming the file and the key (a dataset card's metadata.json, say)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: a JSON {type(meta).__name__}, not an object such as {{\"n_cats\": 4}}")
+    for key in ("n_questions", "n_cats"):
+        if key not in meta:
+            continue
+        v = meta[key]
+        whole = (isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()) or \
+            (isinstance(v, str) and v.strip().isdigit())
+        if not whole or int(float(v)) < 1:
+            raise ValueError(f"{path}: {key} must be a whole number >= 1, got {v!r}")
+        meta[key] = int(float(v))
+    return meta
+
 def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> SequenceData:
     """Read and validate a user's sequences, in any of these layouts:
 
@@ -361,7 +382,7 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
     starts = np.cumsum([0] + [len(p[0]) for p in parts[:-1]])  # where each file's responses begin
     off = np.concatenate([[0]] + [p[2][1:] + start for p, start in zip(parts, starts)]).astype(np.int64)
     meta_path = next((m for m in (files[0].parent / META, files[0].parent / "metadata.json") if m.is_file()), None)
-    meta = json.loads(meta_path.read_text()) if meta_path else {}
+    meta = _read_meta(meta_path) if meta_path else {}
     if not len(q):
         raise ValueError(f"{label}: no responses (the table is empty)")
     if q.min() < 0:

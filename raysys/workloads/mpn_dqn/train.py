@@ -154,7 +154,8 @@ def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0
     """Reward per NeuroGym trial of the ε-greedy policy (ε=0: greedy; ε=1: uniformly random) on
     fresh episodes of the task, on CPU. A trial ends where the env's info says ``new_trial`` (and is
     correct if that step's reward is positive); in an env that never says it (any other gymnasium
-    task) a trial is an episode, correct if its return is positive."""
+    task) a trial is an episode, correct if its return is positive, and so is an episode cut (by
+    ``max_episode_steps``) before any trial of it ended: else a limit shorter than one trial never ends."""
     model = copy.deepcopy(model).cpu()
     env = make_env(cfg.task, cfg.max_episode_steps)
     gen = torch.Generator().manual_seed(seed)
@@ -164,6 +165,7 @@ def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0
         episode += 1
         episode_return = 0.0
         M, start = model.init_state(1, "cpu"), torch.ones(1, dtype=torch.bool)
+        trials_before = done_trials
         while done_trials < trials:
             a, M = model.act(torch.as_tensor(obs, dtype=torch.float32)[None], M, start, epsilon, gen)
             start = torch.zeros(1, dtype=torch.bool)
@@ -174,7 +176,7 @@ def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0
                 if info["new_trial"]:
                     done_trials += 1
                     correct += float(r) > 0
-            elif term or trunc:  # no trials in this env: the episode is one
+            if (term or trunc) and done_trials == trials_before:  # no trial ended in it: the episode is one
                 done_trials += 1
                 correct += episode_return > 0
             if term or trunc:
