@@ -104,7 +104,9 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     def overridden(c: Any) -> Any:
         if args.config:
             c = apply_overrides(c, load_yaml(args.config))
-        return apply_overrides(c, parse_set_args(args.sets))
+        sets = parse_set_args(args.sets)
+        registry.check_sets(wl, sets)
+        return apply_overrides(c, sets)
 
     cfg = overridden(base or preset)
     if base is not None and args.preset is not None:

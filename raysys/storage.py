@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 RETRY_ENV, RETRY_S = "RAYSYS_STORAGE_RETRY_S", 60
@@ -92,7 +92,10 @@ class Remote:
         try:
             self.fs, self.base = pafs.FileSystem.from_uri(uri)
         except Exception as e:  # unknown scheme, missing credentials library, malformed URI
-            raise ConfigError(f"storage path {uri!r}: {str(e).splitlines()[0]}") from None
+            raw = sorted({c for c in urlsplit(uri).path if c == " " or not c.isascii()})
+            hint = (f"; a URI holds {' and '.join(repr(c) for c in raw)} percent-encoded ({', '.join(quote(c) for c in raw)})"
+                    if raw else "")
+            raise ConfigError(f"storage path {uri!r}: {str(e).splitlines()[0]}{hint}") from None
         self.fs = bounded(self.fs)
         self.base = self.base.rstrip("/")
         self.display = urlsplit(uri)._replace(query="").geturl().rstrip("/")

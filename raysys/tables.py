@@ -35,8 +35,9 @@ def column_values(table, name: str, path) -> list:
     return out
 
 
-def read_table(path):
-    """The whole table of a parquet/JSONL/JSON/CSV/TSV file."""
+def read_table(path, text_columns=()):
+    """The whole table of a parquet/JSONL/JSON/CSV/TSV file. ``text_columns``: read as text from a CSV/TSV,
+    which has no types (a summary column of numbers, "250", stays the text it is)."""
     import pyarrow as pa
 
     p = Path(path)
@@ -60,7 +61,8 @@ def read_table(path):
             return pj.read_json(p)
         import pyarrow.csv as pcsv
 
-        return pcsv.read_csv(p, parse_options=pcsv.ParseOptions(delimiter="\t" if kind == "TSV" else ","))
+        return pcsv.read_csv(p, parse_options=pcsv.ParseOptions(delimiter="\t" if kind == "TSV" else ","),
+                             convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in text_columns}))
     except Exception as e:  # a corrupt or mislabelled file: say which and why, in one line
         known = "" if p.suffix.lower() in FORMATS else f"; known suffixes: {', '.join(sorted(FORMATS))}"
         why = (str(e).strip().splitlines() or [""])[0][:200]

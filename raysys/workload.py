@@ -284,6 +284,18 @@ _ARGS = {"datasets": ("cfg",), "collate": ("batch",), "build_model": ("cfg",), "
          "optimizer": ("model", "cfg"), "scheduler": ("optimizer", "cfg", "total_steps")}
 
 
+def check_sets(wl: "Workload", sets: Mapping[str, Any]) -> None:
+    """An empty ``--set`` value of a key saying where the workload's data lies (``extra['local_keys']``) is
+    refused: it would read as none, and the run would train on the workload's own data instead of the
+    user's (``--set data.path=$DATA`` with $DATA unset). ``none`` says that on purpose."""
+    from raysys.config import ConfigError
+
+    for key in wl.extra.get("local_keys", ()):
+        if isinstance(sets.get(key), str) and not sets[key].strip():
+            raise ConfigError(f"--set {key}= is empty (an unset shell variable?): give the path, or {key}=none "
+                              "for the workload's own data")
+
+
 def _check_config(cfg: Any, wl: "Workload", preset: str) -> None:
     """What every command relies on in a workload's config: an instance of its dataclass ``config_cls``, with
     a ``launch`` section, and no attribute a preset set that is not a field (a typo would be ignored)."""

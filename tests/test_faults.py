@@ -173,6 +173,8 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     # a cross-validation made its parent run (and took minutes of MLflow's retries) before its folds said these
     (["--cv", "--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
     (["--cv", "--set", "data.path=/nonexistent/seqs.txt"], "no sequences file at /nonexistent/seqs.txt"),
+    # an unset shell variable ($DATA): it read as none, and the run trained on the workload's own data
+    (["--set", "data.path="], "--set data.path= is empty (an unset shell variable?)"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     (tmp_path / "notes.txt").write_text("my notes\n")  # what a mistyped --tracking-uri may name

@@ -218,13 +218,16 @@ def test_text_that_is_not_utf8_names_its_file_and_row(tmp_path, name):
 
 def test_a_corpus_reads_the_same_from_every_table_format(tmp_path):
     """parquet, JSON lines, one JSON array, CSV and TSV of the same notes give the same rows, texts with
-    commas, quotes, tabs and line breaks included; an unknown suffix's error lists the known ones."""
+    commas, quotes, tabs and line breaks included, and summaries of digits alone; an unknown suffix's error
+    lists the known ones."""
     import pandas as pd
 
     from raysys.workloads.pointer_generator.data import read_texts
 
     rows = [{"note": ex["note"], "summary": ex["summary"]} for ex in generate(8, 1)]
     rows[0]["note"] = 'BP 120/80, "stable";\tseen twice\nthen discharged'
+    for r in rows:  # summaries that are numbers: text all the same (a CSV has no types to say so)
+        r["summary"] = str(len(r["note"]))
     df = pd.DataFrame(rows)
     df.to_parquet(tmp_path / "c.parquet")
     df.to_json(tmp_path / "c.jsonl", orient="records", lines=True)

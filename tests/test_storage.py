@@ -107,6 +107,16 @@ def test_one_file_pulled_by_two_threads_at_once(s3, tmp_path, monkeypatch):
     assert sorted(p.name for p in local.iterdir()) == ["trial_events.log"]  # no temporary file left
 
 
+def test_a_storage_uri_with_a_raw_space_or_letter_says_how_to_write_it():
+    """pyarrow refuses a raw space or a non-ASCII letter in an S3 URI (with the letter's bytes garbled): the
+    one line says the percent-encoding that works."""
+    from raysys.config import ConfigError
+    from raysys.storage import Remote
+
+    with pytest.raises(ConfigError, match=r"a URI holds ' ' and 'ü' percent-encoded \(%20, %C3%BC\)"):
+        Remote("s3://bkt/my rüns?endpoint_override=127.0.0.1:1&scheme=http")
+
+
 def _together(fns) -> None:
     import threading
 

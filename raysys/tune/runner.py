@@ -415,6 +415,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     sp = spaces.load(opts.space, preset=opts.preset, overrides=opts.sets)
     wl = registry.get(sp.workload)
+    registry.check_sets(wl, opts.sets)
     if opts.vectorize > 1 and wl.population is None:
         raise ConfigError(f"--vectorize {opts.vectorize}: {wl.name} has no population program (Workload.population); "
                           "run it without --vectorize")

@@ -55,7 +55,7 @@ def read_texts(path: str, source: str, target: str, min_rows: int = 2) -> list[d
     data error) for an unreadable file, a missing column, or empty/non-text values."""
     from raysys.tables import column_values, read_table
 
-    table = read_table(path)
+    table = read_table(path, text_columns=(source, target))
     missing = [c for c in (source, target) if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(table.column_names)}); "
