@@ -92,6 +92,11 @@ def test_load_infers_sizes_without_meta(tmp_path):
     data = load_sequences(f)
     assert (data.n_questions, data.n_cats) == (7, 3)
     assert data.questions[1].dtype == np.int64 and data.questions[1].tolist() == [2, 2]
+    # the same numbers stored as text (lists of strings): read as the numbers they are, not refused
+    # with "must be whole numbers, found '1'"
+    pd.DataFrame({"questions": [["1", "7", "3"], ["2", "2"]], "responses": [[0, 2, 1], [1, 0]]}).to_parquet(f)
+    again = load_sequences(f)
+    assert (again.n_questions, again.n_cats) == (7, 3) and again.questions[0].tolist() == [1, 7, 3]
 
 
 def test_missing_column_error_names_it(tmp_path):

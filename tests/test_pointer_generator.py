@@ -171,6 +171,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     ("empty_text", "is empty"),
     ("folder", "a folder, not a table file"),
     ("all_held_out", "2 rows leave none to train on once data.eval_fraction=0.9 holds out 2 for evaluation"),
+    # more characters than pieces (a CJK corpus): its data folder was left, and the advice was SentencePiece's flag
+    ("too_many_characters", "could not train a 300-piece tokenizer"),
 ])
 def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
     rows = [{"note": ex["note"], "summary": ex["summary"]} for ex in generate(6, 0)]
@@ -183,6 +185,10 @@ def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
     elif case == "folder":
         (tmp_path / "corpus").mkdir()
         path = "corpus"
+    elif case == "too_many_characters":
+        _write_jsonl(tmp_path / "d.jsonl", [{"note": "".join(chr(0x4E00 + (7 * i + j) % 600) for j in range(40)),
+                                             "summary": chr(0x4E00 + i)} for i in range(30)])
+        path = "d.jsonl --set data.vocab_size=300"
     elif case == "all_held_out":
         _write_jsonl(tmp_path / "d.jsonl", rows[:2])
         path = "d.jsonl --set data.eval_fraction=0.9"
@@ -194,6 +200,7 @@ def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("raysys:")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert "character_coverage" not in lines[0]  # a SentencePiece flag raysys has no knob for
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
     assert not (tmp_path / "raysys_data").exists()
 

@@ -183,7 +183,9 @@ def _ints(values, what: str, file: Path) -> np.ndarray:
         if not a.size:  # a header and no rows: a CSV reader cannot type an empty column
             raise ValueError(f"{file}: no responses (the table has no rows)")
         flat = a.ravel()
-        i = next((j for j, v in enumerate(flat) if not _whole(v)), 0)  # the first that is not one, not the first
+        i = next((j for j, v in enumerate(flat) if not _whole(v)), None)  # the first that is not one, not the first
+        if i is None:  # numbers stored as text ('8'), as a list of strings holds them
+            return np.array([round(float(v)) for v in flat], dtype=np.int64).reshape(a.shape)
         raise ValueError(f"{file}: {what} must be whole numbers, found {flat[i]!r} (value {i + 1} of the column)")
     return a.astype(np.int64)
 

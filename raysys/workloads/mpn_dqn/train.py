@@ -339,7 +339,7 @@ def train(cfg: MPNDQNConfig, session) -> dict:
                 session.log(m, c["env_steps"], progress=(
                     f"avg reward {m['charts/avg_reward']:.2f} | eps {m['charts/epsilon']:.2f} | "
                     f"{m['perf/env_steps_per_s']:.0f} env-steps/s | {m['perf/updates_per_s']:.1f} updates/s"),
-                    bar=(c["episodes"], cfg.num_episodes), unit="episode")
+                    bar=(min(c["episodes"], cfg.num_episodes), cfg.num_episodes), unit="episode")
                 t_log, steps_at_log, updates_at_log = now, c["env_steps"], c["updates"]
                 next_log = (c["episodes"] // cfg.print_freq + 1) * cfg.print_freq
             if c["episodes"] >= next_ckpt and not done:  # the end of the run is saved below

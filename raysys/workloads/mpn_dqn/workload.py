@@ -28,7 +28,8 @@ class MPNDQNConfig:
     max_episode_steps: int = 200
     """TimeLimit of an episode (NeuroGym tasks never end by themselves). Seed: --max-episode-steps."""
     num_episodes: int = 100
-    """Episodes to train for, counted over all envs. Seed: --num-episodes."""
+    """Episodes to train for, counted over all envs. Seed: --num-episodes. The envs end episodes together, so the
+    last collection may finish a few more (each env ends the episode it is in)."""
     max_seconds: Optional[float] = None
     """Also stop after this many seconds of training (a time budget); None = no limit."""
     # ---- model

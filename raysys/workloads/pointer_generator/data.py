@@ -18,6 +18,7 @@ the table and loader workers share the memory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -98,6 +99,8 @@ def prepare(cfg: Any) -> Path:
     if (out / "meta.json").is_file():
         return out
     train, evals = _splits(d)
+    # a first preparation that fails leaves no empty data folders behind: those it made are removed
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
@@ -114,6 +117,9 @@ def prepare(cfg: Any) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only where it is empty: another process's data stays
         raise
     return out
 
@@ -177,7 +183,10 @@ def _train_tokenizer(texts: list[str], prefix: Path, vocab_size: int) -> int:
             pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, num_threads=1, input_sentence_size=0,
             shuffle_input_sentence=False, minloglevel=2, user_defined_symbols=["\\n"])
     except RuntimeError as e:  # e.g. a vocabulary smaller than the corpus's characters need
-        raise ValueError(f"SentencePiece could not train a {vocab_size}-piece tokenizer: {str(e).splitlines()[0]}") from None
+        # SentencePiece's own advice names its command-line flags (--character_coverage): raysys's knob is vocab_size
+        why = str(e).splitlines()[0].split(". Please")[0].split(" Increase vocab_size")[0].rstrip(". ")
+        raise ValueError(f"SentencePiece could not train a {vocab_size}-piece tokenizer ({why}); raise "
+                         "data.vocab_size (every character of the corpus needs a piece)") from None
     finally:
         os.unlink(f.name)
     return _spm().SentencePieceProcessor(model_file=f"{prefix}.model").get_piece_size()
