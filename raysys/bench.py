@@ -163,8 +163,9 @@ def _main(argv: list[str] | None) -> int:
             check_local_folder(Path(args.json).expanduser().resolve().parent, "--json folder")
         wl = registry.get(args.workload)
         measured_on = device_name()  # before the bench's own training runs change torch's thread count
-        overrides = (load_yaml(args.config) if args.config else {}) | parse_set_args(args.sets)
-        registry.check_sets(wl, parse_set_args(args.sets))
+        sets = parse_set_args(args.sets)
+        registry.check_sets(wl, sets)
+        overrides = (load_yaml(args.config) if args.config else {}) | sets
         if wl.path_key and wl.path_key in overrides:
             raise ConfigError(f"--set/--config {wl.path_key}: the bench measures both paths (naive and optimized) "
                               f"itself; time one path with `python -m raysys train {args.workload} --set "

@@ -227,9 +227,11 @@ class Workload:
         return cfg
 
 
-TASK_HOOKS = {"datasets": 1, "collate": 1, "build_model": 1, "loss": 2, "evaluate": 2}
-"""A TorchTask's required methods and how many arguments the loop passes each."""
-TASK_OPTIONAL = {"prepare": 1, "param_groups": 2, "optimizer": 2, "scheduler": 3}
+TASK_HOOKS = {"datasets": ("cfg",), "collate": ("batch",), "build_model": ("cfg",), "loss": ("model", "batch"),
+              "evaluate": ("model", "batches")}
+"""A TorchTask's required methods and the arguments the loop passes each."""
+TASK_OPTIONAL = {"prepare": ("cfg",), "param_groups": ("model", "cfg"), "optimizer": ("model", "cfg"),
+                 "scheduler": ("optimizer", "cfg", "total_steps")}
 
 
 def _check_hooks(wl: "Workload") -> None:
@@ -237,11 +239,12 @@ def _check_hooks(wl: "Workload") -> None:
     or a ``train_fn(cfg)`` is said when the workload loads, not after a run was made and trained."""
     from raysys.config import ConfigError
 
-    def takes(fn: Any, n: int, what: str, form: str) -> None:
+    def takes(fn: Any, what: str, *args: str, **kwargs: Any) -> None:
+        form = f"{what.rsplit('.', 1)[-1]}({', '.join([*args, *(f'{k}=...' for k in kwargs)])})"
         if not callable(fn):
             raise ConfigError(f"workload {wl.name}: its {what} is a {type(fn).__name__}, not a function {form}")
         try:
-            inspect.signature(fn).bind(*range(n))
+            inspect.signature(fn).bind(*args, **kwargs)
         except TypeError:
             raise ConfigError(f"workload {wl.name}: its {what} cannot be called as {form} (its signature: "
                               f"{inspect.signature(fn)})") from None
@@ -249,39 +252,30 @@ def _check_hooks(wl: "Workload") -> None:
             pass
 
     task = wl.task
+    if isinstance(task, type):
+        raise ConfigError(f"workload {wl.name}: its task is the class {task.__name__}, not one of its objects: "
+                          f"task={task.__name__}()")
     if task is not None:
         kind = type(task).__name__
         missing = [m for m in TASK_HOOKS if getattr(task, m, None) is None]
         if missing:
             raise ConfigError(f"workload {wl.name}: its task ({kind}) has no {', '.join(missing)}; a task needs "
                               f"{', '.join(TASK_HOOKS)} and quality_metric (raysys.workload.TorchTask)")
-        for m, n in {**TASK_HOOKS, **TASK_OPTIONAL}.items():
+        for m, args in {**TASK_HOOKS, **TASK_OPTIONAL}.items():
             if getattr(task, m, None) is not None:
-                takes(getattr(task, m), n, f"{kind}.{m}", f"{m}({', '.join(_ARGS[m])})")
+                takes(getattr(task, m), f"{kind}.{m}", *args)
         q = getattr(task, "quality_metric", None)
         if not isinstance(q, str) or not q:
             raise ConfigError(f"workload {wl.name}: its task ({kind}) needs quality_metric, the name of the metric "
                               f"its evaluate() returns that measures quality (got {q!r})")
     if wl.train_fn is not None:
-        takes(wl.train_fn, 2, "train_fn", "train_fn(cfg, session)")
+        takes(wl.train_fn, "train_fn", "cfg", "session")
     if wl.population is not None:
-        takes(wl.population.train_fn, 2, "Population.train_fn", "train_fn(cfgs, sessions)")
+        takes(wl.population.train_fn, "Population.train_fn", "cfgs", "sessions")
     if wl.bench is not None:
-        takes(wl.bench, 0, "bench", "bench(quick=...)")
-        try:
-            inspect.signature(wl.bench).bind(quick=True)
-        except TypeError:
-            raise ConfigError(f"workload {wl.name}: its bench cannot be called as bench(quick=...) (its signature: "
-                              f"{inspect.signature(wl.bench)})") from None
-        except ValueError:
-            pass
+        takes(wl.bench, "bench", quick=True)
     if wl.dataset is not None:
-        takes(wl.dataset, 1, "dataset", "dataset(cfg)")
-
-
-_ARGS = {"datasets": ("cfg",), "collate": ("batch",), "build_model": ("cfg",), "loss": ("model", "batch"),
-         "evaluate": ("model", "batches"), "prepare": ("cfg",), "param_groups": ("model", "cfg"),
-         "optimizer": ("model", "cfg"), "scheduler": ("optimizer", "cfg", "total_steps")}
+        takes(wl.dataset, "dataset", "cfg")
 
 
 def check_sets(wl: "Workload", sets: Mapping[str, Any]) -> None:

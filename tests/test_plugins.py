@@ -479,6 +479,8 @@ def test_a_workloads_functions_are_checked_when_it_loads(monkeypatch):
             dataclasses.replace(base, name="c", task=None, train_fn=lambda cfg: {}),
         "its train_fn is a str, not a function train_fn(cfg, session)":
             dataclasses.replace(base, name="d", task=None, train_fn="train"),
+        "its task is the class NoPrepare, not one of its objects: task=NoPrepare()":
+            dataclasses.replace(base, name="g", task=NoPrepare),
         "its bench cannot be called as bench(quick=...) (its signature: (fast))":
             dataclasses.replace(base, name="e", bench=lambda fast: {}),
     }
