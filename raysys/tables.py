@@ -37,7 +37,8 @@ def column_values(table, name: str, path) -> list:
 
 def read_table(path, text_columns=()):
     """The whole table of a parquet/JSONL/JSON/CSV/TSV file. ``text_columns``: read as text from a CSV/TSV,
-    which has no types (a summary column of numbers, "250", stays the text it is)."""
+    which has no types (a summary column of numbers, "250", stays the text it is); as bytes, which
+    ``column_values`` decodes, naming a row that is not UTF-8."""
     import pyarrow as pa
 
     p = Path(path)
@@ -62,7 +63,7 @@ def read_table(path, text_columns=()):
         import pyarrow.csv as pcsv
 
         return pcsv.read_csv(p, parse_options=pcsv.ParseOptions(delimiter="\t" if kind == "TSV" else ","),
-                             convert_options=pcsv.ConvertOptions(column_types={c: pa.string() for c in text_columns}))
+                             convert_options=pcsv.ConvertOptions(column_types={c: pa.binary() for c in text_columns}))
     except Exception as e:  # a corrupt or mislabelled file: say which and why, in one line
         known = "" if p.suffix.lower() in FORMATS else f"; known suffixes: {', '.join(sorted(FORMATS))}"
         why = (str(e).strip().splitlines() or [""])[0][:200]
