@@ -155,12 +155,12 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
     from raysys.train.launcher import resolve_run_dir, saved_config
 
     launch = dict(name=args.name, resume=True, storage_path=args.storage_path or cfg.launch.storage_path)
-    _, run_dir = resolve_run_dir(wl.name, type(cfg.launch)(**launch))
+    name, run_dir = resolve_run_dir(wl.name, type(cfg.launch)(**launch))
     snap = saved_config(run_dir)
     saved = yaml.safe_load(snap.read_text()) if snap is not None else _checkpoint_config(wl, run_dir)
     if saved is None:
         return None
-    saved.get("launch", {}).update(resume=False, name=run_dir.name)
+    saved.get("launch", {}).update(resume=False, name=name)  # a remote run's folder here is a working copy
     _pbt_knobs(wl, run_dir, saved, {s.split("=", 1)[0].strip() for s in getattr(args, "sets", None) or []})
     store = saved.get("launch", {}).get("tracking_uri") or ""
     if args.tracking_uri is None and store.startswith("sqlite:///") and not sqlite_path(store).is_file():

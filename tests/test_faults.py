@@ -1280,6 +1280,24 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, exp
     assert len(whole) > 20 and whole == cut  # step for step, to the last bit
 
 
+def test_a_run_trained_further_and_stopped_goes_on_with_its_new_length(tmp_path):
+    """A finished run resumed with a longer train.epochs and stopped before its new end keeps that session's
+    config: the next --resume trains on to the new length. (It used to count as a session that trained
+    nothing, its final metrics being unchanged: its config.resume-1.yaml was removed, and the next
+    --resume said 'nothing left to train' with the first end's metrics.)"""
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    common = ["stopper:WORKLOAD", "--workers", "0", "--name", "r"]
+    assert _train(tmp_path, *common, "--preset", "quick", "--set", "train.epochs=1").returncode == 0
+    run_dir = tmp_path / "raysys_runs" / "r"
+    first_end = json.loads((run_dir / "final_metrics.json").read_text())["step"]
+    further = _train(tmp_path, *common, "--resume", "--set", "train.epochs=3", env=_env(STOP_AT="5"))
+    assert further.returncode == 130 and (run_dir / "config.resume-1.yaml").is_file()
+    again = _train(tmp_path, *common, "--resume")
+    assert again.returncode == 0 and "nothing left to train" not in again.stdout
+    assert json.loads((run_dir / "final_metrics.json").read_text())["step"] == 3 * first_end
+    assert (run_dir / f"final_metrics.step_{first_end}.json").is_file()  # the first end, kept beside it
+
+
 @pytest.mark.slow  # ~2 min: three JAX runs; test_ad_source's bit-exact resume covers the JAX checkpoint by default
 def test_hackmatrix_ppo_resume_is_bit_exact(tmp_path):
     """The JAX workload checkpoints its whole state (envs, observations, PRNG streams) and continues

@@ -370,6 +370,14 @@ def test_permanent_errors_are_found_inside_rays_wrappers():
     except RuntimeError as e:
         assert permanent_cause(Wrapped({0: e})) is full
     assert permanent_cause(Wrapped({0: OSError(errno.ECONNRESET, "reset")})) is None  # a lost peer: restartable
+    # a checkpoint the storage did not take: a full disk is for good, an endpoint that did not answer is not
+    from raysys.checkpoint import CheckpointWriteError
+
+    disk = CheckpointWriteError(errno.ENOSPC, "could not write checkpoint step_000000010 (ENOSPC No space left)")
+    away = CheckpointWriteError(errno.EIO, "could not upload checkpoint step_000000010 to s3://b/runs/r (When uploading"
+                                " object: AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 28, "
+                                "Timeout was reached); the earlier checkpoints are intact")
+    assert permanent_cause(Wrapped({0: disk})) is disk and permanent_cause(Wrapped({0: away})) is None
 
 
 def test_sgd_with_nesterov_and_the_quality_metric_named_once():

@@ -225,6 +225,11 @@ def test_a_run_lives_on_s3_and_resumes_from_it(tmp_path, s3):
     # the same name again, without --resume: refused, nothing changed
     twice = _train(tmp_path, *QUICK, "--storage-path", uri, "--name", "on-s3")
     assert twice.returncode == 2 and "already exists" in twice.stderr
+    # a bare --resume finds the newest default-named run in the bucket (it looked for one named after this
+    # process's working copy, raysys-deep_gpcm-...-<random>, and always failed)
+    assert _train(tmp_path, *QUICK, "--storage-path", uri, "--set", "train.epochs=1").returncode == 0
+    bare = _train(tmp_path, "deep_gpcm", "--storage-path", uri, "--resume", "--set", "train.epochs=2")
+    assert bare.returncode == 0 and "resumed from s3://" in bare.stdout, bare.stderr[-2000:]
 
 
 def test_two_machines_never_train_one_remote_run_and_a_killed_holder_is_taken_over(tmp_path, s3):

@@ -28,7 +28,7 @@ from raysys import workload as registry
 from raysys.checkpoint import record_final
 from raysys.config import from_dict
 from raysys.session import Session
-from raysys.train.failures import fit_with_restarts
+from raysys.train.failures import fit_with_restarts, newest_checkpoint
 from raysys.train.launcher import OpenRun, RunResult, open_run, ray_storage, recorded_final
 from raysys.train.runtime import (init_ray, process_group_backend, set_threads, train_logging,
                                   work_where_the_driver_works)
@@ -108,6 +108,7 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
     failure = FailureConfig(max_failures=0)
     final_path = run.run_dir / "final_metrics.json"
     recorded = recorded_final(run.run_dir) if launch.resume else None
+    at_start = newest_checkpoint(run.run_dir) if recorded is not None else None
     with run.tracked() as outcome, console.live(remote=True) as sink:
         payload = {"workload": registry.ref(wl), "kind": kind, "config": run.cfg_dict, "name": run.name,
                    "run_dir": str(run.run_dir), **storage.payload(run.run_dir), "identity": run.identity, "tracking_uri": run.tracking_uri,
@@ -118,7 +119,8 @@ def run_distributed(wl: registry.Workload, cfg: Any, parent_run_id: Optional[str
         lifecycle.settle_stop(payload["stop"])  # a worker's SIGTERM stops the run as the driver's would
         final = json.loads(final_path.read_text()) if storage.pull(final_path) else {}
         outcome.check(final)
-        outcome.trained_nothing = recorded is not None and final == recorded
+        # a session stopped before its end records no new final metrics, but it trained: its checkpoint says so
+        outcome.trained_nothing = recorded is not None and final == recorded and newest_checkpoint(run.run_dir) == at_start
     return RunResult(run.name, run.run_dir, run.run_id, run.tracking_uri, final, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)
 

@@ -64,8 +64,11 @@ def disk_error(e: BaseException) -> Optional[BaseException]:
 
 
 def permanent_cause(e: BaseException) -> Optional[BaseException]:
-    """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None."""
-    return find_cause(e, PERMANENT) or disk_error(e)
+    """The first error in Ray's wrappers (worker failures, causes) that retrying cannot fix, or None. A
+    checkpoint that could not be uploaded because the storage did not answer (an outage longer than
+    ``$RAYSYS_STORAGE_RETRY_S``) is not one: a restart from the last checkpoint may well find it back."""
+    return find_cause(e, PERMANENT, lambda err: not (isinstance(err, CheckpointWriteError) and storage.unreachable(err))
+                      ) or disk_error(e)
 
 
 def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_dir: Path, sink: Any = None) -> Any:
@@ -87,7 +90,7 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
             if cause is not None:
                 raise cause from None
             line = error_line(e)
-            at = _latest_step(run_dir)
+            at = newest_checkpoint(run_dir)
             if attempt >= max_failures:
                 raise
             if last == (line, at):  # the same error again from the same checkpoint: the code's, not a node's
@@ -105,7 +108,7 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
                 f"from step 0 ({attempt}/{max_failures}, launch.max_failures)")
 
 
-def _latest_step(run_dir: Path) -> Optional[str]:
+def newest_checkpoint(run_dir: Path) -> Optional[str]:
     """The name of the run's newest complete checkpoint, or None."""
     try:
         latest = CheckpointStore(run_dir, "", {}).latest()

@@ -27,7 +27,7 @@ from raysys import workload as registry
 from raysys.checkpoint import CheckpointError, CheckpointStore, Superseded
 from raysys.config import ConfigError, flatten, to_dict
 from raysys.metrics import divergence
-from raysys.train.failures import error_line, fit_with_restarts, record_event
+from raysys.train.failures import error_line, fit_with_restarts, newest_checkpoint, record_event
 from raysys.train.runtime import (check_local_resources, check_ray_address, init_ray, joins_cluster,
                                   process_group_backend, train_logging, use_jax_platforms)
 
@@ -78,8 +78,9 @@ def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
     if name is not None:
         lifecycle.validate_name(name)
     if launch.resume and not name:  # newest run of this workload
-        if remote:
-            runs = [n for n in remote.listdir() if n.startswith(f"{wl_name}-")]  # <workload>-<time>: sorts by time
+        if remote:  # <workload>-<time>: sorts by time; the newest that has not ended, else the newest
+            dirs = [n for n in remote.listdir() if n.startswith(f"{wl_name}-")]
+            runs = [n for n in dirs if remote.kind(n, "final_metrics.json") != "file"] or dirs
         else:  # the newest one that has not ended and that no other command trains now, else the newest
             dirs = sorted((p for p in root.glob(f"{wl_name}-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
             unfinished = [p for p in dirs if not (p / "final_metrics.json").exists()]
@@ -786,6 +787,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
 
     final_path = run_dir / "final_metrics.json"
     recorded = recorded_final(run_dir) if launch.resume else None
+    at_start = newest_checkpoint(run_dir) if recorded is not None else None
     with run.tracked() as outcome:
         trained = False
         try:
@@ -809,6 +811,7 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
                 pass
         metrics = json.loads(final_path.read_text()) if final_path.is_file() else {}
         outcome.check(metrics, quality=wl.quality_metric, required=False)  # the loop evaluates at its end
-        outcome.trained_nothing = recorded is not None and metrics == recorded
+        # a session stopped before its end records no new final metrics, but it trained: its checkpoint says so
+        outcome.trained_nothing = recorded is not None and metrics == recorded and newest_checkpoint(run_dir) == at_start
     return RunResult(name, run_dir, run_id, uri, metrics, stopped_by=lifecycle.stop_requested(),
                      resume_command=run.resume_command(), failure=outcome.failure)
