@@ -163,6 +163,7 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--set", "optim.lr=nan"], "optim.lr"),
     (["--set", "optim.betas=[0.9]"], "optim.betas must be two values"),
     (["--storage-path", "nosuchfs://bucket/runs"], "storage path"),  # s3:// itself: tests/test_storage.py
+    (["--storage-path", "file://rel/runs"], "a file URI names no host ('rel' here)"),  # it wrote to /runs
     (["--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
     (["--tracking-uri", "sqlite:///notes.txt"], "notes.txt is not an SQLite database"),
     (["--tracking-uri", "sqlite:///a_folder"], "a_folder is a folder, not a database file"),

@@ -61,6 +61,10 @@ def storage_root(path: str) -> Path:
     if path.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
+        host = urlparse(path).netloc
+        if host not in ("", "localhost"):  # file://rel/runs: 'rel' is a host, and the folder /runs
+            raise ConfigError(f"--storage-path {path}: a file URI names no host ({host!r} here); write "
+                              f"file:///absolute/path, or the folder itself ({host}{urlparse(path).path})")
         return Path(unquote(urlparse(path).path)).resolve()
     return Path(path).resolve()
 
