@@ -154,11 +154,11 @@ def test_a_remote_sweeps_resume_lines_keep_the_storage_uris_options(tmp_path, mo
     """The report's per-run resume lines (PBT's 'trains further', the failed trials') name the sweep's runs by
     its whole URI: without ?endpoint_override=... a pasted line went to AWS itself."""
     from raysys import storage
-    from raysys.tune.report import _runs_of
+    from raysys.tune.report import runs_storage
 
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)
     uri = "s3://bkt/sweeps?endpoint_override=127.0.0.1:9&scheme=http"
     storage.register(tmp_path / "sw", uri, "sw")
-    assert _runs_of(tmp_path / "sw") == "s3://bkt/sweeps/sw/runs?endpoint_override=127.0.0.1:9&scheme=http"
-    assert _runs_of(tmp_path / "local") == str(tmp_path / "local" / "runs")
+    assert runs_storage(tmp_path / "sw") == "s3://bkt/sweeps/sw/runs?endpoint_override=127.0.0.1:9&scheme=http"
+    assert runs_storage(tmp_path / "local") == str(tmp_path / "local" / "runs")

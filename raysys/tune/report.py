@@ -157,9 +157,9 @@ def pbt_text(records: Sequence[TrialRecord]) -> str:
             "`pbt/<knob>`.\n\n" + "\n".join(rows) + "\n")
 
 
-def _runs_of(sweep_dir: Path) -> str:
+def runs_storage(sweep_dir: Path) -> str:
     """The --storage-path of a sweep's trial runs: on remote storage the whole URI, its options (an endpoint)
-    kept, which ``storage.where`` leaves out as a display."""
+    kept, which ``storage.where`` leaves out as a display. The sweep's trials and its report both use it."""
     from raysys import storage
 
     owner = storage.remote_of(Path(sweep_dir))
@@ -191,10 +191,10 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
                  "knobs above are those it ended with (report/pbt.md): the command above trains them from the start, "
                  "not the schedule that made its weights. Those weights are its run's, which a --resume trains "
                  f"further with the knobs it ended with (raise its budget with --set):\n\n    cd {shlex.quote(os.getcwd())} "
-                 f"&& python -m raysys train {shlex.quote(sp.workload)} --storage-path {shlex.quote(_runs_of(sweep_dir))} "
+                 f"&& python -m raysys train {shlex.quote(sp.workload)} --storage-path {shlex.quote(runs_storage(sweep_dir))} "
                  f"--name {rec.run_name} --resume\n")
     if stuck := [r for r in records if r.extra.get("resumable")]:
-        runs = shlex.quote(_runs_of(sweep_dir))
+        runs = shlex.quote(runs_storage(sweep_dir))
         text += (f"\n{len(stuck)} failed trial(s) kept checkpoints: their restarts (--max-failures) were used up, "
                  "and a --resume of the sweep keeps them failed. Each run goes on alone from its last checkpoint:\n\n"
                  + "".join(f"    cd {shlex.quote(os.getcwd())} && python -m raysys train {shlex.quote(sp.workload)} --storage-path {runs} "

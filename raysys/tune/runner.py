@@ -489,7 +489,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     SAVED["sweep_dir"] = sweep_dir  # from here on, --resume continues it
 
     remote = storage.remote_of(sweep_dir)
-    runs_storage = storage.join(opts.storage_path, name, "runs") if remote else str(sweep_dir / "runs")
+    runs_storage = report.runs_storage(sweep_dir)
     # The recommended command keeps its run where the sweep's runs were
     flags = (("--storage-path", opts.storage_path) if remote else ()) + \
         (("--tracking-uri", uri) if uri != tracking.resolve_tracking_uri(None) else ())

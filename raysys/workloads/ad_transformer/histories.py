@@ -166,22 +166,20 @@ def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int
                          "plus a query (lower data.region, or make longer histories)")
     for s in m["shards"]:
         path = folder / s["file"]
-        try:
+        try:  # opened once: its index, then the arrays whose values are checked
             with np.load(path, allow_pickle=False) as z:
-                names = set(z.files)
+                lost = [k for k in ("goals",) + ARRAYS if k not in z.files]
+                arrays = {} if lost else {k: z[k] for k in ("goals", "states", "actions", "rewards", "next_states")}
         except (OSError, ValueError, EOFError) as e:
             raise ValueError(f"{path} is not a readable numpy .npz shard ({type(e).__name__})") from None
-        lost = [k for k in ("goals",) + ARRAYS if k not in names]
         if lost:
             raise ValueError(f"{path} lacks {', '.join(lost)}")
-        _check_values(path, m)
+        _check_values(path, m, arrays)
 
 
-def _check_values(path: Path, m: dict) -> None:
+def _check_values(path: Path, m: dict, a: dict) -> None:
     from raysys.envs.darkroom import N_ACTIONS, SIZE
 
-    with np.load(path, allow_pickle=False) as z:
-        a = {k: z[k] for k in ("goals", "states", "actions", "rewards", "next_states")}
     want = (len(a["goals"]), int(m["streams"]), int(m["steps"]))
     for key, tail, low, high in (("actions", (), 0, N_ACTIONS - 1), ("rewards", (), 0, 1),
                                  ("states", (2,), 0, SIZE - 1), ("next_states", (2,), 0, SIZE - 1)):
