@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -150,8 +151,6 @@ class ArgumentParser(argparse.ArgumentParser):
 def setup_logging() -> None:
     """Python logging for a raysys command: warnings only, unless ``-v``. MLflow's store set-up lines and
     Ray's start-up notices are INFO-level chatter for a person waiting on a run; ``-v`` shows them."""
-    import logging
-
     level = logging.INFO if verbose() else logging.WARNING
     # MLflow sets its own logger's level when first imported: tell it through its variable
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose() else "WARNING")
@@ -176,6 +175,31 @@ def setup_logging() -> None:
         # the trial's error.txt it names
         logging.getLogger("ray.tune.execution.tune_controller").addFilter(
             lambda record: not str(record.msg).startswith("Trial task failed"))
+        # Tune's syncer and Train's storage set-up print a whole traceback for each sync a storage outage
+        # fails, several a minute; raysys waits the outage out, so one line naming the cause says it all
+        for name in ("ray.train._internal.syncer", "ray.train._internal.storage",
+                     "ray.train.v2._internal.execution.storage"):
+            logging.getLogger(name).addFilter(_one_line_storage_error)
+
+
+_said_at: dict[str, float] = {}
+
+
+def _one_line_storage_error(record: logging.LogRecord) -> bool:
+    """A storage error of Ray's as one line (its first, and the traceback's last: the cause), at most once
+    a minute for the same first line."""
+    lines = [ln.strip() for ln in record.getMessage().splitlines() if ln.strip()]
+    error = record.exc_info[1] if record.exc_info else None
+    if error is not None:
+        lines.append(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}")
+    if len(lines) < 2:
+        return True
+    head, now = lines[0].rstrip(":"), time.monotonic()
+    if now - _said_at.get(head, -1e9) < 60:
+        return False
+    _said_at[head] = now
+    record.msg, record.args, record.exc_info, record.exc_text = f"{head}: {lines[-1][:300]}", (), None, None
+    return True
 
 
 class Console:
@@ -321,6 +345,34 @@ class Sink:
             self.handle.put_nowait(event)
         except Exception:  # the driver went away: training goes on, its metrics are tracked anyway
             pass
+
+
+class _ToSink(logging.Handler):
+    def __init__(self, sink: Sink):
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.message(f"[raysys] {record.getMessage()}")
+        except Exception:  # never let a warning about the console break training
+            pass
+
+
+@contextlib.contextmanager
+def forwarding(sink: Sink) -> Iterator[None]:
+    """raysys's own warnings in a Ray worker (a storage outage waited out, a pruning put off) on the
+    driver's console: a worker's logging goes to Ray's log files only, so a 40 s storage outage was a
+    silent 40 s stall in the progress."""
+    if sink.handle is None:  # this process's console: its logging already reaches it
+        yield
+        return
+    handler, logger = _ToSink(sink), logging.getLogger("raysys")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 @contextlib.contextmanager

@@ -15,20 +15,23 @@ URI query parameters go to the filesystem, e.g.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import logging
 import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 from urllib.parse import quote, urlsplit
 
 URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 RETRY_ENV, RETRY_S = "RAYSYS_STORAGE_RETRY_S", 60
+SLOW_S = 10  # a storage call taking this long is said on the console
 log = logging.getLogger(__name__)
 
 # What pyarrow's object stores say when the endpoint cannot be reached at all (its OSErrors carry no
@@ -42,8 +45,13 @@ def unreachable(e: BaseException) -> bool:
     return isinstance(e, (ConnectionError, TimeoutError)) or any(k in str(e) for k in _UNREACHABLE)
 
 
+def is_file_uri(path: str) -> bool:
+    """``file://...``, its scheme in any case (URI schemes are case-insensitive, RFC 3986)."""
+    return path[:7].lower() == "file://"
+
+
 def is_remote(path: str) -> bool:
-    return bool(URI.match(path)) and not path.startswith("file://")
+    return bool(URI.match(path)) and not is_file_uri(path)
 
 
 def check_local_folder(folder: Path, what: str = "storage path") -> None:
@@ -162,18 +170,27 @@ class Remote:
         blip), for up to ``$RAYSYS_STORAGE_RETRY_S`` (60 s): an outage that short costs a checkpoint no run.
         Anything else the service answers (denied, no such bucket) is raised at once."""
         deadline, delay, said = time.monotonic() + float(os.environ.get(RETRY_ENV, RETRY_S)), 0.5, False
+        # an endpoint that stalls without failing (a paused server, a congested link) holds a call until the
+        # filesystem's own retries give up or it answers: a first attempt taking SLOW_S is said
+        slow = threading.Timer(SLOW_S, lambda: log.warning("storage %s has not answered the %s for %d s; waiting "
+                                                           "for it", self.display, what, SLOW_S))
+        slow.daemon = True
+        slow.start()
         while True:
             try:
                 return once()
             except OSError as e:
                 if not unreachable(e) or time.monotonic() + delay > deadline:
                     raise
+                slow.cancel()
                 if not said:
                     said = True
                     log.warning("storage %s unreachable (%s); trying the %s again for up to %s s", self.display,
                                 " ".join(str(e).split())[:160], what, os.environ.get(RETRY_ENV, RETRY_S))
                 time.sleep(delay)
                 delay = min(2 * delay, 8.0)
+            finally:
+                slow.cancel()
 
     def delete_dir(self, *parts: str) -> None:
         self._retrying(lambda: self.fs.delete_dir(self.path(*parts)), f"removal of {'/'.join(parts)}")
@@ -202,16 +219,23 @@ def working_copy(storage: Remote, name: str) -> Path:
     fcntl.flock(fd, fcntl.LOCK_EX)
     root = Path(alive[: -len(ALIVE)])
     root.mkdir()
-    atexit.register(_drop_copy, root, fd)
+    _locks[str(root)] = fd
+    atexit.register(drop_copy, root)
     _runs[str(root)] = (storage, name)
     return root
 
 
 ALIVE = ".alive"
 _swept = False
+_locks: dict[str, int] = {}  # working copy -> its locked .alive file
 
 
-def _drop_copy(root: Path, fd: int) -> None:
+def drop_copy(root: Path) -> None:
+    """Remove a working copy this process made (once; a second call, or another folder, does nothing)."""
+    fd = _locks.pop(str(root), None)
+    if fd is None:
+        return
+    _runs.pop(str(root), None)
     shutil.rmtree(root, ignore_errors=True)
     Path(f"{root}{ALIVE}").unlink(missing_ok=True)
     os.close(fd)
@@ -279,11 +303,23 @@ def payload(run_dir: Path) -> dict[str, Any]:
     return {"storage_uri": owner[0].uri, "run_name": owner[1]} if owner else {}
 
 
-def worker_run_dir(p: dict) -> Path:
-    """The run folder of a Ray worker: the shared one, or a working copy of the remote run."""
-    if p.get("storage_uri"):
-        return working_copy(Remote(p["storage_uri"]), p["run_name"])
-    return Path(p["run_dir"])
+@contextlib.contextmanager
+def worker_run_dir(p: dict) -> Iterator[Path]:
+    """The run folder of a Ray worker: the shared one, or a working copy of the remote run. A copy made here
+    is removed when the worker's function ends, however it ends: Ray ends its worker processes without
+    running ``atexit``, which would leave a copy of every checkpoint in each node's temp folder. (A worker
+    in the driver's own process, ``--workers 0``, works in the driver's copy, which stays.)"""
+    if not p.get("storage_uri"):
+        yield Path(p["run_dir"])
+        return
+    remote = Remote(p["storage_uri"])
+    known = {Path(local) for local, (s, n) in _runs.items() if s.uri == remote.uri and n == p["run_name"]}
+    root = working_copy(remote, p["run_name"])
+    try:
+        yield root
+    finally:
+        if root not in known:
+            drop_copy(root)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -114,3 +114,37 @@ def test_an_empty_name_is_refused_not_replaced_by_the_default():
     for empty in ("", "  "):
         with pytest.raises(argparse.ArgumentTypeError, match="an empty name"):
             console.name_arg(empty)
+
+
+def test_a_workers_warnings_reach_the_drivers_console_and_rays_storage_tracebacks_are_one_line(caplog):
+    """A Ray worker's logging goes to Ray's log files only: a storage outage it waited out was a silent stall
+    in the progress. Its raysys warnings now travel the queue its progress does. Ray Tune's syncer printed a
+    whole traceback per failed sync during an outage; it is one line naming the cause, once a minute."""
+    import logging
+    import queue
+    import traceback
+
+    from raysys import console
+
+    events: queue.Queue = queue.Queue()  # what a worker's Sink puts on (a Ray queue, drained by the driver)
+    with console.forwarding(console.Sink(events)):
+        logging.getLogger("raysys.storage").warning("storage %s unreachable (Could not connect); trying again",
+                                                    "s3://b/runs")
+        logging.getLogger("raysys.storage").info("not a warning")
+    logging.getLogger("raysys.storage").warning("after the worker's function ended")
+    said = [events.get_nowait() for _ in range(events.qsize())]
+    assert said == [{"kind": "message", "text": "[raysys] storage s3://b/runs unreachable (Could not connect); "
+                                                 "trying again"}]
+
+    syncer = logging.getLogger("ray.train._internal.syncer")
+    try:
+        raise OSError("When uploading 'x': AWS Error NETWORK_CONNECTION during PutObject: Could not connect")
+    except OSError:
+        failed = f"Last sync command failed with the following error:\n{traceback.format_exc()}"
+    keep = [console._one_line_storage_error(logging.LogRecord(syncer.name, logging.WARNING, __file__, 1, failed,
+                                                              (), None)) for _ in range(2)]
+    assert keep == [True, False]  # the same failure again within the minute: said once
+    one = logging.LogRecord(syncer.name, logging.WARNING, __file__, 1, failed.replace("Last", "Previous"), (), None)
+    assert console._one_line_storage_error(one) and "\n" not in one.getMessage()
+    assert one.getMessage() == ("Previous sync command failed with the following error: OSError: When uploading 'x': "
+                                "AWS Error NETWORK_CONNECTION during PutObject: Could not connect")

@@ -462,3 +462,54 @@ def test_working_copies_of_killed_processes_are_removed_by_the_next_one(tmp_path
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_ray_workers_working_copy_is_removed_when_its_function_ends(tmp_path):
+    """Ray ends its worker processes without atexit: a Ray Train worker's copy of a remote run (every
+    checkpoint it saved) used to stay in the node's temp folder. The copy a worker made is removed when its
+    function ends, also by an error; a worker in the driver's own process (--workers 0) keeps the driver's."""
+    from raysys import storage
+
+    payload = {"storage_uri": f"file://{tmp_path / 'store'}", "run_name": f"w-{tmp_path.name}"}
+    with storage.worker_run_dir(payload) as made:
+        (made / "state.pt").write_bytes(b"x")
+    assert not made.exists() and not Path(f"{made}{storage.ALIVE}").exists()
+    with pytest.raises(RuntimeError), storage.worker_run_dir(payload) as made:
+        raise RuntimeError("a worker's training failed")
+    assert not made.exists()
+    drivers = storage.working_copy(storage.Remote(payload["storage_uri"]), payload["run_name"])
+    try:
+        with storage.worker_run_dir(payload) as same:
+            assert same == drivers
+        assert drivers.is_dir()
+    finally:
+        storage.drop_copy(drivers)
+    assert not drivers.exists()
+    with storage.worker_run_dir({"run_dir": str(tmp_path / "local")}) as shared:
+        assert shared == tmp_path / "local"
+
+
+def test_a_storage_call_that_stalls_is_said_while_it_waits(tmp_path, monkeypatch):
+    """An endpoint that stalls without failing (a paused server) held an upload for as long as its retries
+    allowed, in silence: a 35 s gap in the progress. A first attempt taking SLOW_S is said, once."""
+    import logging
+    import threading
+
+    from raysys import storage
+
+    monkeypatch.setattr(storage, "SLOW_S", 0.01)
+    said = threading.Event()
+
+    class Heard(logging.Handler):
+        def emit(self, record):
+            if "has not answered the upload x/state.pt" in record.getMessage():
+                said.set()
+
+    heard = Heard()
+    logging.getLogger("raysys.storage").addHandler(heard)
+    try:
+        remote = storage.Remote(f"file://{tmp_path}")
+        assert remote._retrying(lambda: said.wait(60), "upload x/state.pt")  # answers once it was said
+        assert remote._retrying(lambda: "fast", "upload y") == "fast"
+    finally:
+        logging.getLogger("raysys.storage").removeHandler(heard)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 from raysys import console, lifecycle, storage, tracking
@@ -34,12 +35,11 @@ from raysys.train.runtime import (init_ray, process_group_backend, set_threads, 
                                   work_where_the_driver_works)
 
 
-def worker_session(payload: dict, rank: int, world_size: int) -> tuple[Any, Session]:
+def worker_session(payload: dict, rank: int, world_size: int, run_dir: Path) -> tuple[Any, Session]:
     """Rebuild the config and a rank-aware Session inside a worker from the driver's payload."""
     work_where_the_driver_works(payload)
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
-    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
     logger = (tracking.MLflowLogger(payload["tracking_uri"], payload["run_id"],
                                     buffer=run_dir / tracking.BUFFER_FILE)
               if rank == 0 else tracking.NullLogger())
@@ -57,14 +57,16 @@ def _train_worker(payload: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if payload["kind"] == "jax":
         _init_jax_distributed(rank, world)
-    cfg, session = worker_session(payload, rank, world)
-    returned = session.run.wl.train_fn(cfg, session)
-    ran_to_end = not session.saw_stop  # never told to stop: a stop asked after its last check came too late
-    final = session.finish(returned if returned is not None else {})
-    if rank == 0 and ran_to_end:
-        lifecycle.reached_end(payload["stop"])
-        if not session.kept_final:
-            record_final(session.store, {**final, "world_size": world})
+    # the shared folder, or this process's copy of a remote run; the worker's warnings on the driver's console
+    with storage.worker_run_dir(payload) as run_dir, console.forwarding(console.Sink(payload.get("console"))):
+        cfg, session = worker_session(payload, rank, world, run_dir)
+        returned = session.run.wl.train_fn(cfg, session)
+        ran_to_end = not session.saw_stop  # never told to stop: a stop asked after its last check came too late
+        final = session.finish(returned if returned is not None else {})
+        if rank == 0 and ran_to_end:
+            lifecycle.reached_end(payload["stop"])
+            if not session.kept_final:
+                record_final(session.store, {**final, "world_size": world})
 
 
 def _init_jax_distributed(rank: int, world: int) -> None:

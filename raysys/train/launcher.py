@@ -58,7 +58,7 @@ def identity_of(wl: registry.Workload, cfg: Any) -> dict:
 
 def storage_root(path: str) -> Path:
     """The local folder of ``launch.storage_path`` (``file://`` URIs included)."""
-    if path.startswith("file://"):
+    if storage.is_file_uri(path):
         from urllib.parse import unquote, urlparse
 
         host = urlparse(path).netloc

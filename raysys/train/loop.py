@@ -14,6 +14,7 @@ import os
 import random
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 from raysys import lifecycle, storage
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointStore, record_final
-from raysys.console import Sink
+from raysys.console import Sink, forwarding
 from raysys.config import ConfigError, from_dict
 from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
@@ -94,6 +95,12 @@ def _broadcast_value(value: float, world: int, device: torch.device) -> float:
 
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
+    # the shared folder, or this process's copy of a remote run; the worker's warnings on the driver's console
+    with storage.worker_run_dir(payload) as run_dir, forwarding(Sink(payload.get("console"))):
+        _train(payload, run_dir)
+
+
+def _train(payload: dict[str, Any], run_dir: Path) -> None:
     import ray.train
 
     # Train's local mode logs every report at INFO; our progress lines already say it once.
@@ -157,7 +164,6 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
                           f"{world} workers train on CPUs: set launch.gpus_per_worker, or keep plain BatchNorm")
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
 
-    run_dir = storage.worker_run_dir(payload)  # the shared folder, or this process's copy of a remote run
     run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints,
                             local_keys=wl.extra.get("local_keys", ()), holder=payload.get("holder"),
