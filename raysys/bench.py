@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     p = console.ArgumentParser(prog="python -m raysys.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", help="a built-in or installed workload, or your own as module:attr or path/to/file.py:attr (see "
-                                    "`python -m raysys list`)")
+    p.add_argument("workload", help="a built-in or installed workload (an entry point of the 'raysys.workloads' group), or your "
+                                    "own as module:attr or path/to/file.py:attr (see `python -m raysys list`)")
     p.add_argument("--quick", action="store_true", help="fewer repeats and a shorter learning check (a few minutes on a laptop CPU; the full bench takes longer)")
     p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "
                                     "(default: quick with --quick where it exists, else default)")
@@ -198,6 +198,8 @@ def _main(argv: list[str] | None) -> int:
     if not res.get("device"):
         res["device"] = measured_on
     res.setdefault("environment", environment())
+    if registry.origin(wl):  # a plug-in: which package (and version) or file was measured
+        res["environment"].setdefault("workload_source", registry.origin(wl))
     print(format_table(res))
     if args.json:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ a job, $RAY_ADDRESS points at the cluster and the run joins it instead of starti
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -32,7 +33,8 @@ EPILOG = """examples:
 """
 
 
-WORKLOAD_HELP = ("a built-in or installed workload (see `python -m raysys list`), or your own as module:attr, "
+WORKLOAD_HELP = ("a built-in or installed workload (a package's entry point in the 'raysys.workloads' group; see "
+                 "`python -m raysys list`), or your own as module:attr, "
                  "e.g. my_pkg.lm:WORKLOAD, importable from the working directory, or as its file, e.g. "
                  "path/to/lm.py:WORKLOAD (docs/your-workload.md)")
 
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpus-per-worker", type=float, help="GPUs per worker; >0 uses CUDA + NCCL (launch.gpus_per_worker)")
     t.add_argument("--address", help="Ray cluster address, e.g. auto or ray://head:10001; default: $RAY_ADDRESS or "
                                      "a Ray instance started in this process (launch.address)")
-    t.add_argument("--tracking-uri", help="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
+    t.add_argument("--tracking-uri", help="MLflow tracking URI; default $RAYSYS_TRACKING_URI, else $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db")
     t.add_argument("--experiment", type=console.name_arg, help="MLflow experiment name (default raysys-<workload>)")
     t.add_argument("--name", type=console.name_arg, help="run name: folder under --storage-path and MLflow run name "
                                                          "(default: <workload>-<YYYYmmdd-HHMMSS>)")
@@ -84,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(s)
     s.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="also show Ray's and Ray Train's own logs (as `python -m raysys -v`)")
     s.add_argument("--keys", action="store_true", help="list every config key with its value and what it does")
-    ls = sub.add_parser("list", help="list the workloads (built-in and installed plug-ins) and their presets")
+    ls = sub.add_parser("list", help="list the workloads (built-in and installed plug-ins) and their presets",
+                        description="The built-in workloads and the installed plug-ins (entry points of the "
+                                    "'raysys.workloads' group, docs/your-workload.md), each with its presets; a "
+                                    "plug-in that fails to load is listed with the reason.")
     ls.add_argument("workloads", nargs="*", metavar="WORKLOAD",
                     help="only these, e.g. your own my_module:WORKLOAD or path/to/file.py:WORKLOAD")
     return parser
@@ -98,8 +103,10 @@ LAUNCH_FLAGS = {"workers": "workers", "gpus_per_worker": "gpus_per_worker", "add
 def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
     wl = registry.get(args.workload)
     preset = wl.config(args.preset or "default")
-    # a --cv run is its folds' runs: each resumes on its own (train.cv), with the config given now
-    base = _resumed_base(wl, preset, args) if getattr(args, "resume", False) and not getattr(args, "cv", False) else None
+    # a --resume continues from the run's own saved config (a --cv's: its first fold's, for every fold)
+    base = None
+    if getattr(args, "resume", False):
+        base = _resumed_cv_base(wl, preset, args) if getattr(args, "cv", False) else _resumed_base(wl, preset, args)
 
     def overridden(c: Any) -> Any:
         if args.config:
@@ -172,9 +179,38 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
     try:
         return from_dict(wl.config_cls, saved)
     except ConfigError as e:  # a key renamed or removed in the workload's code since the run began
+        owner = _trained_by(run_dir)
+        if owner and owner != wl.name:  # not a code change: the run is another workload's
+            raise ConfigError(f"run '{name}' is a run of {owner}, not {wl.name} (its checkpoints say so): resume it "
+                              f"with its own workload ({owner})") from None
         where = snap or f"the newest checkpoint in {run_dir}"
         raise ConfigError(f"the run's saved config ({where}) no longer fits {wl.name}'s config: {e}. Its code changed "
                           "since the run began: restore that code to resume, or start a new run (another --name)") from None
+
+
+def _resumed_cv_base(wl: registry.Workload, preset: Any, args: argparse.Namespace) -> Any:
+    """A ``--cv --resume``'s base config: the cross-validation's own, as its first fold saved it, named as the
+    cross-validation. Folds trained from the config given now (another length, another preset) averaged
+    into one mean and spread that no configuration has."""
+    from raysys.train.cv import _resumed
+
+    if "folds" not in wl.extra:
+        return None  # said by run_cross_validation, as for a --cv without --resume
+    launch = dict(name=args.name, resume=True, storage_path=args.storage_path or preset.launch.storage_path)
+    name = _resumed(wl, type(preset.launch)(**launch))
+    saved = _resumed_base(wl, preset, argparse.Namespace(**{**vars(args), "name": f"{name}-fold0"}))
+    return None if saved is None else apply_overrides(saved, {"launch.name": name})
+
+
+def _trained_by(run_dir: Path) -> Optional[str]:
+    """The workload the run's newest checkpoint names (None: no checkpoint, or one that does not say)."""
+    from raysys.train.failures import newest_checkpoint
+
+    newest = newest_checkpoint(run_dir)
+    try:
+        return json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text()).get("workload") if newest else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _pbt_knobs(wl: registry.Workload, run_dir: Path, saved: dict, overridden: set) -> None:
@@ -255,8 +291,11 @@ def _main(argv: Optional[list[str]] = None) -> int:
                 vec = "; sweeps vectorize (--vectorize K)" if wl.population is not None else ""
                 print(f"{name:{w}s} {wl.description} [{kind}]\n{'':{w}s} presets: {', '.join(wl.presets)}{vec}")
             if not args.workloads:
+                for hidden in registry.shadowed():
+                    print(f"(an installed plug-in named like a built-in, reached only as module:attr: {hidden})")
                 print("\nYour own: python -m raysys train my_module:WORKLOAD (docs/your-workload.md); its presets: "
-                      "python -m raysys list my_module:WORKLOAD")
+                      "python -m raysys list my_module:WORKLOAD; or install it with an entry point in the "
+                      f"'{registry.ENTRY_POINT_GROUP}' group")
             return 0
         wl, cfg = build_config(args)
         if args.command == "show" and args.keys:

@@ -19,7 +19,8 @@ Where a workload comes from (:func:`get`), in this order:
 
 1. a built-in name (``deep_gpcm``, ...);
 2. an installed plug-in: an entry point in the ``raysys.workloads`` group whose name is the
-   workload name and whose value is the ``Workload`` object (``my_pkg.lm:WORKLOAD``);
+   workload name and whose value is the ``Workload`` object (``my_pkg.lm:WORKLOAD``); a name two installed
+   packages both claim is refused, naming them, and one a built-in has is reached only as ``module:attr``;
 3. a ``module:attr`` spec (``my_pkg.lm:WORKLOAD``) importable from the working directory, or a
    ``path/to/file.py:attr`` spec naming the module's file from anywhere (its ``ref`` is the absolute path).
 
@@ -34,6 +35,7 @@ import contextlib
 import contextvars
 import importlib
 import inspect
+import io
 import os
 import re
 import sys
@@ -377,13 +379,55 @@ def ref(wl: Workload) -> str:
     return _REFS.get(id(wl), wl.name)
 
 
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+def _entry_points() -> dict[str, list[metadata.EntryPoint]]:
+    """{name: its entry points of the ``raysys.workloads`` group}: more than one where installed packages clash."""
+    out: dict[str, list[metadata.EntryPoint]] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if all(ep.value != other.value for other in out.get(ep.name, [])):  # one package seen twice is one
+            out.setdefault(ep.name, []).append(ep)
+    return out
+
+
+def _package(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.metadata['Name']} {dist.version}" if dist is not None else "an installed package"
 
 
 def plugins() -> list[str]:
     """Names of the installed plug-ins (entry points of the ``raysys.workloads`` group)."""
     return sorted(n for n in _entry_points() if n not in BUILTIN)
+
+
+def shadowed() -> list[str]:
+    """Installed entry points named like a built-in, which that name never reaches: 'name (package version,
+    module:attr)' for each, the module:attr that does reach it."""
+    return [f"{n} ({_package(ep)}: {ep.value})" for n, eps in sorted(_entry_points().items()) if n in BUILTIN
+            for ep in eps]
+
+
+def installed_package(name: str) -> Optional[tuple[str, str]]:
+    """(distribution, version) of the installed plug-in ``name`` (one entry point, not a built-in), else None."""
+    eps = _entry_points().get(name, []) if name not in BUILTIN else []
+    dist = getattr(eps[0], "dist", None) if len(eps) == 1 else None
+    return (dist.metadata["Name"], dist.version) if dist is not None else None
+
+
+def origin(wl: Workload) -> Optional[str]:
+    """Where a plug-in's code comes from, for the run's record: its package and version (and entry point), or
+    its file; None for a built-in."""
+    key = ref(wl)
+    if key in BUILTIN:
+        return None
+    eps = _entry_points().get(key, [])
+    if len(eps) == 1:
+        return f"{_package(eps[0])} (entry point {key} = {eps[0].value})"
+    module = getattr(wl.config_cls, "__module__", "") or ""
+    dists = metadata.packages_distributions().get(module.split(".")[0], [])
+    if dists:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return f"{dists[0]} {metadata.version(dists[0])} ({key})"
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return f"{key} ({file})" if file and str(file) not in key else key
 
 
 def available() -> list[str]:
@@ -406,6 +450,23 @@ def _as_workload(obj: Any, where: str) -> Workload:
     return obj
 
 
+def _quiet_import(module: str):
+    """``importlib.import_module``, keeping back what a module that exits while imported printed (the usage
+    text of an argparse run at import), which :func:`_import` says in one line instead."""
+    said = io.StringIO()  # what the module prints to stderr while imported: an argparse usage before it exits
+    try:
+        with contextlib.redirect_stderr(said):
+            mod = importlib.import_module(module)
+    except SystemExit:
+        raise  # said below in one line, without the usage text it printed
+    except BaseException:
+        sys.stderr.write(said.getvalue())
+        raise
+    else:
+        sys.stderr.write(said.getvalue())
+    return mod
+
+
 def _import(module: str, spec: str):
     from raysys.config import ConfigError
 
@@ -413,7 +474,7 @@ def _import(module: str, spec: str):
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)  # `module:attr` names code in the working directory, as `python -m` does
     try:
-        mod = importlib.import_module(module)
+        mod = _quiet_import(module)
     except ModuleNotFoundError as e:
         if e.name and module.startswith(e.name):
             raise ConfigError(f"workload '{spec}': no module named '{e.name}' (looked in {cwd} and the installed "
@@ -424,14 +485,17 @@ def _import(module: str, spec: str):
     except SyntaxError as e:
         raise ConfigError(f"workload '{spec}': importing {module} failed: {type(e).__name__}: {e.msg} "
                           f"({e.filename}, line {e.lineno})") from None
-    except Exception as e:  # the module's own code raised while it was imported
+    except (Exception, SystemExit) as e:  # the module's own code raised (or exited) while it was imported
         import traceback
 
         frames = traceback.extract_tb(e.__traceback__)
         skip = (str(Path(__file__).resolve().parent), str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
         own = [f for f in frames if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(skip)]
         frame = (own or frames)[-1]  # the user's line, not raysys's check (nor a dataclass's generated __init__)
-        what = str(e) if isinstance(e, ConfigError) else f"importing {module} failed: {type(e).__name__}: {e}"
+        what = (str(e) if isinstance(e, ConfigError) else
+                f"importing {module} exited (SystemExit {e.code}): a plug-in module must not parse sys.argv or "
+                "exit when imported" if isinstance(e, SystemExit) else
+                f"importing {module} failed: {type(e).__name__}: {e}")
         if not what.startswith("workload "):  # Workload's own checks name it already
             what = f"workload '{spec}': {what}"
         raise ConfigError(f"{what} ({frame.filename}, line {frame.lineno})") from None
@@ -505,6 +569,16 @@ CODE_FILES_MAX = 500
 folder) is digested by its first files in name order."""
 
 
+def _defined_in(wl: Workload) -> Optional[str]:
+    """The module a plug-in's Workload object was found in (its spec's or entry point's), if it is imported."""
+    key = ref(wl)
+    eps = _entry_points().get(key, []) if key not in BUILTIN else []
+    module = eps[0].module if len(eps) == 1 else key.rpartition(":")[0] if ":" in key else None
+    if module and module.endswith(".py"):  # path/to/file.py:attr: imported under the file's stem
+        module = Path(module).stem
+    return module if module in sys.modules else None
+
+
 def code_digest(wl: Workload) -> dict[str, str]:
     """``{file: sha256 prefix}`` of the Python source of ``wl``'s own code (its config class's, its task's,
     its train functions' packages): what a resume compares to say that the code changed since the run's last
@@ -515,6 +589,7 @@ def code_digest(wl: Workload) -> dict[str, str]:
     objs = (wl.config_cls, wl.train_fn, wl.task, wl.population.train_fn if wl.population else None)
     modules = {o.__name__ if isinstance(o, type(sys)) else getattr(o, "__module__", None) or type(o).__module__
                for o in objs if o is not None}
+    modules.add(_defined_in(wl))  # the module that made the Workload (its extra, presets), maybe of others' parts
     roots = {r for r in (_code_root(m) for m in modules if m) if r is not None}
     out: dict[str, str] = {}
     for root in sorted(roots):
@@ -538,14 +613,24 @@ def get(name: str) -> Workload:
     if name in BUILTIN:
         mod = importlib.import_module(BUILTIN[name])
         return register(mod.WORKLOAD, name)
-    eps = _entry_points()
-    if name in eps:
-        try:
-            obj = eps[name].load()
-        except Exception as e:  # a broken plug-in: name it, with its cause
-            raise ConfigError(f"workload '{name}': loading entry point {eps[name].value} failed: "
-                              f"{type(e).__name__}: {e}") from None
-        return register(_as_workload(obj, f"entry point {name} = {eps[name].value}"), name)
+    eps = _entry_points().get(name, [])
+    if len(eps) > 1:  # which one wins would depend on the order the file system lists packages in
+        raise ConfigError(f"workload '{name}': installed by {len(eps)} packages ("
+                          + "; ".join(sorted(f"{_package(ep)}: {ep.value}" for ep in eps))
+                          + "); uninstall all but one, or name the one you mean as module:attr")
+    if eps:
+        ep = eps[0]
+        obj = _import(ep.module, name)  # its errors as a module:attr's, with the file and line
+        for part in (ep.attr or "").split("."):
+            if not hasattr(obj, part):
+                raise ConfigError(f"workload '{name}': entry point {ep.value}: module {ep.module} has no "
+                                  f"attribute '{ep.attr}'")
+            obj = getattr(obj, part)
+        wl = _as_workload(obj, f"workload '{name}': entry point {name} = {ep.value}")
+        if wl.name != name:  # runs, experiments and tags use wl.name, which `train <name> --resume` must find
+            raise ConfigError(f"workload '{name}': entry point {name} = {ep.value} is a workload named "
+                              f"'{wl.name}'; an entry point's name is its workload's name (rename one)")
+        return register(wl, name)
     if ":" in name:
         module, _, attr = name.rpartition(":")
         if not module or not attr:

@@ -2,7 +2,8 @@
 # Installs raysys and everything it needs into the current Python environment.
 # Order matters: torch first (so a range never pulls a multi-GB CUDA build), then raysys with its
 # pins, then neurogym without its own pins (gymnasium 0.29 / numpy 2.2 / matplotlib 3.10 clash
-# with ray[rllib]'s gymnasium 1.2.2; docs/dependencies.md shows neurogym's suite passing anyway).
+# with ray[rllib]'s gymnasium 1.2.2; docs/dependencies.md records neurogym's own suite against these versions
+# and why the parts raysys uses are unaffected).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip install --disable-pip-version-check -q"

@@ -26,6 +26,7 @@ import copy
 import functools
 import os
 import socket
+import sys
 import zipfile
 from pathlib import Path
 
@@ -439,3 +440,18 @@ def test_git_excluded_even_without_ray_default_excludes(monkeypatch, tmp_path):
     # runtime_env excludes alone (no .gitignore/.rayignore in the folder) keep .git out too.
     only_excludes = _ray_file_list(bare, _load(RUNTIME_ENV)["excludes"], True)
     assert [f.name for f in only_excludes] == ["main.py"]
+
+
+def test_an_installed_wheel_ships_every_module_of_raysys():
+    """A runtime env's `pip` (docs/your-workload.md) and any non-editable install take the packages
+    pyproject's find rule finds: a folder of modules without __init__.py (hackmatrix_ppo had none) is left
+    out of the wheel, and its workload is missing on the cluster."""
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[1]
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = set(find_packages(str(root), include=include))
+    folders = {".".join(p.parent.relative_to(root).parts) for p in (root / "raysys").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert folders <= shipped, sorted(folders - shipped)

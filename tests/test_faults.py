@@ -1455,3 +1455,16 @@ def test_cross_validation_stopped_in_a_fold_ends_killed_and_resumes_the_rest(tmp
     folds = [json.loads((tmp_path / "raysys_runs" / f"cv-fold{i}" / "final_metrics.json").read_text()) for i in range(3)]
     mean = _client(uri).get_run(parent.info.run_id).data.metrics["cv_mean/qwk"]
     assert abs(mean - sum(f["eval/qwk"] for f in folds) / 3) < 1e-9
+    # trained further without its --preset/--set: every fold goes on from the cross-validation's own config (the
+    # folds trained with the config given now, here the default preset's: a mean of folds no config had, or a
+    # checkpoint refused), and the parent's mean is the new one (a second value at step 0 was dropped)
+    before = [f["step"] for f in folds]
+    further = subprocess.run([sys.executable, "-m", "raysys", "train", "deep_gpcm", "--cv", "--name", "cv", "--resume",
+                              "--set", "train.epochs=41"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                             timeout=900)
+    assert further.returncode == 0, further.stdout[-3000:] + further.stderr[-3000:]
+    assert "3-fold cross-validation" in further.stdout and "resuming with changed config: train.epochs: 40 -> 41" in further.stdout
+    folds = [json.loads((tmp_path / "raysys_runs" / f"cv-fold{i}" / "final_metrics.json").read_text()) for i in range(3)]
+    assert all(f["step"] > b for f, b in zip(folds, before)), (before, [f["step"] for f in folds])
+    mean = _client(uri).get_run(parent.info.run_id).data.metrics["cv_mean/qwk"]
+    assert abs(mean - sum(f["eval/qwk"] for f in folds) / 3) < 1e-9

@@ -119,6 +119,53 @@ def test_an_installed_entry_point_plugin_is_listed_and_trains(tmp_path):
                     "--name", "ep"], elsewhere, env)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert json.loads((elsewhere / "raysys_runs" / "ep" / "final_metrics.json").read_text())["eval/accuracy"] > 0.5
+    # the run records which package (and version) trained it: raysys's own commit is all MLflow says otherwise
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{elsewhere / 'mlflow.db'}")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.`raysys.run_name` = 'ep'")[0]
+    assert run.data.tags["raysys.plugin"] == "raysys-digits-example 0.1.0 (entry point digits_mlp = digits_mlp:WORKLOAD)"
+
+
+def _dist(site: Path, name: str, version: str, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+    """An installed distribution as pip lays one out: its modules, and a dist-info folder with its metadata
+    and its raysys.workloads entry points."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("[raysys.workloads]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+    for module, text in modules.items():
+        (site / f"{module}.py").write_text(text)
+
+
+def test_installed_plugins_that_clash_exit_or_misname_are_said_in_list_and_refused(tmp_path):
+    """Two packages claiming one name (which one won depended on the order the file system lists them), a name
+    a built-in has (silently unreachable), a module that runs argparse when imported (it ended `list` for every
+    plug-in after it, with its own usage text), an entry point named unlike its workload (runs named after one
+    that `train --resume` cannot find): each is one line naming the problem, and `list` goes on."""
+    site = tmp_path / "site"
+    digits = (EXAMPLE / "digits_mlp.py").read_text()
+    _dist(site, "pkg-a", "0.3.1", {"mine": "mod_a:WORKLOAD", "deep_gpcm": "mod_a:WORKLOAD"},
+          {"mod_a": digits.replace('name="digits_mlp"', 'name="mine"')})
+    _dist(site, "pkg-b", "9.9.0", {"mine": "mod_b:WORKLOAD", "exits": "mod_exit:WORKLOAD", "alias": "mod_b:WORKLOAD"},
+          {"mod_b": digits.replace('name="digits_mlp"', 'name="mine"'),
+           "mod_exit": "import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr')\nargs = p.parse_args()\n"})
+    assert 'name="mine"' in (site / "mod_a.py").read_text()
+    env = _env(PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    listed = _run(["python", "-m", "raysys", "list"], tmp_path, env)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.strip()}
+    assert ("installed by 2 packages (pkg-a 0.3.1: mod_a:WORKLOAD; pkg-b 9.9.0: mod_b:WORKLOAD); uninstall all but "
+            "one, or name the one you mean as module:attr") in lines["mine"]
+    assert ("importing mod_exit exited (SystemExit 2): a plug-in module must not parse sys.argv or exit when imported "
+            f"({site / 'mod_exit.py'}, line 4)") in lines["exits"]
+    assert "is a workload named 'mine'; an entry point's name is its workload's name" in lines["alias"]
+    assert "reached only as module:attr: deep_gpcm (pkg-a 0.3.1: mod_a:WORKLOAD)" in listed.stdout
+    assert "usage:" not in listed.stderr and "raysys.workloads" in listed.stdout
+    for name in ("mine", "exits", "alias"):
+        refused = _run(["python", "-m", "raysys", "train", name, "--preset", "quick"], tmp_path, env)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 BROKEN = '''
@@ -580,7 +627,7 @@ def test_a_train_fn_run_without_its_quality_metric_fails(workdir, capsys):
     assert main(["train", f"{TINY}:UNDECLARED", "--name", "undeclared", "--set", "train.omit_quality=true"]) == 0
 
 
-def test_each_resume_of_a_train_fn_run_is_in_its_events_log(workdir):
+def test_each_resume_of_a_train_fn_run_is_in_its_events_log(workdir, capsys):
     """As a task run's: one ``resumed`` line per --resume that restored a checkpoint, none before."""
     from raysys.cli import main
 
@@ -605,6 +652,11 @@ def test_each_resume_of_a_train_fn_run_is_in_its_events_log(workdir):
     assert main([*args, "--set", "train.steps=15", "--set", "opt.lr=0.2", "--set", "train.end_checkpoint=true",
                  "--resume"]) == 0
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    # resumed as another workload: said as that, not as a change in the workload's code
+    capsys.readouterr()
+    assert main(["train", "deep_gpcm", "--name", "r", "--resume"]) == 2
+    assert capsys.readouterr().err.strip() == ("raysys: config error: run 'r' is a run of tiny, not deep_gpcm (its "
+                                               "checkpoints say so): resume it with its own workload (tiny)")
 
 
 MISTAKES = '''
@@ -739,7 +791,12 @@ def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anyt
     (project / "mistakes.py").write_text(MISTAKES + WIDER)
     proc = _run([*args, "--resume"], project)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "the run's config is unchanged, so the workload's code builds another model" in proc.stderr
+    assert "the workload's code changed since the run's last session (mistakes.py (" in proc.stderr
+    # with a --set that changes no shape, the code is still what is named first (it blamed the --set)
+    proc = _run([*args, "--resume", "--set", "train.epochs=3"], project)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the workload's code changed since the run's last session (mistakes.py (" in proc.stderr
+    assert "), and on this resume train.epochs: 1 -> 3. Resume with that code and settings" in proc.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     (project / "mistakes.py").write_text(MISTAKES)

@@ -60,7 +60,10 @@ def test_in_process_run_is_tracked(workdir):
     # how to run it again, and what it trained on
     assert run.data.tags["raysys.preset"] == "quick"
     assert run.data.tags["raysys.command"].startswith("python -m raysys train deep_gpcm --preset quick")
-    assert "Run again: `python -m raysys train deep_gpcm" in run.data.tags["mlflow.note.content"]
+    # as a new run, from this folder: the run's --name is taken now
+    again = f"Run again: `cd {workdir} && python -m raysys train deep_gpcm --preset quick "
+    assert again in run.data.tags["mlflow.note.content"]
+    assert "--name inproc" not in run.data.tags["mlflow.note.content"].split("Run again")[1].split("\n")[0]
     (ds,) = run.inputs.dataset_inputs
     assert ds.dataset.name == "synthetic_OC_quick" and "students" in ds.dataset.profile
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

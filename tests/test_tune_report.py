@@ -1,5 +1,6 @@
 """The sweep's printed/recorded result: commands, table, plot (no Ray run)."""
 
+import os
 import shlex
 
 from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, pareto_front, recommend
@@ -13,7 +14,8 @@ def test_commands_are_exact_and_quoted():
     assert train == ("python -m raysys train deep_gpcm --preset quick --set train.epochs=2 "
                      "--set 'data.path=my data.parquet' --set train.compile=false --set optim.lr=0.00123 "
                      "--set train.max_steps=none")
-    assert job == f"ray job submit --address http://127.0.0.1:8265 --working-dir . -- {train}"
+    # Ray ships the folder the line is pasted in: the line goes to the sweep's first, as the local one does
+    assert job == f"cd {shlex.quote(os.getcwd())} && ray job submit --address http://127.0.0.1:8265 --working-dir . -- {train}"
     assert "data.path=my data.parquet" in shlex.split(train)
 
 
@@ -108,7 +110,8 @@ def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(
     train, job = commands("deep_gpcm", "quick", {}, {"optim.lr": 0.01}, flags, job_address("10.0.0.5:6379"))
     args = build_parser().parse_args(shlex.split(train)[3:])
     assert (args.storage_path, args.tracking_uri) == ("s3://bkt/sweeps", "http://mlflow.internal:5000")
-    assert job.startswith("ray job submit --address http://10.0.0.5:8265 ") and job.endswith(train)
+    assert job.startswith(f"cd {shlex.quote(os.getcwd())} && ray job submit --address http://10.0.0.5:8265 ")
+    assert job.endswith(train)
     assert job_address("ray://head.example:10001") == "http://head.example:8265"
     assert job_address("http://head:8265/") == "http://head:8265"
     # a workload file of the sweep's folder: the job (run in Ray's copy of --working-dir .) names it from there
@@ -162,3 +165,19 @@ def test_a_remote_sweeps_resume_lines_keep_the_storage_uris_options(tmp_path, mo
     storage.register(tmp_path / "sw", uri, "sw")
     assert runs_storage(tmp_path / "sw") == "s3://bkt/sweeps/sw/runs?endpoint_override=127.0.0.1:9&scheme=http"
     assert runs_storage(tmp_path / "local") == str(tmp_path / "local" / "runs")
+
+
+def test_an_installed_plugins_cluster_line_says_its_package_goes_there_too(monkeypatch, tmp_path):
+    """A Ray job ships the working folder, not installed packages: for a plug-in installed with an entry point,
+    the recommendation names its package and how a job installs it."""
+    from raysys.tune.report import _install_hint
+
+    info = tmp_path / "pkg_mine-1.2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg-mine\nVersion: 1.2.0\n")
+    (info / "entry_points.txt").write_text("[raysys.workloads]\nmine = mod_mine:WORKLOAD\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _install_hint("mine") == ("(mine is the installed package pkg-mine 1.2.0's: install it on every node of the "
+                                     "cluster, e.g. add --runtime-env-json '{\"pip\": [\"pkg-mine==1.2.0\"]}' where "
+                                     "an index serves it.)\n\n")
+    assert _install_hint("deep_gpcm") == _install_hint("mine_module:WORKLOAD") == ""

@@ -6,6 +6,7 @@ holds k and the one that selects the held-out fold.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -16,7 +17,7 @@ from typing import Any, Optional
 from raysys import lifecycle, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, apply_overrides, flatten, to_dict
-from raysys.train.launcher import RunResult, run_training
+from raysys.train.launcher import RunResult, plugin_tag, run_training
 
 
 def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult:
@@ -33,7 +34,8 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
         _prepare(prepare_of(wl), cfg)  # (each fold's run prepares it again: made once, then checked)
     base = _resumed(wl, cfg.launch) if cfg.launch.resume else cfg.launch.name or _claim_base(wl, cfg.launch)
     experiment = cfg.launch.experiment or f"raysys-{wl.name}"
-    parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation", **(tags or {})},
+    parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation",
+                                                            **plugin_tag(wl), **(tags or {})},
                                 resume=cfg.launch.resume)
     from raysys import watcher as watching
 
@@ -71,8 +73,13 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
                 tracking.end_run(uri, parent, "KILLED")
                 return RunResult(base, result.run_dir.parent, parent, uri, {}, stopped_by=stopped_by,
                                  resume_command=_resume_line(wl, cfg, tags, base), where=_folds_at(result))
-    except BaseException:
+    except BaseException as e:
         tracking.end_run(uri, parent, "FAILED")
+        fold_line, cv_line = getattr(e, "raysys_resume", None), _resume_line(wl, cfg, tags, base)
+        if fold_line:  # resuming the failed fold alone would end with no mean and the later folds untrained
+            with contextlib.suppress(AttributeError):
+                e.raysys_resume = cv_line
+                e.raysys_failure = getattr(e, "raysys_failure", "").replace(fold_line, cv_line)
         raise
     names = sorted({m for r in results for m in r.metrics if m.startswith("eval/")})
     vals = {m.split("/", 1)[1]: [r.metrics[m] for r in results if m in r.metrics] for m in names}
@@ -84,7 +91,9 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
     rows.append("| **mean** | " + " | ".join(f"{mean['cv_mean/' + n]:.4f}" for n in vals) + " |")
     rows.append("| **std** | " + " | ".join(f"{std['cv_std/' + n]:.4f}" for n in vals) + " |")
     table = "\n".join(rows) + "\n"
-    logger.log_metrics(mean | std, step=0)
+    # at the folds' steps trained in all: a cv trained further (--resume with a longer run) gets a new point,
+    # where one at step 0 again would be dropped as a repeat and the parent keep the earlier mean
+    logger.log_metrics(mean | std, step=int(sum(r.metrics.get("step", 0) or 0 for r in results)))
     logger.log_text(table, "cross_validation.md")
     logger.delete_tag("raysys.error")  # a killed session's (raysys.watcher): every fold is done now
     tracking.end_run(uri, parent, "FINISHED")

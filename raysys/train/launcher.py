@@ -338,6 +338,23 @@ ERROR_FILE = "error.txt"
 EARLIER_ERROR_FILE = "error.earlier.txt"
 
 
+def _run_again(command: str) -> str:
+    """The command that trains this configuration again as a new run: from the folder it ran in (a relative
+    plug-in path or data path means the same there), without its ``--name`` (taken now) or ``--resume``."""
+    import shlex
+
+    words, out = shlex.split(command), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--name":
+            skip = True
+        elif not (w.startswith("--name=") or w == "--resume"):
+            out.append(w)
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join(out)}"
+
+
 def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:
     """The line that continues this run, from any folder: the run folder, the default MLflow store and a
     ``module:attr`` workload are all found relative to the folder the run started in."""
@@ -442,7 +459,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
              check: Optional[Callable[[Any], None]] = None) -> OpenRun:
     """Validate everything, then create: the run folder (locked), the config snapshot and the MLflow run
     (reopened when resuming). Any problem found before the folder exists leaves nothing behind.
-    ``fits(cfg, state)``: raises a CheckpointError when the model a resume builds (its settings changed, or its
+    ``fits(cfg, state, code_changed)``: raises a CheckpointError when the model a resume builds (its settings changed, or its
     code) cannot take the checkpoint's state (a shape outside the checkpoint's identity). ``check(cfg)``: the
     workload's own check of the prepared config, which raises a ConfigError (before anything exists)."""
     launch = cfg.launch
@@ -483,7 +500,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                       + ", ".join(f"{k} (now {v!r})" for k, v in added.items())
                       + f": the run goes on with {'them as they are' if many else 'it as it is'} now", flush=True)
             if fits is not None:  # a changed setting, or the workload's code changed since the checkpoint
-                fits(cfg, state)
+                fits(cfg, state, code_changes(run_dir, registry.code_digest(wl)))
     created = not launch.resume
     if created:
         name, run_dir = _claim(wl.name, launch, name, run_dir)
@@ -515,7 +532,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                 print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store, or this one was made anew): a new MLflow "
                       "run holds this session; the earlier steps stay where they were recorded", flush=True)
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
-                                                                 "raysys.code": _code_id(code), **(tags or {})},
+                                                                 "raysys.code": _code_id(code), **plugin_tag(wl),
+                                                                 **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
         watcher = None
         if parent_run_id is None and not os.environ.get(BENCH_ENV):  # a command's own run (see raysys.watcher)
@@ -536,7 +554,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         before = tracking.run_tag(uri, run_id, "raysys.resume_changes")
         logger.set_tags({"raysys.resume_changes": (f"{before} | {said}" if before else said)[-5000:]})
     if launch.resume:  # the code of the run's last session (a new MLflow run got it at its start)
-        logger.set_tags({"raysys.code": _code_id(code)})
+        logger.set_tags({"raysys.code": _code_id(code), **plugin_tag(wl)})
     if launch.resume and logger.pending:
         sent = logger.pending
         if logger.flush():
@@ -548,7 +566,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     _log_dataset(wl, cfg, uri, run_id)
     if new_mlflow_run and "raysys.command" in (tags or {}) and tracking.NOTE_TAG not in (tags or {}):
         logger.set_note(f"{wl.name}, preset `{tags.get('raysys.preset', 'default')}`.\n\n"
-                        f"Run again: `{tags['raysys.command']}`\n\nResume if interrupted: `{_resume_command(wl, launch, name)}`\n")
+                        f"Run again: `{_run_again(tags['raysys.command'])}`\n\nResume if interrupted: "
+                        f"`{_resume_command(wl, launch, name)}`\n")
     link = tracking.ui_link(uri, tracking.experiment_of(uri, run_id), run_id)
     say_if_in_ray_package(run_dir, uri)
     if launch.resume and (tags or {}).get("raysys.resume_changes"):  # said once the checkpoint has taken it
@@ -564,6 +583,13 @@ CODE_FILE = "code.json"
 """``<run>/code.json``: the digest of the workload's own code (``registry.code_digest``) in its last session."""
 
 
+def plugin_tag(wl: registry.Workload) -> dict:
+    """``raysys.plugin``: the package and version (or the file) a plug-in's code came from; none for a built-in
+    (``mlflow.source.git.commit`` is raysys's own commit, not the plug-in's)."""
+    source = registry.origin(wl)
+    return {"raysys.plugin": source} if source else {}
+
+
 def _code_id(code: dict[str, str]) -> str:
     """One short id of a code digest: the MLflow tag ``raysys.code``, the code of the run's last session (runs
     with the same id ran the same workload code)."""
@@ -572,20 +598,27 @@ def _code_id(code: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _say_code_changes(run_dir: Path, code: dict[str, str]) -> None:
-    """A resume whose workload code differs from its last session's: the checkpoint loads (its shapes fit),
-    but what trains from here is other code. Said, and kept in events.log; not refused: a fix to the code
-    is a reason to resume."""
+def code_changes(run_dir: Path, code: dict[str, str]) -> str:
+    """The workload's files that differ from the run's last session's ('' when none, or not known)."""
     path = run_dir / CODE_FILE
     try:
         before = json.loads(path.read_text()) if storage.pull(path) else None
     except (OSError, ValueError):
         before = None
     if not isinstance(before, dict) or before == code:  # a run from before this file, or the same code
-        return
+        return ""
     changed = [f"{f} ({'added' if f not in before else 'removed' if f not in code else 'changed'})"
                for f in sorted(set(before) | set(code)) if before.get(f) != code.get(f)]
-    shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+    return ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+
+
+def _say_code_changes(run_dir: Path, code: dict[str, str]) -> None:
+    """A resume whose workload code differs from its last session's: the checkpoint loads (its shapes fit),
+    but what trains from here is other code. Said, and kept in events.log; not refused: a fix to the code
+    is a reason to resume."""
+    shown = code_changes(run_dir, code)
+    if not shown:
+        return
     print(f"[raysys] note: the workload's code changed since this run's last session: {shown}; the run goes on "
           "from its checkpoint with the code as it is now", flush=True)
     record_event(run_dir, f"resumed with changed code: {shown}")
@@ -615,12 +648,12 @@ def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
               "server)", flush=True)
 
 
-def _model_fits(wl: registry.Workload, tags: Optional[dict]) -> Callable[[Any, dict], None]:
+def _model_fits(wl: registry.Workload, tags: Optional[dict]) -> Callable[[Any, dict, str], None]:
     """A resume's check that the model its config builds takes the checkpoint's weights: a setting that
     changes a shape may lie outside the sections a checkpoint compares (``identity_sections``). The model
     is built as a worker builds it (data first), on torch's meta device: shapes, no memory."""
 
-    def fits(cfg: Any, state: dict) -> None:
+    def fits(cfg: Any, state: dict, code_changed: str = "") -> None:
         saved = state.get("model") if isinstance(state, dict) else None
         if not isinstance(saved, dict):
             return
@@ -635,9 +668,14 @@ def _model_fits(wl: registry.Workload, tags: Optional[dict]) -> Callable[[Any, d
         seen = (f"{odd}: checkpoint {list(have[odd]) if odd in have else 'none'}, "
                 f"now {list(want[odd]) if odd in want else 'none'}")
         changed = (tags or {}).get("raysys.resume_changes", "")
-        why = (f"changed on this resume: {changed}. Resume with the run's settings" if changed else
-               "the run's config is unchanged, so the workload's code builds another model than the one it saved. "
-               "Resume with that code")
+        if code_changed:  # the files are known: they, not a --set that may not touch a shape, are named first
+            why = (f"the workload's code changed since the run's last session ({code_changed})"
+                   + (f", and on this resume {changed}" if changed else "") + ". Resume with that code and settings")
+        elif changed:
+            why = f"changed on this resume: {changed}. Resume with the run's settings"
+        else:
+            why = ("the run's config is unchanged, so the workload's code builds another model than the one it saved. "
+                   "Resume with that code")
         raise CheckpointError(f"the checkpoint does not fit the model this config builds ({seen}); {why}, or start "
                               "a new run (another --name)")
 

@@ -8,7 +8,12 @@ child.py       the child process that trains one in-process trial
 progress.py    driver side while running: stability stopper, progress lines
 resources.py   per-trial resources and max concurrency from the cluster (no deadlock)
 runner.py      Tuner/OptunaSearch, resume, MLflow parent run
-report.py      table, plot, recommended commands, MLflow child tags and parent artifacts
+report.py      table, recommended commands, MLflow child tags and parent artifacts
+plot.py        the Pareto plot
+searcher.py    Optuna told of a trial without finite objectives as failed
+population.py  --vectorize K: K configurations per trial, one record and MLflow run per member
+whole_files.py the local file system Tune writes the sweep's state through (whole files or none)
+sweep_bench.py the same sweep one trial per configuration vs vectorized
 
 Light on import: Ray, Optuna and MLflow load only when a sweep runs.
 """

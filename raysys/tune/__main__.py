@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=EPILOG)
     p.add_argument("-v", "--verbose", action="store_true", help="also show Ray's, Tune's and MLflow's own INFO logs")
     p.add_argument("--space", required=True, metavar="YAML",
-                   help="tune space file (tune_spaces/<workload>.yaml): workload, base preset, fixed overrides, knobs")
+                   help="tune space file (tune_spaces/<workload>.yaml): workload (a built-in, an installed plug-in's "
+                        "entry point name, or module:attr), base preset, fixed overrides, knobs")
     p.add_argument("--num-samples", type=int, metavar="N",
                    help="trials to run in total (default: 8; a --resume keeps the sweep's own: another N is refused); "
                         "grid combinations are tried first")
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address (e.g. auto, ray://head:10001); default: $RAY_ADDRESS or "
                                      "a Ray instance started in this process")
     p.add_argument("--tracking-uri", help="MLflow tracking URI for the parent and trial runs; default "
-                                          "$MLFLOW_TRACKING_URI or sqlite:///./mlflow.db")
+                                          "$RAYSYS_TRACKING_URI, else $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db")
     p.add_argument("--resume", action="store_true",
                    help="continue the sweep --name (or the newest sweep of this workload): finished trials are "
                         "kept, unfinished ones continue from their own checkpoints, the rest are run")

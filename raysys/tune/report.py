@@ -104,8 +104,10 @@ def commands(workload: str, preset: str, fixed: dict[str, Any], knobs: dict[str,
             in_job = f"{os.path.relpath(Path(file).resolve(), Path.cwd().resolve())}:{attr}"
         else:
             in_job, ship = f"{Path(file).name}:{attr}", shlex.quote(str(Path(file).parent))
+    # `--working-dir .` is the folder the line is pasted in: the line goes there first, as the local one does
+    cd = f"cd {shlex.quote(os.getcwd())} && " if ship == "." else ""
     return (line(shlex.quote(workload)),
-            f"ray job submit --address {address} --working-dir {ship} -- {line(shlex.quote(in_job))}")
+            f"{cd}ray job submit --address {address} --working-dir {ship} -- {line(shlex.quote(in_job))}")
 
 
 def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecord], tolerance: float,
@@ -120,8 +122,20 @@ def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecor
             f"({fmt_value(best)}{lower}): {throughput_metric} {fmt_value(rec.throughput)}, {quality_metric} "
             f"{fmt_value(rec.quality)}.\n\n"
             f"Train it (from any folder):\n\n    cd {shlex.quote(os.getcwd())} && {train}\n\nOn a Ray cluster (with token auth on a local cluster, prefix "
-            f"RAY_AUTH_MODE=token):\n\n    {job}\n\n"
+            f"RAY_AUTH_MODE=token):\n\n    {job}\n\n{_install_hint(sp.workload)}"
             "(The sweep's fixed overrides are included, e.g. fewer epochs: raise them for a full run.)\n")
+
+
+def _install_hint(workload: str) -> str:
+    """For an installed plug-in: the cluster's nodes need its package too (the job ships files, not packages)."""
+    from raysys import workload as registry
+
+    package = registry.installed_package(workload)
+    if package is None:
+        return ""
+    name, version = package
+    return (f"({workload} is the installed package {name} {version}'s: install it on every node of the cluster, e.g. "
+            f"add --runtime-env-json '{{\"pip\": [\"{name}=={version}\"]}}' where an index serves it.)\n\n")
 
 
 def write_csv(records: Sequence[TrialRecord], path: Path, front_ids: set[str] = frozenset(),

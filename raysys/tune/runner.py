@@ -212,7 +212,7 @@ def _check_same_space(stored: dict, sp: spaces.SweepSpace, path: Path) -> None:
     before = flatten(stored["space"])
     diff = [f"{k}: {before[k]!r} -> {now[k]!r}" if k in before and k in now else
             f"{k}: {'added' if k in now else 'removed'}" for k in sorted(set(now) | set(before))
-            if now.get(k) != before.get(k)]
+            if str(now.get(k)) != str(before.get(k)) or (k in now) != (k in before)]  # a --set's '2' is the YAML's 2
     if diff:
         raise ConfigError(f"--resume: the space differs from the one this sweep started with ({path}): "
                           f"{'; '.join(diff)}. Resume with the same space file and --preset/--set, or start a new --name")
