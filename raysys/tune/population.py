@@ -13,6 +13,7 @@ and the MLflow records get one trial per member back from them (:func:`member_re
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import signal
@@ -248,8 +249,10 @@ def run_population_trial(config: dict, setup) -> None:
                 log_event(setup.sweep_dir, f"start {ids[j]} run={cfgs[j].launch.name} resume={cfgs[j].launch.resume} "
                                            f"population={trial_id}")
             schedule = None
-            if setup.pbt is not None:  # each program its own random stream, reproducible with the sweep's --seed
-                schedule = pbt.PBTConfig(**{**setup.pbt, "seed": [setup.pbt["seed"], zlib.crc32(trial_id.encode())]})
+            if setup.pbt is not None:  # each program its own random stream, reproducible with the sweep's --seed:
+                # from its members' proposals (the searcher's, seeded), not from Tune's random trial id
+                proposals = json.dumps(all_knobs, sort_keys=True, default=str).encode()
+                schedule = pbt.PBTConfig(**{**setup.pbt, "seed": [setup.pbt["seed"], zlib.crc32(proposals)]})
             reports.training = set(todo)
             results = run_population(wl, [cfgs[j] for j in todo], parent_run_id=setup.parent_run_id,
                                      tags=[setup.run_tags(ids[j], all_knobs[j]) for j in todo],
