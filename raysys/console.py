@@ -175,6 +175,11 @@ def setup_logging() -> None:
         # the trial's error.txt it names
         logging.getLogger("ray.tune.execution.tune_controller").addFilter(
             lambda record: not str(record.msg).startswith("Trial task failed"))
+        # a trial stopped before its first report has no result files, which Tune's analysis warns of on every
+        # stop and resume: raysys's own records (its objective log) say what each trial did
+        logging.getLogger("ray.tune.analysis.experiment_analysis").addFilter(
+            lambda record: not (str(record.msg).startswith("Failed to fetch metrics") and all(
+                "FileNotFoundError" in line for line in str(record.msg).splitlines()[1:])))
         # Tune's syncer and Train's storage set-up print a whole traceback for each sync a storage outage
         # fails, several a minute; raysys waits the outage out, so one line naming the cause says it all
         for name in ("ray.train._internal.syncer", "ray.train._internal.storage",

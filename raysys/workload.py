@@ -172,7 +172,7 @@ class Workload:
     ``quality_metric``, ``paths`` (the rows' names, where not naive/optimized), ``notes`` (lines),
     ``extra`` ({label: value}) and ``problems`` (lines; the bench then exits 1). A ``bench`` that takes an
     ``overrides`` argument gets ``--set``/``--config`` as a dict. Optional: without it
-    ``python -m raysys.bench`` times the task's training step (raysys.bench.generic_bench)."""
+    ``python -m raysys.bench`` times the task's training step (raysys.bench_generic.generic_bench)."""
     task: Optional[TorchTask] = None
     train_fn: Optional[Callable[[Any, Any], dict]] = None
     throughput_metric: str = "perf/samples_per_s"

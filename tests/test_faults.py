@@ -1421,6 +1421,40 @@ def test_a_cross_validation_resume_with_nothing_to_resume_is_one_line(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_a_bare_cross_validation_resume_takes_the_newest_that_has_not_ended(tmp_path):
+    """As a bare --resume of one run does: it took the newest by name, a finished one, trained nothing and said
+    'done', while an older interrupted one stayed half trained. A cv has ended when it has all its k folds (its
+    first fold's config says k) and each recorded its end."""
+    import yaml
+
+    from raysys import workload as registry
+    from raysys.train.config import LaunchConfig
+    from raysys.train.cv import _resumed
+
+    runs = tmp_path / "runs"
+
+    def fold(base: str, i: int, ended: bool) -> None:
+        (runs / f"{base}-fold{i}").mkdir(parents=True)
+        (runs / f"{base}-fold{i}" / "config.yaml").write_text(yaml.safe_dump({"data": {"n_folds": 3, "fold": i}}))
+        if ended:
+            (runs / f"{base}-fold{i}" / "final_metrics.json").write_text("{}")
+
+    for i, ended in enumerate((True, False)):  # cut in its fold 1
+        fold("deep_gpcm-cv-20261128-100000", i, ended)
+    for i in range(3):  # newer, and ended
+        fold("deep_gpcm-cv-20261128-110000", i, True)
+    for i in range(2):  # older: every fold it has ended, but the third never started
+        fold("deep_gpcm-cv-20261128-090000", i, True)
+    launch = LaunchConfig(resume=True, storage_path=str(runs))
+    assert _resumed(registry.get("deep_gpcm"), launch) == "deep_gpcm-cv-20261128-100000"
+    (runs / "deep_gpcm-cv-20261128-100000-fold1" / "final_metrics.json").write_text("{}")
+    assert _resumed(registry.get("deep_gpcm"), launch) == "deep_gpcm-cv-20261128-100000"  # its third fold is left
+    fold("deep_gpcm-cv-20261128-100000", 2, True)
+    assert _resumed(registry.get("deep_gpcm"), launch) == "deep_gpcm-cv-20261128-090000"  # its third fold is left
+    fold("deep_gpcm-cv-20261128-090000", 2, True)
+    assert _resumed(registry.get("deep_gpcm"), launch) == "deep_gpcm-cv-20261128-110000"  # all ended: the newest
+
+
 @pytest.mark.slow  # ~2 min: 3 folds, one of them twice
 def test_cross_validation_stopped_in_a_fold_ends_killed_and_resumes_the_rest(tmp_path):
     """Ctrl-C in fold 1 of 3: no later fold starts, no mean of the finished ones is published, the parent is

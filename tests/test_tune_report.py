@@ -139,18 +139,24 @@ def test_a_trial_tune_never_recorded_is_closed_not_left_running(tmp_path):
     exp = client.create_experiment("raysys-w")
     parent = client.create_run(exp, run_name="sw").info.run_id
 
-    def child(name, done):
-        run = client.create_run(exp, run_name=name, tags={"mlflow.parentRunId": parent}).info.run_id
-        if done:
-            client.set_terminated(run)
+    def child(name, end=None):  # as a trial's run: shown as its id and knobs, its folder's name as a tag
+        run = client.create_run(exp, run_name=f"{name[3:]} lr=0.1", tags={"mlflow.parentRunId": parent,
+                                                                          "raysys.run_name": name}).info.run_id
+        if end:
+            client.set_terminated(run, status=end)
         return run
 
-    kept, orphan, finished = child("sw-a", False), child("sw-b", False), child("sw-c", True)
+    kept, orphan, finished = child("sw-a"), child("sw-b"), child("sw-c", "FINISHED")
+    stopped = child("sw-e", "KILLED")  # a recorded trial the stability rules or a stop ended: not abandoned
+    closed = child("sw-f", "KILLED")  # an orphan the killed driver's watcher closed already: said why too
     other_sweep = client.create_run(exp, run_name="sw-d").info.run_id  # no parent of this sweep: not ours
-    _close_abandoned(client, "raysys-w", parent, known={"sw-a", "sw-c"})
-    status = {r: client.get_run(r).info.status for r in (kept, orphan, finished, other_sweep)}
-    assert status == {kept: "RUNNING", orphan: "KILLED", finished: "FINISHED", other_sweep: "RUNNING"}
-    assert client.get_run(orphan).data.tags["raysys.trial_status"] == "abandoned"
+    _close_abandoned(client, "raysys-w", parent, known={"sw-a", "sw-c", "sw-e"})
+    runs = (kept, orphan, finished, stopped, closed, other_sweep)
+    status = {r: client.get_run(r).info.status for r in runs}
+    assert status == {kept: "RUNNING", orphan: "KILLED", finished: "FINISHED", stopped: "KILLED", closed: "KILLED",
+                      other_sweep: "RUNNING"}
+    tagged = {r for r in runs if client.get_run(r).data.tags.get("raysys.trial_status") == "abandoned"}
+    assert tagged == {orphan, closed}
 
 
 def test_a_remote_sweeps_resume_lines_keep_the_storage_uris_options(tmp_path, monkeypatch):

@@ -11,8 +11,12 @@ import dataclasses
 import os
 import shlex
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Optional
+
+import yaml
 
 from raysys import lifecycle, tracking
 from raysys import workload as registry
@@ -123,15 +127,35 @@ def _resumed(wl, launch: Any) -> str:
             raise ConfigError(f"--cv --resume: no cross-validation called '{launch.name}' (its first fold's run, "
                               f"{launch.name}-fold0, does not exist)")
         return launch.name
-    if storage.is_remote(launch.storage_path):
-        names = storage.Remote(launch.storage_path).listdir()
-    else:
-        names = [p.name for p in storage_root(launch.storage_path).glob("*") if p.is_dir()]
+    remote = storage.Remote(launch.storage_path) if storage.is_remote(launch.storage_path) else None
+    root = storage_root(launch.storage_path) if remote is None else None
+    names = remote.listdir() if remote else [p.name for p in root.glob("*") if p.is_dir()]
     firsts = sorted(n for n in names if n.startswith(f"{wl.name}-cv-") and n.endswith("-fold0"))  # named by time
     if not firsts:
         raise ConfigError(f"--cv --resume: no earlier cross-validation of {wl.name} under {launch.storage_path}; "
                           "name one with --name")
-    return firsts[-1][: -len("-fold0")]
+
+    def read(name: str, file: str) -> Optional[str]:
+        if remote is None:
+            path = root / name / file
+            return path.read_text() if path.is_file() else None
+        if remote.kind(name, file) != "file":
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            remote.get(Path(tmp) / file, name, file)
+            return (Path(tmp) / file).read_text()
+
+    def ended(base: str) -> bool:  # every fold it has recorded its end, and it has all k of them
+        folds = [n for n in names if n.startswith(f"{base}-fold") and n[len(base) + 5:].isdigit()]
+        try:
+            k = flatten(yaml.safe_load(read(f"{base}-fold0", "config.yaml") or "{}") or {}).get(wl.extra["folds"][0])
+        except (OSError, ValueError, yaml.YAMLError):
+            k = None
+        return (not isinstance(k, int) or len(folds) >= k) and all(read(f, "final_metrics.json") for f in folds)
+
+    # the newest that has not ended, as a bare --resume of one run takes (else the newest: it trains nothing)
+    bases = [n[: -len("-fold0")] for n in firsts]
+    return ([b for b in bases if not ended(b)] or bases)[-1]
 
 
 def _claim_base(wl, launch: Any) -> str:

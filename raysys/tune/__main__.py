@@ -143,14 +143,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         from raysys.tune.runner import SAVED
 
         print(f"raysys.tune: {line}; " + ("the sweep keeps its saved state and its trials' checkpoints (continue it "
-                                          "with the same command and --resume)" if SAVED else "nothing to resume"),
+                                          "with the same command and --resume)" if SAVED.get("sweep_dir") else "nothing to resume"),
               file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a signal sent again: stopped at once, with what Tune had saved
         from raysys.tune.runner import SAVED
 
-        if not SAVED:
+        if not SAVED.get("sweep_dir"):
             print("raysys.tune: stopped before the sweep started; nothing to resume", file=sys.stderr)
+            return 130
+        if not SAVED.get("fitting"):  # its MLflow parent and state exist, no trial started yet
+            print(f"raysys.tune: stopped before its trials started (MLflow: KILLED); continue it with:\n  "
+                  f"{SAVED['parent'][2]}", file=sys.stderr)
             return 130
         print("raysys.tune: stopped at once; the sweep keeps its saved state and its trials' checkpoints "
               "(continue it with the same command and --resume)", file=sys.stderr)

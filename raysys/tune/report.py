@@ -303,18 +303,22 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
 def _close_abandoned(client, experiment: str, parent_run_id: str, known: set) -> None:
     """A trial that started just before the sweep's driver was killed, and that Tune's saved state did not
     hold yet, is never continued: a resumed sweep samples its configuration again, as a new trial. Its
-    child run would stay RUNNING under a finished parent: it is closed KILLED, and says why."""
+    child run would stay RUNNING under a finished parent: it is closed KILLED, and says why. One the killed
+    driver's watcher already closed KILLED says why too: untagged, it looked like a duplicate of the new trial."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return
-    for run in client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' "
-                                                                    "and attributes.status = 'RUNNING'"):
-        if run.info.run_name in known:
+    for run in client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"):
+        # the trial's run folder name (its MLflow name is the trial id and knobs, for the UI)
+        if (run.data.tags.get("raysys.run_name", run.info.run_name) in known
+                or run.info.status not in ("RUNNING", "KILLED")
+                or run.data.tags.get("raysys.trial_status") == "abandoned"):
             continue
         client.set_tag(run.info.run_id, "raysys.trial_status", "abandoned")
         client.set_tag(run.info.run_id, "raysys.trial_reason", "the sweep's driver stopped before Ray Tune recorded "
                        "this trial, so the resumed sweep ran a new trial in its place; its run folder is kept")
-        client.set_terminated(run.info.run_id, status="KILLED")
+        if run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, status="KILLED")
 
 
 def _end_status(r: TrialRecord, status: str) -> str:

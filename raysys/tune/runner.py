@@ -393,8 +393,20 @@ def _result_loggers() -> list:
 
 def run_sweep(opts: SweepOptions) -> SweepOutcome:
     """Run (or ``--resume``) one sweep; its folder is locked while it runs (``_lock_sweep``)."""
+    SAVED.clear()
     try:
         return _run_sweep(opts)
+    except KeyboardInterrupt:  # a stop before Tune's fit took the signals over (the sweep's first seconds), or
+        # a signal sent again: the parent is closed KILLED with how to go on (the watcher is told done below;
+        # it stayed RUNNING for good)
+        opened = SAVED.get("parent")
+        if opened is not None:
+            uri, run_id, line = opened
+            how = "stopped at once" if SAVED.get("fitting") else "stopped before its trials started"
+            with contextlib.suppress(Exception):
+                tracking.MLflowLogger(uri, run_id).set_tags({"raysys.error": f"{how}; continue it with: {line}"[:5000]})
+                tracking.end_run(uri, run_id, "KILLED")
+        raise
     finally:
         while _LOCKED:
             lifecycle.RunLock.release_dir(_LOCKED.pop())
@@ -472,6 +484,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     held = lifecycle.RunLock.of(sweep_dir)  # a killed driver's parent and trials are closed KILLED (raysys.watcher)
     _WATCHING.append(watching.watch(uri, parent, None, held.path if held else None,
                                     _resume_line(opts, sp, name, sweep_dir)))
+    SAVED["parent"] = (uri, parent, _resume_line(opts, sp, name, sweep_dir))
     parent_log.log_params({"sweep.workload": wl.name, "sweep.preset": sp.preset, "sweep.space_file": sp.source,
                            "sweep.num_samples": opts.num_samples, "sweep.max_concurrent": concurrent,
                            "sweep.tolerance": tolerance, "sweep.throughput_metric": throughput_metric,
@@ -535,6 +548,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                                callbacks=[Progress(opts.num_samples, throughput_metric, quality_metric,
                                                    opts.max_failures, log=log), log, *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
+    SAVED["fitting"] = True  # from here a signal stops the trials at a step boundary (or, sent again, at once)
     with _signals_stop_like_ctrl_c(stop_actor) as signals:
         grid = tuner.fit()
     try:  # Ray Tune's probe of the storage, left at the sweep's root; the sweep's files are raysys's
@@ -567,8 +581,11 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     if interrupted:
         if not unrecorded:
             tracking.end_run(uri, parent, status="KILLED")
-        print(f"[raysys.tune] sweep interrupted with {len(unfinished)} unfinished and "
-              f"{max(0, opts.num_samples - len(records))} unstarted trials; continue it with:\n"
+        # counted as trials (a program of K members is K of them), ended or not: a vectorized program that had
+        # not started is one Tune trial, which split the count oddly into 'unfinished' and 'unstarted'
+        ended = len([r for r in records if r.status != INCOMPLETE])
+        print(f"[raysys.tune] sweep interrupted with {ended} of its {opts.num_samples} trials ended; continue "
+              f"it with:\n"
               f"  {_resume_line(opts, sp, name, sweep_dir)}", flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", signal.SIGINT))
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,

@@ -80,6 +80,8 @@ def run_bench(quick: bool = False) -> dict:
         _sync(device)
         return n, time.perf_counter() - t0
 
+    print(f"[bench] step times: both paths on {regions} regions x {repeats} (the naive path takes seconds a step "
+          "on a CPU)", flush=True)
     for p in models:  # warm-up
         step(p, batch_ids)
     times = {p: [] for p in models}
@@ -95,7 +97,11 @@ def run_bench(quick: bool = False) -> dict:
     n_big = big_runs[0][0]
     big_t = [dt for _, dt in big_runs]
 
-    curves = learning_curves(task, cfg, build, order, regions, 20 if quick else 60, device)
+    steps = 10 if quick else 60  # quick: enough for the loss to fall and the paths' curves to be compared
+    rate = {p: samples[p] * repeats / sum(times[p]) for p in models}
+    print(f"[bench] step times: naive {rate['naive']:.1f}, optimized {rate['optimized']:.1f} samples/s; "
+          f"learning check: {steps} steps of each path from the same weights", flush=True)
+    curves = learning_curves(task, cfg, build, order, regions, steps, device)
     n_steps = len(curves["naive"])
     gap = max(abs(a - b) for a, b in zip(curves["naive"], curves["optimized"]))
     problems = [f"{p}: its loss did not fall in {n_steps} steps ({c[0]:.4f} -> {c[-1]:.4f})"
