@@ -994,6 +994,32 @@ def test_a_trial_out_of_restarts_says_how_its_run_goes_on(tmp_path):
 
 
 @pytest.mark.slow  # ~2 min: a sweep stopped by SIGTERM in an outage, resumed once the server is back
+def test_a_sweep_stopped_in_its_first_seconds_is_closed_and_says_how_to_go_on(tmp_path):
+    """One Ctrl-C just after the sweep's banner, before Tune's fit takes the signals over: its MLflow parent
+    stayed RUNNING for good (its watcher was told done) and it printed the message of a signal sent twice,
+    without a resume line. Whether the signal lands before fit or just after it, the parent ends KILLED and
+    the console says how to continue."""
+    import signal
+
+    space = tmp_path / "space.yaml"
+    space.write_text("workload: deep_gpcm\npreset: quick\nspace:\n  optim.lr: {loguniform: [0.001, 0.01]}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", "--space", str(space), "--num-samples", "2",
+                             "--name", "early"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = ""
+    for line in proc.stdout:  # the banner's MLflow line: the parent exists, fit has not started
+        seen += line
+        if "MLflow" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, seen + out[-2000:] + err[-2000:]
+    assert "continue it with" in out + err and "--name early" in out + err and "--resume" in out + err, out + err
+    (parent,) = [r for r in _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-deep_gpcm")
+                 if r.data.tags.get("raysys.kind") == "sweep"]
+    assert parent.info.status == "KILLED"
+
+
 def test_a_sweep_stopped_in_an_outage_does_not_wait_for_the_server(tmp_path):
     """A stop signal is a deadline (a batch system's SIGKILL follows within seconds), but a sweep whose
     tracking server was down waited for it, up to $RAYSYS_TRACKING_WAIT_S, before its exit and its resume
