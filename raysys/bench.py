@@ -198,8 +198,9 @@ def _main(argv: list[str] | None) -> int:
     if not res.get("device"):
         res["device"] = measured_on
     res.setdefault("environment", environment())
-    if registry.origin(wl):  # a plug-in: which package (and version) or file was measured
-        res["environment"].setdefault("workload_source", registry.origin(wl))
+    source = registry.origin(wl)
+    if source:  # a plug-in: which package (and version) or file was measured
+        res["environment"].setdefault("workload_source", source)
     print(format_table(res))
     if args.json:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)

@@ -182,7 +182,6 @@ class Remote:
             except OSError as e:
                 if not unreachable(e) or time.monotonic() + delay > deadline:
                     raise
-                slow.cancel()
                 if not said:
                     said = True
                     log.warning("storage %s unreachable (%s); trying the %s again for up to %s s", self.display,
@@ -190,7 +189,7 @@ class Remote:
                 time.sleep(delay)
                 delay = min(2 * delay, 8.0)
             finally:
-                slow.cancel()
+                slow.cancel()  # after the first attempt: an unreachable storage is said above
 
     def delete_dir(self, *parts: str) -> None:
         self._retrying(lambda: self.fs.delete_dir(self.path(*parts)), f"removal of {'/'.join(parts)}")
@@ -209,9 +208,9 @@ def working_copy(storage: Remote, name: str) -> Path:
     """A fresh private folder standing for run ``name`` in this process, removed when the process ends.
     A process killed outright cannot remove its own: each copy has a ``<copy>.alive`` file its process
     keeps locked, and the copies whose lock nobody holds are removed by the next process that makes one."""
-    for local, (s, n) in _runs.items():
-        if s.uri == storage.uri and n == name:
-            return Path(local)
+    held = _copy_of(storage, name)
+    if held is not None:
+        return held
     _remove_orphans()
     # the lock first, then the folder: a sweeper that finds the lock free before it is taken removes
     # nothing of ours (the folder does not exist yet, and the unlinked lock file is never looked at again)
@@ -223,6 +222,11 @@ def working_copy(storage: Remote, name: str) -> Path:
     atexit.register(drop_copy, root)
     _runs[str(root)] = (storage, name)
     return root
+
+
+def _copy_of(storage: Remote, name: str) -> Optional[Path]:
+    """This process's working copy of run ``name`` on ``storage``, if it has one."""
+    return next((Path(local) for local, (s, n) in _runs.items() if s.uri == storage.uri and n == name), None)
 
 
 ALIVE = ".alive"
@@ -313,12 +317,12 @@ def worker_run_dir(p: dict) -> Iterator[Path]:
         yield Path(p["run_dir"])
         return
     remote = Remote(p["storage_uri"])
-    known = {Path(local) for local, (s, n) in _runs.items() if s.uri == remote.uri and n == p["run_name"]}
+    made = _copy_of(remote, p["run_name"]) is None
     root = working_copy(remote, p["run_name"])
     try:
         yield root
     finally:
-        if root not in known:
+        if made:
             drop_copy(root)
 
 

@@ -154,8 +154,8 @@ def _resumed(wl, launch: Any) -> str:
         return (not isinstance(k, int) or len(folds) >= k) and all(read(f, "final_metrics.json") for f in folds)
 
     # the newest that has not ended, as a bare --resume of one run takes (else the newest: it trains nothing)
-    bases = [n[: -len("-fold0")] for n in firsts]
-    return ([b for b in bases if not ended(b)] or bases)[-1]
+    bases = [n[: -len("-fold0")] for n in reversed(firsts)]
+    return next((b for b in bases if not ended(b)), bases[0])
 
 
 def _claim_base(wl, launch: Any) -> str:

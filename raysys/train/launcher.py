@@ -487,11 +487,14 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
     resumed_from = None  # the checkpoint a resume goes on from
+    code, code_changed = registry.code_digest(wl), ""  # the workload's code now; on a resume, its changed files
+    plugin = plugin_tag(wl)
     if launch.resume:
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
             record_event(run_dir, f"checkpoint cleanup: {line}")
         resumed_from = store.latest()
         if resumed_from is not None:
+            code_changed = _code_changes(run_dir, code)  # the last session's code.json, before this one's is written
             state, meta = store.load(resumed_from)  # a corrupt or foreign checkpoint fails here, before anything starts or is written
             added = store.added(meta)
             if added:  # the workload's config grew fields since the checkpoint: their values now are said
@@ -500,7 +503,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                       + ", ".join(f"{k} (now {v!r})" for k, v in added.items())
                       + f": the run goes on with {'them as they are' if many else 'it as it is'} now", flush=True)
             if fits is not None:  # a changed setting, or the workload's code changed since the checkpoint
-                fits(cfg, state, code_changes(run_dir, registry.code_digest(wl)))
+                fits(cfg, state, code_changed)
     created = not launch.resume
     if created:
         name, run_dir = _claim(wl.name, launch, name, run_dir)
@@ -514,9 +517,11 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         tracked_to = _tracked_to(run_dir) if launch.resume else None  # before this session's snapshot
         cfg_file = _next_snapshot(run_dir, launch.resume)
         storage.write_text(cfg_file, yaml.safe_dump(cfg_dict, sort_keys=False))
-        code = registry.code_digest(wl)
-        if resumed_from is not None:
-            _say_code_changes(run_dir, code)
+        if code_changed:  # the checkpoint loads (its shapes fit), but what trains from here is other code: said,
+            # and kept in events.log; not refused (a fix to the code is a reason to resume)
+            print(f"[raysys] note: the workload's code changed since this run's last session: {code_changed}; the run "
+                  "goes on from its checkpoint with the code as it is now", flush=True)
+            record_event(run_dir, f"resumed with changed code: {code_changed}")
         storage.write_text(run_dir / CODE_FILE, json.dumps(code, indent=1, sort_keys=True))
         experiment = launch.experiment or f"raysys-{wl.name}"
         new_mlflow_run = created or (parent_run_id is None and tracking.find_run(uri, experiment, name) is None)
@@ -532,7 +537,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                 print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store, or this one was made anew): a new MLflow "
                       "run holds this session; the earlier steps stay where they were recorded", flush=True)
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
-                                                                 "raysys.code": _code_id(code), **plugin_tag(wl),
+                                                                 "raysys.code": _code_id(code), **plugin,
                                                                  **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
         watcher = None
@@ -554,7 +559,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         before = tracking.run_tag(uri, run_id, "raysys.resume_changes")
         logger.set_tags({"raysys.resume_changes": (f"{before} | {said}" if before else said)[-5000:]})
     if launch.resume:  # the code of the run's last session (a new MLflow run got it at its start)
-        logger.set_tags({"raysys.code": _code_id(code), **plugin_tag(wl)})
+        logger.set_tags({"raysys.code": _code_id(code), **plugin})
     if launch.resume and logger.pending:
         sent = logger.pending
         if logger.flush():
@@ -598,7 +603,7 @@ def _code_id(code: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def code_changes(run_dir: Path, code: dict[str, str]) -> str:
+def _code_changes(run_dir: Path, code: dict[str, str]) -> str:
     """The workload's files that differ from the run's last session's ('' when none, or not known)."""
     path = run_dir / CODE_FILE
     try:
@@ -610,18 +615,6 @@ def code_changes(run_dir: Path, code: dict[str, str]) -> str:
     changed = [f"{f} ({'added' if f not in before else 'removed' if f not in code else 'changed'})"
                for f in sorted(set(before) | set(code)) if before.get(f) != code.get(f)]
     return ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
-
-
-def _say_code_changes(run_dir: Path, code: dict[str, str]) -> None:
-    """A resume whose workload code differs from its last session's: the checkpoint loads (its shapes fit),
-    but what trains from here is other code. Said, and kept in events.log; not refused: a fix to the code
-    is a reason to resume."""
-    shown = code_changes(run_dir, code)
-    if not shown:
-        return
-    print(f"[raysys] note: the workload's code changed since this run's last session: {shown}; the run goes on "
-          "from its checkpoint with the code as it is now", flush=True)
-    record_event(run_dir, f"resumed with changed code: {shown}")
 
 
 BENCH_ENV = "RAYSYS_IN_BENCH"

@@ -305,12 +305,14 @@ def _close_abandoned(client, experiment: str, parent_run_id: str, known: set) ->
     hold yet, is never continued: a resumed sweep samples its configuration again, as a new trial. Its
     child run would stay RUNNING under a finished parent: it is closed KILLED, and says why. One the killed
     driver's watcher already closed KILLED says why too: untagged, it looked like a duplicate of the new trial."""
+    from raysys.tracking import RUN_NAME_TAG
+
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return
     for run in client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"):
         # the trial's run folder name (its MLflow name is the trial id and knobs, for the UI)
-        if (run.data.tags.get("raysys.run_name", run.info.run_name) in known
+        if (run.data.tags.get(RUN_NAME_TAG, run.info.run_name) in known
                 or run.info.status not in ("RUNNING", "KILLED")
                 or run.data.tags.get("raysys.trial_status") == "abandoned"):
             continue
