@@ -342,7 +342,7 @@ def _main(argv: Optional[list[str]] = None) -> int:
         print(_summary(wl, result))
         return 0
     except ConfigError as e:
-        from raysys.train.launcher import DataError, WorkloadCodeError
+        from raysys.train.code_checks import DataError, WorkloadCodeError
 
         kind = ("data error" if isinstance(e, DataError) else "error in the workload's code"
                 if isinstance(e, WorkloadCodeError) else "config error")

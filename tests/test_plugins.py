@@ -1265,6 +1265,21 @@ LEFT_OUT = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_left", task=Lef
 '''
 
 
+def test_a_sweep_searching_an_optim_knob_its_task_never_reads_says_so(project, monkeypatch, capsys):
+    """A sweep whose space searches optim.schedule for a task with its own scheduler: one note before the
+    trials start (the meta-device model the note needs is the launcher's own driver-side build)."""
+    from raysys import workload as registry
+    from raysys.tune import runner
+
+    (project / "digits_own.py").write_text(OWN_OPTIMIZER)
+    monkeypatch.chdir(project)
+    wl = registry.get("digits_own:WORKLOAD")
+    runner._say_unread_knobs(wl, wl.config("quick"), {"optim.schedule": ["cosine", "constant"], "optim.lr": [0.1]})
+    assert capsys.readouterr().out.strip() == (
+        "[raysys.tune] note: the space searches optim.schedule, which digits_own's Task.scheduler never reads: "
+        "trials that differ only there train alike")
+
+
 def test_a_tasks_own_param_groups_and_plateau_schedule_train_and_resume(project):
     """Task.param_groups (no weight decay on biases) under the config's optimizer, and a ReduceLROnPlateau
     stepped with the quality metric after each evaluation: its state (the best so far) comes back with a

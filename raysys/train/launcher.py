@@ -15,7 +15,6 @@ import os
 import math
 import shutil
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -27,6 +26,8 @@ from raysys import workload as registry
 from raysys.checkpoint import CheckpointError, CheckpointStore, Superseded
 from raysys.config import ConfigError, flatten, to_dict
 from raysys.metrics import divergence
+from raysys.train import code_checks
+from raysys.train.code_checks import DataError
 from raysys.train.failures import error_line, fit_with_restarts, newest_checkpoint, record_event
 from raysys.train.runtime import (check_local_resources, check_ray_address, init_ray, joins_cluster,
                                   process_group_backend, train_logging, use_jax_platforms)
@@ -175,10 +176,6 @@ def recorded_final(run_dir: Path) -> Optional[dict]:
                 "run)", path, str(found).splitlines()[0][:120] if isinstance(found, Exception) else "not a dict of "
                 "metrics", aside.name)
     return None
-
-
-class DataError(ConfigError):
-    """The user's data cannot be used (missing or wrong columns, bad values, unreadable files)."""
 
 
 @dataclass
@@ -488,13 +485,13 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
     resumed_from = None  # the checkpoint a resume goes on from
     code, code_changed = registry.code_digest(wl), ""  # the workload's code now; on a resume, its changed files
-    plugin = plugin_tag(wl)
+    plugin = code_checks.plugin_tag(wl)
     if launch.resume:
         for line in store.clean_stale():  # a crash mid-save: finish the swap or drop the half copy
             record_event(run_dir, f"checkpoint cleanup: {line}")
         resumed_from = store.latest()
         if resumed_from is not None:
-            code_changed = _code_changes(run_dir, code)  # the last session's code.json, before this one's is written
+            code_changed = code_checks.code_changes(run_dir, code)  # the last session's code.json, before this one's is written
             state, meta = store.load(resumed_from)  # a corrupt or foreign checkpoint fails here, before anything starts or is written
             added = store.added(meta)
             if added:  # the workload's config grew fields since the checkpoint: their values now are said
@@ -522,7 +519,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
             print(f"[raysys] note: the workload's code changed since this run's last session: {code_changed}; the run "
                   "goes on from its checkpoint with the code as it is now", flush=True)
             record_event(run_dir, f"resumed with changed code: {code_changed}")
-        storage.write_text(run_dir / CODE_FILE, json.dumps(code, indent=1, sort_keys=True))
+        storage.write_text(run_dir / code_checks.CODE_FILE, json.dumps(code, indent=1, sort_keys=True))
         experiment = launch.experiment or f"raysys-{wl.name}"
         new_mlflow_run = created or (parent_run_id is None and tracking.find_run(uri, experiment, name) is None)
         if launch.resume and new_mlflow_run:
@@ -537,7 +534,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                 print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store, or this one was made anew): a new MLflow "
                       "run holds this session; the earlier steps stay where they were recorded", flush=True)
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
-                                                                 "raysys.code": _code_id(code), **plugin,
+                                                                 "raysys.code": code_checks.code_id(code), **plugin,
                                                                  **(tags or {})},
                                     parent_run_id=parent_run_id, resume=launch.resume)
         watcher = None
@@ -559,7 +556,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         before = tracking.run_tag(uri, run_id, "raysys.resume_changes")
         logger.set_tags({"raysys.resume_changes": (f"{before} | {said}" if before else said)[-5000:]})
     if launch.resume:  # the code of the run's last session (a new MLflow run got it at its start)
-        logger.set_tags({"raysys.code": _code_id(code), **plugin})
+        logger.set_tags({"raysys.code": code_checks.code_id(code), **plugin})
     if launch.resume and logger.pending:
         sent = logger.pending
         if logger.flush():
@@ -582,39 +579,6 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     else:
         print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
     return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file, watcher=watcher)
-
-
-CODE_FILE = "code.json"
-"""``<run>/code.json``: the digest of the workload's own code (``registry.code_digest``) in its last session."""
-
-
-def plugin_tag(wl: registry.Workload) -> dict:
-    """``raysys.plugin``: the package and version (or the file) a plug-in's code came from; none for a built-in
-    (``mlflow.source.git.commit`` is raysys's own commit, not the plug-in's)."""
-    source = registry.origin(wl)
-    return {"raysys.plugin": source} if source else {}
-
-
-def _code_id(code: dict[str, str]) -> str:
-    """One short id of a code digest: the MLflow tag ``raysys.code``, the code of the run's last session (runs
-    with the same id ran the same workload code)."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps(code, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _code_changes(run_dir: Path, code: dict[str, str]) -> str:
-    """The workload's files that differ from the run's last session's ('' when none, or not known)."""
-    path = run_dir / CODE_FILE
-    try:
-        before = json.loads(path.read_text()) if storage.pull(path) else None
-    except (OSError, ValueError):
-        before = None
-    if not isinstance(before, dict) or before == code:  # a run from before this file, or the same code
-        return ""
-    changed = [f"{f} ({'added' if f not in before else 'removed' if f not in code else 'changed'})"
-               for f in sorted(set(before) | set(code)) if before.get(f) != code.get(f)]
-    return ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
 
 
 BENCH_ENV = "RAYSYS_IN_BENCH"
@@ -641,137 +605,6 @@ def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
               "server)", flush=True)
 
 
-def _model_fits(wl: registry.Workload, tags: Optional[dict]) -> Callable[[Any, dict, str], None]:
-    """A resume's check that the model its config builds takes the checkpoint's weights: a setting that
-    changes a shape may lie outside the sections a checkpoint compares (``identity_sections``). The model
-    is built as a worker builds it (data first), on torch's meta device: shapes, no memory."""
-
-    def fits(cfg: Any, state: dict, code_changed: str = "") -> None:
-        saved = state.get("model") if isinstance(state, dict) else None
-        if not isinstance(saved, dict):
-            return
-        model = _built(wl.task, wl.name, cfg, say=False)
-        if model is None:  # not buildable here: the workers build it, and a mismatch fails there in one line
-            return
-        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}
-        odd = next((k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)), None)
-        if odd is None:
-            return
-        seen = (f"{odd}: checkpoint {list(have[odd]) if odd in have else 'none'}, "
-                f"now {list(want[odd]) if odd in want else 'none'}")
-        changed = (tags or {}).get("raysys.resume_changes", "")
-        if code_changed:  # the files are known: they, not a --set that may not touch a shape, are named first
-            why = (f"the workload's code changed since the run's last session ({code_changed})"
-                   + (f", and on this resume {changed}" if changed else "") + ". Resume with that code and settings")
-        elif changed:
-            why = f"changed on this resume: {changed}. Resume with the run's settings"
-        else:
-            why = ("the run's config is unchanged, so the workload's code builds another model than the one it saved. "
-                   "Resume with that code")
-        raise CheckpointError(f"the checkpoint does not fit the model this config builds ({seen}); {why}, or start "
-                              "a new run (another --name)")
-
-    return fits
-
-
-class WorkloadCodeError(ConfigError):
-    """The workload's own code (its Task's datasets or build_model) raised an error of the code itself."""
-
-
-CODE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, IndexError, ZeroDivisionError)
-"""Errors of a workload's own code, whatever node runs it. Not among them: what may fail on the driver alone
-(RuntimeError: no GPU here, no Ray Train context, an op meta tensors lack; OSError: data on the workers' nodes;
-ImportError: a package the workers' runtime env installs; AssertionError: torch without CUDA)."""
-
-
-def _built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
-    """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
-    memory), before the run exists; None where it cannot be built here. An error of the code itself
-    (``CODE_ERRORS``) is one line naming the hook, the error and where it was raised (with ``say``), not the
-    workers' traceback after the run was made and restarted ``max_failures`` times. A ConfigError is left to
-    the workers: it may check this process's devices, and there it fails the run at once with its message."""
-    import torch
-
-    for hook in ("datasets", "build_model"):
-        try:
-            if hook == "datasets":
-                task.datasets(cfg)
-            else:
-                with torch.device("meta"):
-                    return task.build_model(cfg)
-        except ConfigError:  # may be a check of this process's own devices ("needs a GPU"): the workers' to make
-            return None
-        except CODE_ERRORS as e:
-            if not say:
-                return None
-            frames = traceback.extract_tb(e.__traceback__)  # where in the workload's code, not inside torch
-            where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
-                     or frames)[-1]
-            what = DataError if hook == "datasets" and isinstance(e, ValueError) else WorkloadCodeError
-            detail = (str(e).strip().splitlines() or [""])[0][:300]
-            raise what(f"{name}: its Task.{hook} raised {type(e).__name__}"
-                       + (f": {detail}" if detail else "") + f" ({Path(where.filename).name}:{where.lineno}; "
-                       "nothing was created)") from None
-        except Exception:  # what may fail here alone: the workers build it, and meet any error there
-            return None
-    return None
-
-
-def _code_works(wl: registry.Workload, say: bool = True) -> Callable[[Any], None]:
-    """``open_run``'s check of a TorchTask workload: its model builds (``_built``; ``say``: its errors are the
-    command's, before the run exists; a sweep's trial or a fold leaves them to its run, which records them
-    as a failed child run beside the others) and, for a task with its own
-    optimizer hooks, the mistakes ``optim.task_optimizer`` and ``task_scheduler`` refuse (a parameter left
-    out, a plateau's mode) are found on that meta model, before the run exists, not in its workers after.
-    The hooks' own errors are left to the workers, which meet them again with their tracebacks."""
-    from raysys.train.optim import hooks_used
-
-    task = wl.task
-
-    def check(cfg: Any) -> None:
-        from raysys.train.optim import task_optimizer, task_scheduler
-
-        if not say and not hooks_used(task):
-            return
-        model = _built(task, wl.name, cfg, say)
-        if model is None or not hooks_used(task):
-            return
-        try:
-            opt = task_optimizer(task, cfg, model, wl.name)
-            task_scheduler(task, cfg, opt, 1000, wl.name, wl.quality_metric, wl.quality_mode)
-        except ConfigError:
-            raise
-        except Exception:  # a hook of its own failing on meta tensors: the workers find out, with its traceback
-            return
-        say_unread_optim(task, cfg, model, wl.name)
-
-    return check
-
-
-def say_unread_optim(task: Any, cfg: Any, model: Any, name: str, knobs: Optional[set] = None,
-                     prefix: str = "[raysys]") -> None:
-    """One note naming the ``optim`` values a task's own optimizer or scheduler never reads: a ``--set``, a
-    preset's value (those that differ from the section's defaults) or, with ``knobs``, a sweep's knob that
-    changes nothing."""
-    from raysys.train.optim import unread_optim
-
-    unread = unread_optim(task, cfg, model, name)
-    default = type(cfg.optim)()
-    given = [f for f in unread if (f"optim.{f}" in knobs if knobs is not None else getattr(cfg.optim, f) != getattr(default, f))]
-    if not given:
-        return
-    hooks = " and ".join(f"Task.{h}" for h in ("optimizer", "scheduler") if getattr(task, h, None) is not None)
-    if knobs is not None:
-        print(f"{prefix} note: the space searches {', '.join(f'optim.{f}' for f in given)}, which {name}'s {hooks} "
-              "never reads: trials that differ only there train alike", flush=True)
-    else:
-        print(f"{prefix} note: {', '.join(f'optim.{f}={getattr(cfg.optim, f)!r}' for f in given)} "
-              f"change{'s' if len(given) == 1 else ''} nothing: "
-              f"{name}'s {hooks} never reads {'it' if len(given) == 1 else 'them'} (the run's MLflow params still "
-              "show the value)", flush=True)
-
-
 def _log_dataset(wl: registry.Workload, cfg: Any, uri: str, run_id: str) -> None:
     """The workload's data as the run's MLflow input, where it names one (``Workload.dataset``)."""
     info = wl.dataset(cfg) if wl.dataset is not None else None
@@ -789,8 +622,8 @@ def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, pa
     wl = registry.get(wl_name)
     if wl.task is None:
         raise ConfigError(f"{wl_name} is not a PyTorch supervised workload")
-    run = open_run(wl, cfg, prepare_of(wl), parent_run_id, tags, fits=_model_fits(wl, tags),
-                   check=_code_works(wl, say=parent_run_id is None))
+    run = open_run(wl, cfg, prepare_of(wl), parent_run_id, tags, fits=code_checks.model_fits(wl, tags),
+                   check=code_checks.code_works(wl, say=parent_run_id is None))
     launch, name, run_dir, uri, run_id = run.cfg.launch, run.name, run.run_dir, run.tracking_uri, run.run_id
     cfg_dict, identity, logger = run.cfg_dict, run.identity, run.logger
 

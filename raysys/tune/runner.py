@@ -357,14 +357,14 @@ def _prepare(wl: registry.Workload, cfg: Any) -> Any:
 
 def _say_unread_knobs(wl: registry.Workload, base: Any, knobs: dict) -> None:
     """A note when the space searches an ``optim`` knob that the task's own optimizer or scheduler never reads."""
-    from raysys.train import launcher
+    from raysys.train import code_checks
     from raysys.train.optim import hooks_used
 
     if wl.task is None or not hooks_used(wl.task) or not any(k.startswith("optim.") for k in knobs):
         return
-    model = launcher._meta_model(wl.task, base)
+    model = code_checks.built(wl.task, wl.name, base, say=False)
     if model is not None:
-        launcher.say_unread_optim(wl.task, base, model, wl.name, knobs=set(knobs), prefix="[raysys.tune]")
+        code_checks.say_unread_optim(wl.task, base, model, wl.name, knobs=set(knobs), prefix="[raysys.tune]")
 
 
 def _check_local_cluster(sp: spaces.SweepSpace, opts: SweepOptions) -> None:
