@@ -386,37 +386,6 @@ def concat_actor_batches(batches: Sequence[dict[str, Any]]) -> dict[str, np.ndar
 # ---------------------------------------------------------------------- throughput
 
 
-def measure_rollout_throughput(
-    env_factory: EnvFactory,
-    policy_factory: PolicyFactory,
-    num_actors: int = 2,
-    envs_per_actor: int = 8,
-    steps_per_call: int = 256,
-    calls: int = 10,
-    warmup: int = 2,
-    epsilon: float = 0.1,
-    pool: Optional[RolloutPool] = None,
-    **pool_kw: Any,
-) -> dict[str, float]:
-    """Env steps per second of ``pool.sample`` (data returned to the driver included).
-    Builds (and shuts down) a pool unless one is given."""
-    own = pool is None
-    if own:
-        pool = RolloutPool(env_factory, policy_factory, num_actors, envs_per_actor, steps_per_call=steps_per_call, **pool_kw)
-    try:
-        for _ in range(warmup):
-            pool.sample(steps_per_call, epsilon)
-        t0 = time.perf_counter()
-        n = 0
-        for _ in range(calls):
-            n += sum(b["action"].size for b in pool.sample(steps_per_call, epsilon))
-        dt = time.perf_counter() - t0
-    finally:
-        if own:
-            pool.shutdown()
-    return {"env_steps_per_s": n / dt, "env_steps": n, "seconds": dt}
-
-
 class RLlibSampler:
     """RLlib's own sampling on the same env factory, for a like-for-like comparison: PPO on the
     new API stack (EnvRunner + RLModule + ConnectorV2), ``num_env_runners`` remote
@@ -464,32 +433,6 @@ class RLlibSampler:
 
     def stop(self) -> None:
         self.algo.stop()
-
-
-def measure_rllib_sampling_throughput(
-    env_factory: EnvFactory,
-    num_env_runners: int = 2,
-    num_envs_per_env_runner: int = 8,
-    steps_per_call: int = 256,
-    calls: int = 10,
-    warmup: int = 2,
-    sampler: Optional[RLlibSampler] = None,
-    **kw: Any,
-) -> dict[str, float]:
-    """Env steps per second of RLlib's EnvRunner sampling (see RLlibSampler)."""
-    own = sampler is None
-    if own:
-        sampler = RLlibSampler(env_factory, num_env_runners, num_envs_per_env_runner, steps_per_call, **kw)
-    try:
-        for _ in range(warmup):
-            sampler.sample(steps_per_call)
-        t0 = time.perf_counter()
-        n = sum(sampler.sample(steps_per_call) for _ in range(calls))
-        dt = time.perf_counter() - t0
-    finally:
-        if own:
-            sampler.stop()
-    return {"env_steps_per_s": n / dt, "env_steps": n, "seconds": dt}
 
 
 def compare_with_rllib(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -237,31 +237,6 @@ def _step_fn(impl: str, online: MPNDQN, target: MPNDQN, batch: dict, amp: bool, 
         return time.perf_counter() - t0
 
     return step
-
-
-def time_td_loss_step(
-    impl: Literal["naive", "optimized"],
-    B: int = 64,
-    L: int = 10,
-    H: int = 128,
-    obs_dim: int = 7,
-    n_actions: int = 3,
-    repeats: int = 10,
-    warmup: int = 2,
-    amp: bool = False,
-    compile: bool = False,
-    device: str = "cpu",
-    seed: int = 0,
-    threads: Optional[int] = 1,
-) -> float:
-    """Median seconds for one TD-loss step (online + target unrolls, forward + backward).
-    For a naive/optimized ratio on a shared machine use ``compare_td_loss`` (interleaved).
-    ``threads``: torch intra-op threads for the measurement (None = leave as is), see _threads."""
-    with _threads(threads):
-        step = _step_fn(impl, *_setup(B, L, H, obs_dim, n_actions, device, seed), amp, compile, device)
-        for _ in range(warmup):
-            step()
-        return float(np.median([step() for _ in range(repeats)]))
 
 
 def compare_td_loss(
