@@ -186,7 +186,9 @@ def _main(argv: list[str] | None) -> int:
         else:
             res = check_result(wl.bench(quick=args.quick, **({"overrides": overrides} if overrides else {})), wl.name)
     except ConfigError as e:
-        print(f"raysys.bench: config error: {e}", file=sys.stderr)
+        from raysys.train.code_checks import error_kind
+
+        print(f"raysys.bench: {error_kind(e)}: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:  # the user's data, read by the bench: one line, as train says it
         print(f"raysys.bench: data error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)

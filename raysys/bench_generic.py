@@ -19,6 +19,7 @@ import torch
 
 from raysys import workload as registry
 from raysys.config import ConfigError, apply_overrides
+from raysys.train.code_checks import map_style
 
 
 LEARN_PARITY = 0.25
@@ -88,7 +89,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     cfgs = {p: apply_overrides(cfg, {wl.path_key: p}) if p else cfg for p in paths}
     label = {p: p or "configured" for p in paths}
 
-    train_ds, eval_ds = task.datasets(cfg)
+    train_ds, eval_ds = map_style(wl.name, task.datasets(cfg))
     if len(train_ds) == 0:
         raise ConfigError(f"{wl.name}: its training set is empty (Task.datasets gave 0 items): nothing to time")
     bs = cfg.train.batch_size

@@ -342,11 +342,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
         print(_summary(wl, result))
         return 0
     except ConfigError as e:
-        from raysys.train.code_checks import DataError, WorkloadCodeError
+        from raysys.train.code_checks import error_kind
 
-        kind = ("data error" if isinstance(e, DataError) else "error in the workload's code"
-                if isinstance(e, WorkloadCodeError) else "config error")
-        print(f"raysys: {kind}: {e}", file=sys.stderr)
+        print(f"raysys: {error_kind(e)}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if not lifecycle.armed():

@@ -1265,6 +1265,42 @@ LEFT_OUT = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_left", task=Lef
 '''
 
 
+STREAM = """
+import dataclasses
+import torch
+import digits_mlp
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, ds):
+        self.ds = ds
+    def __iter__(self):
+        return (self.ds[i] for i in range(len(self.ds)))
+
+class StreamTask(digits_mlp.DigitsTask):
+    def datasets(self, cfg):
+        train, test = super().datasets(cfg)
+        return Stream(train), test
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_stream", task=StreamTask())
+"""
+
+
+def test_a_stream_for_a_dataset_is_one_line_before_anything(project):
+    """An IterableDataset has no index to shard, shuffle or resume an epoch by: train and bench say so in one
+    line, exit 2, with no run folder or MLflow store made (train made the run, then failed in len())."""
+    (project / "stream.py").write_text(STREAM)
+    line = ("digits_stream: its Task.datasets gave a Stream as the training set, which cannot be indexed: raysys "
+            "shards, shuffles and resumes an epoch by index, so it takes map-style datasets (__len__ and "
+            "__getitem__: a list, a torch Dataset); make the stream a list, or index its source")
+    train = _run(["python", "-m", "raysys", "train", "stream:WORKLOAD", "--preset", "quick", "--workers", "0"], project)
+    assert train.returncode == 2
+    assert train.stderr.strip().splitlines() == [f"raysys: error in the workload's code: {line}"]
+    bench = _run(["python", "-m", "raysys.bench", "stream:WORKLOAD", "--quick"], project)
+    assert bench.returncode == 2
+    assert bench.stderr.strip().splitlines()[-1] == f"raysys.bench: error in the workload's code: {line}"
+    assert sorted(p.name for p in project.iterdir()) == ["digits_mlp.py", "digits_space.yaml", "stream.py"]
+
+
 def test_a_sweep_searching_an_optim_knob_its_task_never_reads_says_so(project, monkeypatch, capsys):
     """A sweep whose space searches optim.schedule for a task with its own scheduler: one note before the
     trials start (the meta-device model the note needs is the launcher's own driver-side build)."""

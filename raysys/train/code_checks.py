@@ -96,10 +96,35 @@ class WorkloadCodeError(ConfigError):
     """The workload's own code (its Task's datasets or build_model) raised an error of the code itself."""
 
 
+def error_kind(e: ConfigError) -> str:
+    """How a command names a refusal on its one line: ``data error``, ``error in the workload's code`` or
+    ``config error`` (train, bench and tune alike)."""
+    return ("data error" if isinstance(e, DataError) else "error in the workload's code"
+            if isinstance(e, WorkloadCodeError) else "config error")
+
+
 CODE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, IndexError, ZeroDivisionError)
 """Errors of a workload's own code, whatever node runs it. Not among them: what may fail on the driver alone
 (RuntimeError: no GPU here, no Ray Train context, an op meta tensors lack; OSError: data on the workers' nodes;
 ImportError: a package the workers' runtime env installs; AssertionError: torch without CUDA)."""
+
+
+def map_style(name: str, out: Any) -> tuple[Any, Any]:
+    """``Task.datasets``' answer, checked: a (train, eval) pair of map-style datasets. The loop shards,
+    shuffles and resumes mid-epoch by index (``ShardSampler``), which a stream (an ``IterableDataset``) has
+    not: one is refused in one line, not met as ``len()``'s TypeError in a worker after the run exists."""
+    import torch
+
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise WorkloadCodeError(f"{name}: its Task.datasets gave a {got}, not a (train, eval) pair of datasets")
+    for which, ds in zip(("training", "evaluation"), out):
+        if isinstance(ds, torch.utils.data.IterableDataset) or not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            raise WorkloadCodeError(
+                f"{name}: its Task.datasets gave a {type(ds).__name__} as the {which} set, which cannot be indexed: "
+                "raysys shards, shuffles and resumes an epoch by index, so it takes map-style datasets (__len__ "
+                "and __getitem__: a list, a torch Dataset); make the stream a list, or index its source")
+    return out[0], out[1]
 
 
 def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
@@ -113,7 +138,7 @@ def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
     for hook in ("datasets", "build_model"):
         try:
             if hook == "datasets":
-                task.datasets(cfg)
+                out = task.datasets(cfg)
             else:
                 with torch.device("meta"):
                     return task.build_model(cfg)
@@ -132,6 +157,8 @@ def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
                        "nothing was created)") from None
         except Exception:  # what may fail here alone: the workers build it, and meet any error there
             return None
+        if hook == "datasets" and say:
+            map_style(name, out)
     return None
 
 

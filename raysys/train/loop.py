@@ -27,6 +27,7 @@ from raysys.console import Sink, forwarding
 from raysys.config import ConfigError, from_dict
 from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
+from raysys.train.code_checks import DataError, map_style
 from raysys.train.data import ShardSampler, make_loader, to_device
 from raysys.train.optim import fast_forward, hooks_used, is_plateau, task_optimizer, task_scheduler
 
@@ -132,7 +133,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
 
     if getattr(task, "prepare", None) is not None:  # optional; idempotent: on a cluster each node makes
         task.prepare(cfg)  # or checks its own copy of the data
-    train_ds, eval_ds = task.datasets(cfg)
+    train_ds, eval_ds = map_style(wl.name, task.datasets(cfg))
     model = task.build_model(cfg).to(device)
     ddp = None
     if world > 1:
@@ -144,8 +145,6 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     sampler = ShardSampler(len(train_ds), rank, world, seed=tc.seed, lengths=getattr(train_ds, "lengths", None),
                            bucket=cfg.loader.bucket_batches * tc.batch_size)
     if len(train_ds) == 0 or len(sampler) == 0:  # else a run of 0 steps "finishes" with an untrained model
-        from raysys.train.launcher import DataError
-
         raise DataError(f"{wl.name}: its training set is empty (Task.datasets gave {len(train_ds)} items"
                         + (f" for {world} workers)" if len(train_ds) else ")"))
     per_worker = len(sampler)

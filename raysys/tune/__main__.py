@@ -130,9 +130,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             pbt_quantile=args.pbt_quantile,
             command=tracking.command_line(argv, module="raysys.tune")))
     except ConfigError as e:
-        from raysys.train.launcher import DataError
+        from raysys.train.code_checks import error_kind
 
-        print(f"raysys.tune: {'data error' if isinstance(e, DataError) else 'config error'}: {e}", file=sys.stderr)
+        print(f"raysys.tune: {error_kind(e)}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a full disk, a lost tracking server: one line; the sweep keeps what it saved
         from raysys.train.failures import environment_line
@@ -176,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"raysys.tune: every trial failed; the first: {failed[0].reason.splitlines()[0] if failed[0].reason else '?'}",
               file=sys.stderr)
         # each with a configuration error (a quality metric evaluate() never returns): the workload's, exit 2
-        return 2 if all(r.reason.startswith(("ConfigError", "DataError")) for r in failed) else 1
+        return 2 if all(r.reason.startswith(("ConfigError", "DataError", "WorkloadCodeError")) for r in failed) else 1
     return 0
 
 
