@@ -97,7 +97,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(train_ds), generator=g).tolist()
     items = [[train_ds[i] for i in order[b * bs:(b + 1) * bs]] for b in range(n_batches)]
-    eval_batches = [to_device(task.collate([eval_ds[i] for i in range(s, min(s + bs, len(eval_ds)))]), device)
+    eval_batches = [to_device(registry.collate_of(task)([eval_ds[i] for i in range(s, min(s + bs, len(eval_ds)))]), device)
                     for s in range(0, min(len(eval_ds), bs * (2 if quick else 8)), bs)]
 
     models, opts = {}, {}
@@ -113,7 +113,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         except RuntimeError as e:
             raise ConfigError(f"{wl.name}: the naive and optimized models differ in parameters, so the paths "
                               f"cannot be compared on the same weights: {str(e).splitlines()[0]}") from None
-        batch = to_device(task.collate(items[0]), device)
+        batch = to_device(registry.collate_of(task)(items[0]), device)
         a.eval(), b.eval()  # no dropout: the same function must give the same loss
         with torch.no_grad():
             la, lb = (float(checked_loss(task, m, batch, wl.name)[0]) for m in (a, b))
@@ -123,7 +123,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     losses = {p: [] for p in paths}  # read once the timing is over: a read is a device sync
 
     def step(p: str, batch_items: list) -> tuple[int, int]:
-        batch = to_device(task.collate(batch_items), device)
+        batch = to_device(registry.collate_of(task)(batch_items), device)
         opts[p].zero_grad(set_to_none=True)
         loss, stats = checked_loss(task, models[p], batch, wl.name)
         losses[p].append(loss.detach())

@@ -21,7 +21,7 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 from urllib.parse import unquote, urlparse
 
 log = logging.getLogger(__name__)
@@ -179,20 +179,42 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
     import requests
 
     try:
-        health = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
-        if health.status_code == 200:
-            return
-        # not every MLflow (a proxy, a managed service) serves /health: its REST API says whether it is one
+        health = requests.get(uri.rstrip("/") + "/health", timeout=timeout, **_auth())
+        # /health alone says the process is up, not that it lets this client in or that its database works; and
+        # not every MLflow (a proxy, a managed service) serves /health: its REST API says both
         api = requests.get(uri.rstrip("/") + "/api/2.0/mlflow/experiments/get-by-name",
-                           params={"experiment_name": "Default"}, timeout=timeout)
+                           params={"experiment_name": "Default"}, timeout=timeout, **_auth())
     except requests.RequestException as e:
         reason = type(e).__name__
         raise ConfigError(f"the MLflow tracking server at {uri} does not answer ({reason}); start it or pass "
                           "another --tracking-uri (nothing was created)") from None
-    if api.status_code in (200, 401, 403) or "error_code" in api.text[:2000]:  # MLflow (its auth is MLflow's to say)
+    mlflow_error = "error_code" in api.text[:2000]
+    if api.status_code in (401, 403):
+        raise ConfigError(f"the MLflow tracking server at {uri} refuses this client (HTTP {api.status_code}): set "
+                          "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN, to an "
+                          "account it lets in (nothing was created)")
+    if api.status_code == 200 or (mlflow_error and api.status_code < 500):  # a 404 for a deleted Default: MLflow
         return
+    if health.status_code == 200 or mlflow_error:
+        raise ConfigError(f"the MLflow tracking server at {uri} answers but its API fails (HTTP {api.status_code}: "
+                          f"{_gist(Exception(api.text[:2000]), 120) or api.reason}); see the server's log, e.g. its "
+                          "database (nothing was created)")
     raise ConfigError(f"--tracking-uri {uri} answers, but not as an MLflow tracking server (HTTP {api.status_code} "
                       f"to its REST API, {health.status_code} to /health); check the URL and port (nothing was created)")
+
+
+def _auth() -> dict:
+    """What MLflow's own client sends a server (its environment variables), for requests' calls."""
+    kw: dict[str, Any] = {}
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        kw["headers"] = {"Authorization": f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"}
+    elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
+        kw["auth"] = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ.get("MLFLOW_TRACKING_PASSWORD", ""))
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
+        kw["verify"] = False
+    elif os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH"):
+        kw["verify"] = os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"]
+    return kw
 
 
 def wait_for_store(uri: str, max_wait_s: Optional[float] = None) -> None:
@@ -213,7 +235,8 @@ def wait_for_store(uri: str, max_wait_s: Optional[float] = None) -> None:
                 raise
             if not told:
                 told = True
-                print(f"[raysys] the MLflow server at {uri} does not answer; waiting up to {max_wait_s / 60:.0f} min "
+                print(f"[raysys] the MLflow server at {uri} does not answer; waiting up to "
+                      f"{f'{max_wait_s / 60:.0f} min' if max_wait_s >= 90 else f'{max_wait_s:.0f} s'} "
                       "for it ($RAYSYS_TRACKING_WAIT_S)", flush=True)
             time.sleep(delay)
             delay = min(2 * delay, 30.0)
@@ -410,6 +433,14 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
 
 
 BUFFER_FILE = "tracking-buffer.jsonl"
+PARKED_FILE = "tracking-artifacts.jsonl"
+"""Beside the buffer: the artifact records a server that answers would not store (its artifact store
+failing); metrics, tags and the run's end go on without them, and they are tried again on ``--resume``."""
+
+
+class ArtifactRefused(Exception):
+    """An artifact the tracking server did not store while its tracking API answers: its artifact store
+    fails (a full or read-only volume, a bucket it cannot write), which no retry of this run fixes."""
 
 
 def _gist(e: BaseException, width: int = 200) -> str:
@@ -475,9 +506,9 @@ class MLflowLogger:
             if not path.is_file():  # gone for good: it must not hold back what waits behind it
                 log.warning("tracking: %s is gone; its artifact record is dropped", path)
                 return
-            self.client.log_artifact(self.run_id, str(path), artifact_path=rec.get("subdir"))
+            self._artifact(path.name, lambda: self.client.log_artifact(self.run_id, str(path), artifact_path=rec.get("subdir")))
         elif kind == "text":
-            self.client.log_text(self.run_id, rec["text"], rec["name"])
+            self._artifact(rec["name"], lambda: self.client.log_text(self.run_id, rec["text"], rec["name"]))
         elif kind == "tags":
             for k, v in rec["data"].items():
                 self.client.set_tag(self.run_id, k, str(v))
@@ -504,7 +535,10 @@ class MLflowLogger:
                                 "dropped: %.80s", self.buffer, line)
                     sent += 1
                     continue
-                self._send(rec)
+                try:
+                    self._send(rec)
+                except ArtifactRefused as e:  # must not hold back the metrics and the end behind it
+                    self._park(line, e)
                 sent += 1
         except Exception:
             self._write_rest(lines[sent:])
@@ -535,11 +569,64 @@ class MLflowLogger:
                 log.warning("tracking store answers again: the %d records buffered meanwhile are sent", waiting)
         try:
             self._send(rec)
+        except ArtifactRefused as e:
+            self._park(json.dumps(rec, default=str), e)
         except Exception as e:
             reason = _gist(e)
             log.warning("tracking call failed (%s%s); buffering in %s", type(e).__name__,
                         f": {reason}" if reason else "", self.buffer)
             self._append(rec, now)
+
+    def _artifact(self, name: str, upload: Callable[[], None]) -> None:
+        """An upload; its failure is ``ArtifactRefused`` where the run itself still answers (with a buffer
+        to park it beside: a sweep's driver sending a finished trial's buffer keeps it in order)."""
+        try:
+            upload()
+        except Exception as e:
+            if self.buffer is None:
+                raise
+            try:
+                self.client.get_run(self.run_id)
+            except Exception:
+                raise e from None  # the server is away: the buffer's business, in order
+            status = getattr(getattr(e, "response", None), "status_code", None)  # a requests error's answer
+            raise ArtifactRefused(f"{name}: {type(e).__name__}" + (f", HTTP {status}" if status else "")) from e
+
+    @property
+    def parked(self) -> Path:
+        return self.buffer.with_name(PARKED_FILE)
+
+    def _park(self, line: str, e: ArtifactRefused) -> None:
+        from raysys import storage
+
+        first = not self.parked.is_file()
+        with open(self.parked, "a") as f:
+            f.write(line + "\n")
+        storage.push(self.parked)
+        if first:
+            log.warning("the tracking server answers, but its artifact store did not take %s (see the server's log): "
+                        "this run's artifacts wait in %s and are sent on --resume; its metrics and status go on",
+                        e, self.parked)
+
+    def send_parked(self) -> int:
+        """Try the parked artifacts once more (a resume); how many still wait."""
+        if self.buffer is None or not self.parked.is_file():
+            return 0
+        lines = [line for line in self.parked.read_text().splitlines() if line.strip()]
+        left = []
+        for line in lines:
+            try:
+                self._send(json.loads(line))
+            except Exception:
+                left.append(line)
+        from raysys import storage
+
+        if left:
+            self.parked.write_text("".join(line + "\n" for line in left))
+            storage.push(self.parked)
+        else:
+            storage.remove(self.parked)
+        return len(left)
 
     def _append(self, rec: dict, now: float) -> None:
         if now >= self._retry_at:

@@ -69,19 +69,22 @@ class TorchTask(Protocol):
     def datasets(self, cfg: Any) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
         """(train, eval) datasets; the loop shards train across workers."""
 
-    def collate(self, batch: list) -> Mapping[str, torch.Tensor]:
-        """Build one batch (a dict of tensors) from dataset items."""
+    def collate(self, batch: list) -> Any:
+        """Optional: one batch from dataset items (without it, torch's ``default_collate``); a dict of tensors
+        or a tuple of them, as the task's ``loss`` and ``evaluate`` take it."""
 
     def build_model(self, cfg: Any) -> torch.nn.Module:
         """Construct the model (on CPU; the loop moves it)."""
 
-    def loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """Forward pass -> (scalar loss, {'samples': n, 'tokens': n_valid_tokens})."""
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict]:
+        """Forward pass -> (scalar loss, {'samples': n, 'tokens': n_valid_tokens}); a count left out is the
+        batch's own (samples: its first tensor's leading size; tokens: the samples)."""
 
-    def evaluate(self, model: torch.nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """Quality metrics over already-on-device eval batches."""
 
-    # Optional, each (the loop looks them up with getattr; see raysys.train.optim); besides prepare and token_name:
+    # Optional, each (the loop looks them up with getattr; see raysys.train.optim); besides prepare, collate and
+    # token_name:
     #   param_groups(model, cfg) -> list[dict]: torch parameter groups (no weight decay on biases and
     #       norms, another LR for an embedding) for the optimizer the config's ``optim`` section builds;
     #   optimizer(model, cfg) -> torch.optim.Optimizer: an optimizer of your own instead;
@@ -229,11 +232,18 @@ class Workload:
         return cfg
 
 
-TASK_HOOKS = {"datasets": ("cfg",), "collate": ("batch",), "build_model": ("cfg",), "loss": ("model", "batch"),
-              "evaluate": ("model", "batches")}
+TASK_HOOKS = {"datasets": ("cfg",), "build_model": ("cfg",), "loss": ("model", "batch"), "evaluate": ("model", "batches")}
 """A TorchTask's required methods and the arguments the loop passes each."""
-TASK_OPTIONAL = {"prepare": ("cfg",), "param_groups": ("model", "cfg"), "optimizer": ("model", "cfg"),
+TASK_OPTIONAL = {"prepare": ("cfg",), "collate": ("batch",), "param_groups": ("model", "cfg"), "optimizer": ("model", "cfg"),
                  "scheduler": ("optimizer", "cfg", "total_steps")}
+
+
+def collate_of(task: Any) -> Callable[[list], Any]:
+    """A task's ``collate``, or torch's ``default_collate`` where it has none (items of tensors, numbers or
+    dicts of them become one batch of the same structure, as a plain DataLoader makes)."""
+    from torch.utils.data import default_collate
+
+    return getattr(task, "collate", None) or default_collate
 
 
 def _check_hooks(wl: "Workload") -> None:

@@ -1,5 +1,6 @@
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -69,8 +70,9 @@ class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 (sqlite backend, served artifacts) that a test can stop and
     start again on the same port and store, as an outage does."""
 
-    def __init__(self, store: Path):
+    def __init__(self, store: Path, artifacts: Optional[str] = None):
         self.store, self.port, self.proc = store, free_port(), None
+        self.artifacts = artifacts or str(store / "art")  # where it stores artifacts; may change between starts
         store.mkdir(parents=True, exist_ok=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -82,7 +84,7 @@ class MlflowServer:
 
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.store / 'm.db'}", "--artifacts-destination", str(self.store / "art")],
+             "--backend-store-uri", f"sqlite:///{self.store / 'm.db'}", "--artifacts-destination", self.artifacts],
             stdout=open(self.store / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 120
         while True:

@@ -837,6 +837,80 @@ def test_a_tracking_url_that_is_no_mlflow_server_is_one_line_and_creates_nothing
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+class _Refusing(threading.Thread):
+    """A web server answering /health 200 and MLflow's REST API with ``status`` (an MLflow behind a proxy that
+    wants credentials, or one whose database is broken)."""
+
+    def __init__(self, status: int):
+        import http.server
+
+        answer = status
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                code = 200 if self.path == "/health" else answer
+                body = b"OK" if code == 200 else b'{"error_code": "INTERNAL_ERROR", "message": "database is locked"}'
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET
+
+            def log_message(self, *a):
+                pass
+
+        super().__init__(daemon=True)
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def run(self):
+        self.httpd.serve_forever()
+
+
+@pytest.mark.parametrize("status,said", [(403, "refuses this client (HTTP 403): set MLFLOW_TRACKING_USERNAME"),
+                                         (500, "answers but its API fails (HTTP 500: ")])
+def test_a_tracking_server_that_refuses_or_fails_is_one_line_and_creates_nothing(tmp_path, status, said):
+    """/health said the process was up, and train went on: a 403 failed the run's first MLflow call with exit 1 and a
+    resume hint for a run never made, a 500 after four silent minutes of retries, the data generated first."""
+    server = _Refusing(status)
+    server.start()
+    try:
+        proc = _train(tmp_path, *QUICK, "--tracking-uri", server.url, timeout=120)
+    finally:
+        server.httpd.shutdown()
+    _one_line_error(proc, 2, said, "(nothing was created)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_artifact_store_that_fails_holds_back_no_metric_nor_the_runs_end(tmp_path):
+    """A server whose artifact store cannot be written (here a path under /dev/null) answers the rest: the
+    artifacts are parked beside the run, its metrics and FINISHED reach the server, and a resume once the
+    store works sends them (before, the first artifact held every later call in the buffer for good)."""
+    from mlflow.tracking import MlflowClient
+
+    server = MlflowServer(tmp_path / "server", artifacts="/dev/null/art").start()
+    try:
+        proc = _train(tmp_path, *QUICK, "--name", "art", "--tracking-uri", server.url, timeout=600)
+        assert proc.returncode == 0
+        assert "the tracking server did not store some artifacts of this run" in proc.stdout
+        run_dir = tmp_path / "raysys_runs" / "art"
+        assert (run_dir / "tracking-artifacts.jsonl").is_file() and not (run_dir / "tracking-buffer.jsonl").exists()
+        client = MlflowClient(tracking_uri=server.url)
+        (run,) = client.search_runs([client.get_experiment_by_name("raysys-deep_gpcm").experiment_id])
+        assert run.info.status == "FINISHED" and "eval/qwk" in run.data.metrics
+        assert len(client.get_metric_history(run.info.run_id, "train/loss")) >= 2
+        server.stop()
+        server.artifacts = str(tmp_path / "server" / "art")
+        server.start()
+        again = _train(tmp_path, *QUICK, "--name", "art", "--resume", "--tracking-uri", server.url, timeout=600)
+        assert again.returncode == 0
+        assert not (run_dir / "tracking-artifacts.jsonl").exists()
+        assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    finally:
+        server.stop()
+
+
 def test_tracking_outage_mid_run_loses_nothing(tmp_path):
     server = MlflowServer(tmp_path / "server").start()
     try:

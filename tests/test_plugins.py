@@ -526,7 +526,7 @@ def test_a_workloads_functions_are_checked_when_it_loads(monkeypatch):
 
     base = digits_mlp.WORKLOAD
     cases = {
-        "its task (NoEvaluate) has no evaluate; a task needs datasets, collate, build_model, loss, evaluate":
+        "its task (NoEvaluate) has no evaluate; a task needs datasets, build_model, loss, evaluate":
             dataclasses.replace(base, name="a", task=NoEvaluate()),
         "its BadLoss.loss cannot be called as loss(model, batch) (its signature: (model))":
             dataclasses.replace(base, name="b", task=BadLoss()),
@@ -1299,6 +1299,58 @@ def test_a_stream_for_a_dataset_is_one_line_before_anything(project):
     assert bench.returncode == 2
     assert bench.stderr.strip().splitlines()[-1] == f"raysys.bench: error in the workload's code: {line}"
     assert sorted(p.name for p in project.iterdir()) == ["digits_mlp.py", "digits_space.yaml", "stream.py"]
+
+
+PLAIN_TORCH = """
+import dataclasses
+from collections import namedtuple
+import torch
+import torch.nn.functional as F
+import digits_mlp
+
+Pair = namedtuple("Pair", "x y")
+
+class PlainTask(digits_mlp.DigitsTask):
+    collate = None  # torch's default_collate: (x, y) items become one [x, y] batch
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y), {}  # no counts: the batch's own
+
+    def evaluate(self, model, batches):
+        right = total = 0
+        for x, y in batches:
+            right += int((model(x).argmax(-1) == y).sum())
+            total += len(y)
+        return {"accuracy": right / total}
+
+class PairTask(PlainTask):
+    def collate(self, items):
+        return Pair(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
+
+PLAIN = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_plain", task=PlainTask())
+PAIRS = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_pairs", task=PairTask())
+"""
+
+
+def test_a_task_written_as_plain_torch_trains_with_tuple_batches_and_no_counts(project):
+    """What a torch user writes by habit: no collate (torch's default_collate), an (x, y) batch, a namedtuple
+    one, and a loss without sample counts. Each trains and learns, its throughput counted from the batch."""
+    from mlflow.tracking import MlflowClient
+
+    (project / "plain.py").write_text(PLAIN_TORCH)
+    for attr in ("PLAIN", "PAIRS"):
+        out = _run(["python", "-m", "raysys", "train", f"plain:{attr}", "--preset", "quick", "--workers", "0"], project)
+        assert out.returncode == 0, out.stderr[-2000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    for name in ("digits_plain", "digits_pairs"):
+        (run,) = client.search_runs([client.get_experiment_by_name(f"raysys-{name}").experiment_id])
+        assert run.info.status == "FINISHED" and run.data.metrics["eval/accuracy"] > 0.8
+        assert run.data.metrics["perf/samples_per_s"] > 0
+        assert run.data.metrics["perf/tokens_per_s"] == pytest.approx(run.data.metrics["perf/samples_per_s"])
+    bench = _run(["python", "-m", "raysys.bench", "plain:PLAIN", "--quick"], project)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert float(re.search(r"same weights and batch: ([\d.e+-]+)", bench.stdout).group(1)) < 1e-5
 
 
 def test_a_sweep_searching_an_optim_knob_its_task_never_reads_says_so(project, monkeypatch, capsys):

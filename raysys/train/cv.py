@@ -21,7 +21,8 @@ import yaml
 from raysys import lifecycle, tracking
 from raysys import workload as registry
 from raysys.config import ConfigError, apply_overrides, flatten, to_dict
-from raysys.train.launcher import RunResult, plugin_tag, run_training
+from raysys.train.code_checks import plugin_tag
+from raysys.train.launcher import RunResult, run_training
 
 
 def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult:

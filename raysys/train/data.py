@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -71,6 +71,23 @@ def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: Lo
                       pin_memory=cfg.pin_memory and device.type == "cuda", drop_last=train and cfg.drop_last, **kwargs)
 
 
-def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    # non_blocking only helps from pinned memory; harmless otherwise
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A batch on ``device``, whatever its structure: a dict of tensors, or an ``(x, y)`` tuple or list as torch's
+    ``default_collate`` gives (a namedtuple keeps its type); what is not a tensor is left as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)  # non_blocking only helps from pinned memory; harmless otherwise
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor (0 where it has none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    parts = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((n for n in (batch_len(v) for v in parts) if n), 0)

@@ -228,7 +228,12 @@ class OpenRun:
         if not ended:
             console.Sink().message(f"[raysys] the tracking store did not answer (a server away, a full disk): "
                                    f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
-                                   f"{self.logger.buffer.name}; they are sent on --resume of this run")
+                                   f"{self.logger.buffer.name}; they are sent on --resume of this run: "
+                                   f"{_resume_command(self.wl, self.cfg.launch, self.name)}")
+        elif self.logger.parked.is_file():
+            console.Sink().message(f"[raysys] the tracking server did not store some artifacts of this run; they "
+                                   f"wait in {storage.where(self.run_dir)}/{self.logger.parked.name} and are sent on "
+                                   f"--resume of this run: {_resume_command(self.wl, self.cfg.launch, self.name)}")
 
     def _retire_error_file(self) -> None:
         """A finished run has no error.txt: the traceback of the session that failed before this resume
@@ -550,6 +555,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     logger = tracking.MLflowLogger(uri, run_id, buffer=run_dir / tracking.BUFFER_FILE)
+    waiting = logger.pending if launch.resume else 0  # counted before the first call below sends them
     if launch.resume and (tags or {}).get("raysys.resume_changes"):  # the run's params keep their first values
         # each resume's changes, after the earlier ones': "resume-1: ... | resume-2: ..." (its config snapshot's name)
         said = f"{cfg_file.stem.split('.', 1)[-1]}: {tags['raysys.resume_changes']}"
@@ -557,10 +563,10 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         logger.set_tags({"raysys.resume_changes": (f"{before} | {said}" if before else said)[-5000:]})
     if launch.resume:  # the code of the run's last session (a new MLflow run got it at its start)
         logger.set_tags({"raysys.code": code_checks.code_id(code), **plugin})
-    if launch.resume and logger.pending:
-        sent = logger.pending
-        if logger.flush():
-            record_event(run_dir, f"tracking buffer sent ({sent} records)")
+    if waiting and logger.flush():
+        record_event(run_dir, f"tracking buffer sent ({waiting} records)")
+    if launch.resume and storage.pull(logger.parked) and not logger.send_parked():
+        record_event(run_dir, "parked artifacts sent")
     logger.log_params({k: v for k, v in flatten(cfg_dict).items() if not k.startswith("launch.")}
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
     if not launch.resume:  # a resume's snapshot goes to MLflow when its session ends, if it trained (finish)

@@ -28,7 +28,7 @@ from raysys.config import ConfigError, from_dict
 from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
 from raysys.train.code_checks import DataError, map_style
-from raysys.train.data import ShardSampler, make_loader, to_device
+from raysys.train.data import ShardSampler, batch_len, make_loader, to_device
 from raysys.train.optim import fast_forward, hooks_used, is_plateau, task_optimizer, task_scheduler
 
 
@@ -247,7 +247,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     def evaluate() -> dict[str, float]:
         nonlocal eval_loader_items
         if eval_loader_items is None:  # eval batches are fixed: build (and move) them once
-            loader = make_loader(eval_ds, tc.batch_size, ShardSampler(len(eval_ds), shuffle=False), task.collate, cfg.loader,
+            loader = make_loader(eval_ds, tc.batch_size, ShardSampler(len(eval_ds), shuffle=False), registry.collate_of(task), cfg.loader,
                                  device, train=False)  # every sample is evaluated (loader.drop_last is training's)
             eval_loader_items = [to_device(b, device) for b in loader]
         model.eval()
@@ -274,7 +274,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     micro_at_start = micro_done  # micro_done counts from here in this epoch's first `start` samples
     while epoch < tc.epochs and step < total_steps and not diverged and not stopped:
         sampler.set_epoch(epoch, start=start)
-        it = iter(make_loader(train_ds, tc.batch_size, sampler, task.collate, cfg.loader, device,
+        it = iter(make_loader(train_ds, tc.batch_size, sampler, registry.collate_of(task), cfg.loader, device,
                               seed=tc.seed * 100_003 + epoch))
         exhausted = False
         while not exhausted and step < total_steps and not diverged:
@@ -445,13 +445,20 @@ def _first_mismatch(text: str) -> str:
 
 
 def checked_loss(task: Any, model: Any, batch: Any, name: str) -> tuple:
-    """``task.loss``, its contract checked: a bare tensor would otherwise fail later as 'iteration over a 0-d tensor'."""
+    """``task.loss``, its contract checked: a bare tensor would otherwise fail later as 'iteration over a 0-d tensor'.
+    Counts it leaves out are the batch's own: ``samples`` its first tensor's leading size, ``tokens`` the samples
+    (a throughput of 0 would read as the slowest trial of a sweep)."""
     out = task.loss(model, batch)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and isinstance(out[1], Mapping)):
         got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, tuple) else "")
         raise ConfigError(f"{name}: its Task.loss returned a {got}, not (a scalar loss tensor, {{'samples': n, "
                           "'tokens': n})")
-    return out
+    loss, stats = out
+    if "samples" not in stats or "tokens" not in stats:
+        stats = dict(stats)
+        stats.setdefault("samples", batch_len(batch))
+        stats.setdefault("tokens", stats["samples"])
+    return loss, stats
 
 
 def _progress_text(epoch: int, epochs: int, m: dict, token_name: str) -> str:
