@@ -22,7 +22,7 @@ from typing import Any
 
 from raysys import console
 from raysys import workload as registry
-from raysys.config import ConfigError, load_yaml, parse_set_args
+from raysys.config import ConfigError, apply_overrides, load_yaml, parse_set_args
 
 
 def device_name() -> str:
@@ -177,8 +177,13 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(f"{wl.name}'s bench measures fixed shapes of its own and takes no --set/--config; time "
                               f"your configuration with `python -m raysys train {wl.name} --set ...` (its perf/ "
                               "metrics), or compare configurations with `python -m raysys.tune`")
-        print(f"[raysys.bench] measuring {wl.name}{' (quick)' if args.quick else ''} on {measured_on}: step times, "
-              "then how each path learns from the same weights; the table comes at the end", flush=True)
+        if overrides:  # every key and value, whoever applies them (a bench of its own may ignore one): before the banner
+            apply_overrides(wl.config(args.preset or ("quick" if args.quick and "quick" in wl.presets else "default")),
+                            overrides)
+        what = ("step times, then how each path learns from the same weights" if wl.bench is None
+                else "with its own bench")
+        print(f"[raysys.bench] measuring {wl.name}{' (quick)' if args.quick else ''} on {measured_on}: {what}; "
+              "the table comes at the end", flush=True)
         if wl.bench is None:
             from raysys.bench_generic import generic_bench
 

@@ -185,6 +185,21 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     return _result(run, final, session, outcome.failure)
 
 
+def _per_member(wl, outs: Any, n: int) -> list:
+    """What a population's ``train_fn`` returned, one result per member: None is no results (as a lone
+    ``train_fn``'s), anything else not a list of ``n`` is its mistake, said in one line (zip cut the last
+    members off, and a sweep read them as interrupted: it could never finish)."""
+    from raysys.config import ConfigError
+
+    if outs is None:
+        return [None] * n
+    if not isinstance(outs, (list, tuple)) or len(outs) != n:
+        got = type(outs).__name__ + (f" of {len(outs)}" if hasattr(outs, "__len__") else "")
+        raise ConfigError(f"{wl.name}: its Population.train_fn returned a {got}, not a list of {n} results (a dict "
+                          "of final metrics, or None, for each member, in the order of its cfgs)")
+    return list(outs)
+
+
 def numbers(metrics: Any, what: str) -> dict[str, float]:
     """Metrics as Python floats: ints, floats, bools and the one-element numbers of numpy, JAX and torch
     (a loop's ``np.float32`` loss, a 0-d ``jax.Array``) are taken; anything else is the workload's mistake,
@@ -261,7 +276,7 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
         if pbt is not None and sessions[0].pbt.chunks == 0 and any(s.logged for s in sessions):
             sessions[0].message(f"{wl.name}: its train_population never called pbt.after_chunk, so no PBT round ran "
                                 "(docs/your-workload.md: the three calls)")
-        finals = [s.finish(out or {}) for s, out in zip(sessions, outs)]
+        finals = [s.finish(out or {}) for s, out in zip(sessions, _per_member(wl, outs, len(sessions)))]
         for outcome, final, s in zip(outcomes, finals, sessions):
             _judge(outcome, final, s)
             outcome.trained_nothing = s.kept_final

@@ -356,6 +356,36 @@ WORKLOAD = dataclasses.replace(digits_jax.WORKLOAD, name="narrow_only", config_c
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("returned, said", [(lambda outs: outs[:-1], "returned a list of 2, not a list of 3 results"),
+                                             (lambda outs: dict(enumerate(outs)), "returned a dict of 3, not a list of 3")])
+def test_a_population_that_returns_other_than_one_result_per_member_fails_them_in_one_line(tmp_path, returned, said):
+    """A train_fn of a population returning one result too few (or a dict): each member's run FAILED with one
+    line naming Population.train_fn; before, zip cut the last member off unclosed, and its sweep read as
+    interrupted and exited 130 on every --resume. None is no results, as a lone train_fn's."""
+    import dataclasses
+
+    import tiny_workload as tiny
+    from mlflow.tracking import MlflowClient
+
+    from raysys.config import ConfigError
+    from raysys.session import run_population
+    from raysys.workload import Population
+
+    wrong = dataclasses.replace(tiny.WORKLOAD, name="tiny_wrong", population=Population(
+        lambda cfgs, sessions: returned(tiny.train_population(cfgs, sessions)), ("opt.lr",)))
+    with pytest.raises(ConfigError, match=f"tiny_wrong: its Population.train_fn {said}"):
+        run_population(wrong, _tiny_cfgs(tmp_path, [(4, 0.1), (4, 0.05), (4, 0.02)]))
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("raysys-tiny_wrong").experiment_id])
+    assert len(runs) == 3 and all(r.info.status == "FAILED" for r in runs)
+    assert all("Population.train_fn returned" in r.data.tags["raysys.error"] for r in runs)
+
+    silent = dataclasses.replace(tiny.WORKLOAD, name="tiny_silent", population=Population(
+        lambda cfgs, sessions: tiny.train_population(cfgs, sessions) and None, ("opt.lr",)))
+    results = run_population(silent, _tiny_cfgs(tmp_path / "s", [(4, 0.1), (4, 0.05)]))
+    assert len(results) == 2 and not any(r.failure for r in results)
+
+
 def test_a_config_error_in_a_vectorized_program_fails_its_members_once(tmp_path):
     """Two programs (two widths) of two members each: the one whose train_population raises a ConfigError
     fails at once, both its members `error` with the message (no --max-failures restart), while the

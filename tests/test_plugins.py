@@ -1353,6 +1353,30 @@ def test_a_task_written_as_plain_torch_trains_with_tuple_batches_and_no_counts(p
     assert float(re.search(r"same weights and batch: ([\d.e+-]+)", bench.stdout).group(1)) < 1e-5
 
 
+OWN_BENCH = """
+import dataclasses
+import digits_mlp
+
+
+def bench(quick, overrides=None):
+    raise SystemExit("the bench ran")
+
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_own_bench", bench=bench)
+"""
+
+
+@pytest.mark.parametrize("given, said", [("model.nosuch=3", "model.nosuch"), ("model.hidden=0", "model.hidden")])
+def test_a_bench_of_its_own_is_not_started_with_a_set_no_config_takes(project, given, said):
+    """A workload's own bench(quick, overrides) may never apply an override: an unknown key or a value its
+    config refuses is one line, exit 2, before the banner (the key was printed as "measured with" instead)."""
+    (project / "own_bench.py").write_text(OWN_BENCH)
+    out = _run(["python", "-m", "raysys.bench", "own_bench:WORKLOAD", "--quick", "--set", given], project)
+    assert out.returncode == 2 and "the bench ran" not in out.stderr and "measuring" not in out.stdout
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("raysys.bench: config error: ") and said in line
+
+
 def test_a_sweep_searching_an_optim_knob_its_task_never_reads_says_so(project, monkeypatch, capsys):
     """A sweep whose space searches optim.schedule for a task with its own scheduler: one note before the
     trials start (the meta-device model the note needs is the launcher's own driver-side build)."""
