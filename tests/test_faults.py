@@ -39,6 +39,15 @@ class StoppingTask(DigitsTask):
 WORKLOAD = dataclasses.replace(BASE, name="digits_stop", task=StoppingTask())
 '''
 
+# The same, its evaluation drawing random numbers (a sampled metric, a bootstrap), which rank 0 alone runs.
+DDP_STOPPER = STOPPER.replace("""        return super().loss(model, batch)
+""", """        return super().loss(model, batch)
+    def evaluate(self, model, batches):
+        import random, numpy, torch
+        torch.rand(3), numpy.random.rand(3), random.random()
+        return super().evaluate(model, batches)
+""")
+
 # The summarizer, stopped the same way (its TorchTask through the shared loop).
 PG_STOPPER = STOPPER.replace("from digits_mlp import WORKLOAD as BASE, DigitsTask",
                              "from raysys.workloads.pointer_generator.workload import WORKLOAD as BASE, "
@@ -1352,6 +1361,9 @@ def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
 
 @pytest.mark.parametrize("workload, experiment, stop_at, sets", [
     ("stopper:WORKLOAD", "digits_stop", 13, ["--preset", "quick"]),  # a small model with dropout, stopped mid-epoch
+    # two data-parallel workers, stopped in the second epoch: rank 0 alone evaluated, so the ranks' RNG streams
+    # differ by then, and each must come back as its own (all took rank 0's, and losses drifted by 1e-4)
+    ("ddp_stopper:WORKLOAD", "digits_stop", 16, ["--preset", "quick", "--workers", "2"]),
     # stopped by a real SIGINT wherever it lands (~65 s; test_a_signal_saves_marks_killed_and_says_how_to_resume
     # checks a real signal's checkpoint and resume by default)
     pytest.param("deep_gpcm", "deep_gpcm", 0, ["--set", "train.epochs=2"], marks=pytest.mark.slow),
@@ -1361,6 +1373,7 @@ def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
 def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, experiment, stop_at, sets):
     (tmp_path / "stopper.py").write_text(STOPPER)
     (tmp_path / "pg_stopper.py").write_text(PG_STOPPER)
+    (tmp_path / "ddp_stopper.py").write_text(DDP_STOPPER)
     common = [workload, "--workers", "0", *sets, "--set", "train.log_every_steps=1"]
     assert _train(tmp_path, *common, "--name", "whole").returncode == 0
     if stop_at:

@@ -67,6 +67,16 @@ def _rng_state() -> dict:
     return state
 
 
+def _rng_states(world: int) -> list[dict]:
+    """Every rank's ``_rng_state``, gathered (all ranks call it): they differ once rank 0 alone has evaluated
+    (a metric that samples, a loader's seed), and a resume gives each rank its own back."""
+    if world == 1:
+        return [_rng_state()]
+    states: list = [None] * world
+    torch.distributed.all_gather_object(states, _rng_state())
+    return states
+
+
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "python" in state:
@@ -210,7 +220,8 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
         scaler.load_state_dict(state["scaler"])
         timer.load_state_dict(state["timer"])
         monitor.load_state_dict(state["monitor"])
-        _set_rng_state(state["rng"])
+        ranks = state.get("rng_ranks")  # one per rank; a checkpoint of another worker count: rank 0's for all
+        _set_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
         # the last step's loss: an epoch-end report right after the resume must not say NaN
         loss_val = float(state.get("loss", float("nan")))
         if rank == 0:  # the epoch as the progress bar counts it (from 1), and where in it the run is
@@ -236,10 +247,11 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     def save_checkpoint() -> None:
         nonlocal saved_at
         saved_at = step
+        rngs = _rng_states(world)
         if rank == 0:
             store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
-                        "rng": _rng_state(), "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
+                        "rng": rngs[0], "rng_ranks": rngs, "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
                         "epoch_samples": min(per_worker, start + (micro_done - micro_at_start) * tc.batch_size) * world,
                         "loss": loss_val, "total_steps": total_steps},
                        step, {"epoch": epoch})
