@@ -1377,6 +1377,18 @@ def test_a_bench_of_its_own_is_not_started_with_a_set_no_config_takes(project, g
     assert line.startswith("raysys.bench: config error: ") and said in line
 
 
+def test_a_training_set_drop_last_leaves_without_a_batch_is_one_line_before_anything(project):
+    """Fewer samples per worker than one batch, with loader.drop_last: the loop said so after the run and its
+    MLflow run existed (a FAILED run and a traceback file for a mistake in the command)."""
+    out = _run(["python", "-m", "raysys", "train", "digits_mlp:WORKLOAD", "--preset", "quick", "--workers", "0",
+                "--set", "loader.drop_last=true", "--set", "train.batch_size=2000"], project)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "raysys: data error: loader.drop_last leaves no batch: 1347 training samples per worker, fewer than "
+        "train.batch_size=2000 (digits_mlp; nothing was created)"]
+    assert sorted(p.name for p in project.iterdir()) == ["digits_mlp.py", "digits_space.yaml"]
+
+
 def test_a_sweep_searching_an_optim_knob_its_task_never_reads_says_so(project, monkeypatch, capsys):
     """A sweep whose space searches optim.schedule for a task with its own scheduler: one note before the
     trials start (the meta-device model the note needs is the launcher's own driver-side build)."""

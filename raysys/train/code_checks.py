@@ -127,6 +127,20 @@ def map_style(name: str, out: Any) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
+def _batches_left(name: str, cfg: Any, train: Any) -> None:
+    """A training set that ``loader.drop_last`` leaves without one batch per worker: said as the loop would
+    say it, but before the run exists."""
+    import math
+
+    loader, tc, launch = (getattr(cfg, k, None) for k in ("loader", "train", "launch"))
+    if not getattr(loader, "drop_last", False) or not hasattr(tc, "batch_size") or not len(train):
+        return
+    per_worker = math.ceil(len(train) / max(1, getattr(launch, "workers", 1)))  # as ShardSampler shards it
+    if per_worker < tc.batch_size:
+        raise DataError(f"loader.drop_last leaves no batch: {per_worker} training samples per worker, fewer than "
+                        f"train.batch_size={tc.batch_size} ({name}; nothing was created)")
+
+
 def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
     """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
     memory), before the run exists; None where it cannot be built here. An error of the code itself
@@ -158,7 +172,7 @@ def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
         except Exception:  # what may fail here alone: the workers build it, and meet any error there
             return None
         if hook == "datasets" and say:
-            map_style(name, out)
+            _batches_left(name, cfg, map_style(name, out)[0])
     return None
 
 
