@@ -185,6 +185,26 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     return _result(run, final, session, outcome.failure)
 
 
+def _say_alike(wl, cfgs: list, finals: list, lead: "Session", pbt: bool) -> None:
+    """One note where members whose knobs differ ended with the very same metrics: a sign that the program
+    gives every member one of those values (the lead's), which nothing else would show (a sweep then ranks
+    configurations that never trained)."""
+    from raysys.config import flatten, to_dict
+
+    if pbt:  # exploit copies one member's state into another: alike ends are PBT's doing
+        return
+    knobs = [{k: v for k, v in flatten(to_dict(c)).items() if k in wl.population.member_knobs} for c in cfgs]
+    said = {k: v for k, v in ((i, tuple(sorted((m, x) for m, x in f.items() if not m.startswith("perf/"))))
+                              for i, f in enumerate(finals)) if v}
+    for i in said:
+        for j in said:
+            if i < j and said[i] == said[j] and knobs[i] != knobs[j]:
+                differ = ", ".join(k for k in knobs[i] if knobs[i][k] != knobs[j].get(k))
+                lead.message(f"note: two members that differ in {differ} ended with the very same metrics; "
+                             "does its Population.train_fn give each member its own value of it?")
+                return
+
+
 def _per_member(wl, outs: Any, n: int) -> list:
     """What a population's ``train_fn`` returned, one result per member: None is no results (as a lone
     ``train_fn``'s), anything else not a list of ``n`` is its mistake, said in one line (zip cut the last
@@ -277,6 +297,7 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
             sessions[0].message(f"{wl.name}: its train_population never called pbt.after_chunk, so no PBT round ran "
                                 "(docs/your-workload.md: the three calls)")
         finals = [s.finish(out or {}) for s, out in zip(sessions, _per_member(wl, outs, len(sessions)))]
+        _say_alike(wl, shapes.cfgs, finals, sessions[0], pbt is not None)
         for outcome, final, s in zip(outcomes, finals, sessions):
             _judge(outcome, final, s)
             outcome.trained_nothing = s.kept_final

@@ -217,6 +217,11 @@ def _auth() -> dict:
     return kw
 
 
+class TrackingOutageError(Exception):
+    """A tracking server that answered when the sweep began has not answered for the whole wait: an outage,
+    not a mistake in the command; what was made meanwhile waits in its folders for a --resume."""
+
+
 def wait_for_store(uri: str, max_wait_s: Optional[float] = None) -> None:
     """``check_store``, retried while an HTTP tracking server does not answer, for up to ``max_wait_s``
     (default ``$RAYSYS_TRACKING_WAIT_S``, else 600 s). For a sweep's trials and its last writes: the
@@ -231,8 +236,12 @@ def wait_for_store(uri: str, max_wait_s: Optional[float] = None) -> None:
         try:
             return check_store(uri)
         except ConfigError:
-            if not is_server(uri) or time.monotonic() + delay > deadline:
+            if not is_server(uri):
                 raise
+            if time.monotonic() + delay > deadline:
+                wait = f"{max_wait_s / 60:.0f} min" if max_wait_s >= 90 else f"{max_wait_s:.0f} s"
+                raise TrackingOutageError(f"the MLflow tracking server at {uri} has not answered for {wait} "
+                                "($RAYSYS_TRACKING_WAIT_S)") from None
             if not told:
                 told = True
                 print(f"[raysys] the MLflow server at {uri} does not answer; waiting up to "

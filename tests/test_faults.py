@@ -1008,6 +1008,43 @@ def test_a_sweep_waits_out_a_tracking_outage(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # ~2 min: an outage longer than the sweep waits
+def test_a_sweep_whose_server_stays_away_says_so_and_how_to_finish(tmp_path):
+    """The server goes away once the trial's run exists and stays away past $RAYSYS_TRACKING_WAIT_S: the
+    sweep ends with exit 1 naming the outage and its resume line (it said "config error ... nothing was
+    created", exit 2, with neither), and once the server is back that resume finishes it."""
+    server = MlflowServer(tmp_path / "server").start()
+    runs = tmp_path / "raysys_runs" / "sweeps" / "away" / "runs"
+    args = [sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"),
+            "--num-samples", "1", "--preset", "quick", "--set", "train.epochs=1", "--tracking-uri", server.url,
+            "--name", "away"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env={**_env(), "RAYSYS_TRACKING_WAIT_S": "5"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    try:
+        deadline = time.time() + 300
+        while not list(runs.glob("*/checkpoints")):  # the trial's MLflow run exists: it trains on, buffering
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        server.stop()
+        out, err = proc.communicate(timeout=900)
+        print(out[-5000:], err[-3000:], sep="\n")
+        assert proc.returncode == 1 and "config error" not in err and "ConfigError" not in out
+        said = err.strip().splitlines()
+        assert said[-2].startswith(f"raysys.tune: the MLflow tracking server at {server.url} has not answered for 5 s")
+        assert said[-1].startswith("  cd ") and " --resume" in said[-1]
+        server.start()
+        again = subprocess.run(said[-1].strip(), shell=True, cwd=tmp_path, env=_env(), capture_output=True,
+                               text=True, timeout=900)
+        print(again.stdout[-3000:], again.stderr[-3000:], sep="\n")
+        assert again.returncode == 0
+        exp = _client(server.url).get_experiment_by_name("raysys-deep_gpcm")
+        (parent,) = [r for r in _client(server.url).search_runs([exp.experiment_id]) if "raysys.trial_id" not in r.data.tags]
+        assert parent.info.status == "FINISHED"
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow  # ~2 min: a trial that ends inside an outage of its sweep's tracking server
 def test_a_sweep_sends_what_a_trial_buffered_in_an_outage(tmp_path):
     """The server goes away while the trial trains and comes back only after the trial has ended, so

@@ -386,6 +386,32 @@ def test_a_population_that_returns_other_than_one_result_per_member_fails_them_i
     assert len(results) == 2 and not any(r.failure for r in results)
 
 
+def test_members_that_differ_in_a_knob_yet_end_alike_are_said(tmp_path, capfd):
+    """A population that trains every member with the lead's learning rate: their metrics come out identical,
+    which is said in one note (a sweep ranked them as two configurations, silently)."""
+    import copy
+    import dataclasses
+
+    import tiny_workload as tiny
+
+    from raysys.session import run_population
+    from raysys.workload import Population
+
+    def leads_lr(cfgs, sessions):
+        same = [copy.deepcopy(cfgs[0]) for _ in cfgs]
+        for c, own in zip(same, cfgs):
+            c.launch = own.launch  # each member's own run, the lead's learning rate
+        return tiny.train_population(same, sessions)
+
+    forgetful = dataclasses.replace(tiny.WORKLOAD, name="tiny_forgetful",
+                                    population=Population(leads_lr, ("opt.lr",)))
+    run_population(forgetful, _tiny_cfgs(tmp_path, [(4, 0.1), (4, 0.05)]))
+    assert ("note: two members that differ in opt.lr ended with the very same metrics; does its "
+            "Population.train_fn give each member its own value of it?") in capfd.readouterr().out
+    run_population(tiny.WORKLOAD, _tiny_cfgs(tmp_path / "own", [(4, 0.1), (4, 0.05)]))
+    assert "very same metrics" not in capfd.readouterr().out
+
+
 def test_a_config_error_in_a_vectorized_program_fails_its_members_once(tmp_path):
     """Two programs (two widths) of two members each: the one whose train_population raises a ConfigError
     fails at once, both its members `error` with the message (no --max-failures restart), while the

@@ -346,3 +346,31 @@ def test_a_resume_on_other_data_is_refused_but_not_from_a_copy_elsewhere(tmp_pat
     proc = _cli(tmp_path / "a", *common, "--resume", "--set", "train.max_steps=4", "--set", "data.seed=1")
     assert proc.returncode == 2 and "data.seed" in proc.stderr
     shutil.rmtree(tmp_path / "b")
+
+
+def test_a_users_duplicate_notes_stay_on_one_side_of_the_split(tmp_path):
+    """A corpus with repeated notes: every copy is held out or trained on together (a held-out copy of a
+    training note inflated ROUGE); a corpus without repeats splits as the plain permutation of its rows."""
+    import csv
+
+    from raysys.workloads.pointer_generator.data import _splits
+
+    def write(name, notes):
+        path = tmp_path / name
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["note", "summary"])
+            w.writerows([(n, f"summary of {n}") for n in notes])
+        return str(path)
+
+    d = quick().data
+    d.eval_fraction, d.seed = 0.25, 3
+    d.path = write("dups.csv", [f"note number {i % 12}" for i in range(40)])  # 12 notes, each 3 or 4 times
+    train, held = _splits(d)
+    assert len(train) + len(held) == 40 and not {r["note"] for r in train} & {r["note"] for r in held}
+    assert len({r["note"] for r in held}) == 3  # a quarter of the 12 distinct notes
+    d.path = write("plain.csv", [f"note number {i}" for i in range(40)])
+    train, held = _splits(d)
+    order = np.random.default_rng(3).permutation(40)
+    assert [r["note"] for r in held] == [f"note number {i}" for i in order[:10]]
+    assert [r["note"] for r in train] == [f"note number {i}" for i in order[10:]]

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Optional
 
-from raysys import console
+from raysys import console, tracking
 from raysys.config import ConfigError, parse_set_args
 
 EPILOG = """examples:
@@ -118,7 +118,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError("--budget must be > 0 minutes")
         if args.tolerance is not None and not args.tolerance >= 0:
             raise ConfigError(f"--tolerance must be >= 0 (a quality difference), got {args.tolerance}")
-        from raysys import tracking
         from raysys.tune.runner import SweepOptions, run_sweep
 
         outcome = run_sweep(SweepOptions(
@@ -134,6 +133,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         print(f"raysys.tune: {error_kind(e)}: {e}", file=sys.stderr)
         return 2
+    except tracking.TrackingOutageError as e:  # an outage longer than the sweep waits: not the command's mistake
+        print(f"raysys.tune: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # a full disk, a lost tracking server: one line; the sweep keeps what it saved
         from raysys.train.failures import environment_line
 

@@ -574,7 +574,11 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
         print(f"[raysys.tune] the MLflow server at {uri} does not answer: the sweep's runs stay RUNNING in MLflow, "
               "and --resume completes their records once it answers again", flush=True)
     else:
-        tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
+        try:
+            tracking.wait_for_store(uri)  # an outage now would lose the sweep's verdict in MLflow: wait it out
+        except tracking.TrackingOutageError as e:  # every trial's record is in its folder: a --resume sends them
+            raise tracking.TrackingOutageError(f"{e}: the sweep's trials and records are kept in {storage.where(sweep_dir)}; "
+                                     f"once it answers, finish the sweep with:\n  {_resume_line(opts, sp, name, sweep_dir)}") from None
         report.finalize_children(uri, experiment, setup, records, grid,
                                  None if interrupted else report.Verdict.of(records, tolerance),
                                  objectives_dir=str(sweep_dir / OBJECTIVES_DIR))

@@ -6,7 +6,7 @@
   hits both alike; on a GPU the optimized path runs in bf16 autocast (flash/memory-efficient SDPA);
 * loss parity: both paths' loss on the same weights and batch (fp32, eval mode);
 * learning parity: both paths trained from the same weights on the same batches (fp32, no dropout) for
-  20 steps (quick) or 60: their loss curves, which must fall and stay together (the fast path learns
+  10 steps (quick) or 60: their loss curves, which must fall and stay together (the fast path learns
   what the slow one does, step for step; the in-context return of long runs is docs/benchmarks.md's);
 * the optimized path at its own default batch, for scale.
 """

@@ -245,7 +245,7 @@ class DistillationTask:
             try:
                 histories.check(folder, self.goals(cfg)[0], cfg.data.region, cfg.data.streams)
             except FileNotFoundError:
-                what = ("is a file, not a folder of histories" if folder.is_file() else "no such folder"
+                what = ("is a file, not a folder of histories" if folder.is_file() else "does not exist"
                         if not folder.is_dir() else "holds no manifest.json")
                 raise ConfigError(f"data.histories: {folder} {what} (make one with python -m "
                                   "raysys.workloads.ad_transformer.histories --out DIR)") from None

@@ -159,12 +159,19 @@ def _splits(d: Any) -> tuple[list[dict], list[dict]]:
         for r in evals:
             r["entities"] = guess_entities(r["note"], r["summary"])
         return rows, evals
-    order = np.random.default_rng(d.seed).permutation(len(rows))
-    n_eval = max(1, int(round(d.eval_fraction * len(rows))))
-    if n_eval >= len(rows):
-        raise ValueError(f"{d.path}: {len(rows)} rows leave none to train on once data.eval_fraction="
+    # rows of one note stay on one side: a duplicate held out would score the model on what it trained on
+    # (without duplicates, each group is one row and the split is the plain permutation of the rows)
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["note"], []).append(r)
+    grouped = list(groups.values())
+    order = np.random.default_rng(d.seed).permutation(len(grouped))
+    n_eval = max(1, int(round(d.eval_fraction * len(grouped))))
+    if n_eval >= len(grouped):
+        distinct = f" ({len(grouped)} distinct notes)" if len(grouped) < len(rows) else ""
+        raise ValueError(f"{d.path}: {len(rows)} rows{distinct} leave none to train on once data.eval_fraction="
                          f"{d.eval_fraction} holds out {n_eval} for evaluation")
-    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
+    return ([r for i in order[n_eval:] for r in grouped[i]], [r for i in order[:n_eval] for r in grouped[i]])
 
 
 def _train_tokenizer(texts: list[str], prefix: Path, vocab_size: int) -> int:
