@@ -132,7 +132,7 @@ def _main(argv: list[str] | None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", help="a built-in or installed workload (an entry point of the 'raysys.workloads' group), or your "
                                     "own as module:attr or path/to/file.py:attr (see `python -m raysys list`)")
-    p.add_argument("--quick", action="store_true", help="fewer repeats and a shorter learning check (a few minutes on a laptop CPU; the full bench takes longer)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and a shorter learning check (minutes on a laptop CPU, up to a quarter of an hour for ad_transformer, whose source tasks train first; the full bench takes longer)")
     p.add_argument("--preset", help="for a workload without its own bench: the preset whose training step is timed "
                                     "(default: quick with --quick where it exists, else default)")
     p.add_argument("--config", metavar="YAML", help="YAML file of config keys applied to the configuration the bench "

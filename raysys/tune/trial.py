@@ -50,7 +50,8 @@ def error_summary(err: BaseException | str) -> str:
     line = errors[-1] if errors else lines[-1] if lines else type(err).__name__
     if "worker process has died" in line:  # Ray's paragraph on a dead actor: what it means, in short
         line = "the trial's process died (killed, or out of memory)"
-    return line[:300]
+    # cut at a word, marked: the whole message is in the trial's run (raysys.error, error.txt)
+    return line if len(line) <= 300 else line[:300].rsplit(" ", 1)[0] + " …"
 
 
 @dataclass(frozen=True)
