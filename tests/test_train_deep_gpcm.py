@@ -310,12 +310,41 @@ def test_a_resume_to_another_tracking_store_says_where_each_part_is(workdir, cap
     (and where the earlier steps are), not that the run had none."""
     args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "t"]
     assert main([*args, "--set", "train.max_steps=2"]) == 0
+    # what the first store did not take (an outage): it is kept for that store, not sent into the new one's run
+    run_dir = workdir / "raysys_runs" / "t"
+    planted = json.dumps({"kind": "metrics", "data": {"train/planted": 1.0}, "step": 1, "ts": 1})
+    (run_dir / "tracking-buffer.jsonl").write_text(planted + "\n")
     other = f"sqlite:///{workdir / 'other.db'}"
     assert main([*args, "--resume", "--set", "train.max_steps=4", "--tracking-uri", other]) == 0
     out = capsys.readouterr().out
-    assert "'t' tracked to sqlite:///" in out and f"this session tracks to {other}: a new MLflow run there " \
-        "holds it from step 2, the earlier steps stay in sqlite:///" in out, out[-3000:]
+    first = f"sqlite:///{workdir / 'mlflow.db'}"
+    assert f"'t' tracked to {first}; this session tracks to {other}: a new MLflow run there holds it from step 2, " \
+        f"the earlier steps stay in {first} (its 1 records not sent there are kept in {run_dir}/" \
+        f"tracking-buffer.unsent.jsonl) (resume with --tracking-uri {first} to go on in that run)" in out, out[-3000:]
     assert "has no MLflow run yet" not in out
+    assert (run_dir / "tracking-buffer.unsent.jsonl").read_text() == planted + "\n"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=other)
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-deep_gpcm").experiment_id])
+    assert "train/planted" not in run.data.metrics
+
+
+def test_a_resume_to_a_store_made_anew_says_it_lost_the_run(workdir):
+    """The same store, made anew (its database replaced): the run trained, so it had an MLflow run; the note
+    says the store lost it (it said the run's first session had ended before making one)."""
+    args = [sys.executable, "-m", "raysys", "train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "n", "--set",
+            "train.max_steps=2"]
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    assert subprocess.run([*args, "--tracking-uri", uri], cwd=workdir, env=env, timeout=600).returncode == 0
+    (workdir / "mlflow.db").unlink()  # (in its own process: this one's MLflow keeps an engine on the old file)
+    again = subprocess.run([*args, "--resume", "--set", "train.max_steps=4", "--tracking-uri", uri], cwd=workdir,
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    out = again.stdout
+    assert f"note: {uri} no longer has the MLflow run of 'n' (the store was made anew, or the run deleted): a new " \
+        "MLflow run holds it from step 2" in out, out[-3000:]
 
 
 def test_a_resume_that_shortens_the_run_below_its_checkpoint_says_so(workdir, capsys):

@@ -155,6 +155,21 @@ def _next_snapshot(run_dir: Path, resume: bool) -> Path:
     return run_dir / f"config.resume-{n}.yaml"
 
 
+def _set_aside_buffer(run_dir: Path, tracked_to: str) -> str:
+    """A resume that tracks to another store: what the run's last session could not send to its own store is
+    kept for that store (``tracking-buffer.unsent.jsonl``), not sent into the new store's run; said in a few
+    words, '' when nothing waited."""
+    buffer = run_dir / tracking.BUFFER_FILE
+    if not storage.pull(buffer):
+        return ""
+    aside = run_dir / "tracking-buffer.unsent.jsonl"
+    n = sum(1 for line in buffer.read_text().splitlines() if line.strip())
+    before = aside.read_text() if storage.pull(aside) else ""
+    storage.write_text(aside, before + buffer.read_text())
+    storage.remove(buffer)
+    return f"its {n} records not sent there are kept in {storage.where(run_dir)}/{aside.name}"
+
+
 def recorded_final(run_dir: Path) -> Optional[dict]:
     """The final metrics a run recorded when it last finished (``final_metrics.json``), or None. A resumed
     run that has nothing left to train keeps them: rewriting them would replace its measured speed with
@@ -529,12 +544,18 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         new_mlflow_run = created or (parent_run_id is None and tracking.find_run(uri, experiment, name) is None)
         if launch.resume and new_mlflow_run:
             if tracked_to and getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(tracked_to) != uri:
+                unsent = _set_aside_buffer(run_dir, tracked_to)
                 print(f"[raysys] note: '{name}' tracked to {tracked_to}; this session tracks to {uri}: a new MLflow "
-                      f"run there holds it from step {_latest_step(store)}, the earlier steps stay in {tracked_to} "
-                      "(resume without --tracking-uri to go on in that run)", flush=True)
+                      f"run there holds it from step {_latest_step(store)}, the earlier steps stay in {tracked_to}"
+                      + (f" ({unsent})" if unsent else "") + f" (resume with --tracking-uri {tracked_to} to go on "
+                      "in that run)", flush=True)
             elif getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(launch.tracking_uri) == uri:
-                print(f"[raysys] note: '{name}' has no MLflow run yet (its first session ended before it made one): "
-                      "this session's holds it from here", flush=True)
+                if _latest_step(store) > 0:  # it trained, so it had made its run: the store lost it
+                    print(f"[raysys] note: {uri} no longer has the MLflow run of '{name}' (the store was made anew, or "
+                          f"the run deleted): a new MLflow run holds it from step {_latest_step(store)}", flush=True)
+                else:
+                    print(f"[raysys] note: '{name}' has no MLflow run yet (its first session ended before it made one): "
+                          "this session's holds it from here", flush=True)
             else:
                 print(f"[raysys] note: {uri} has no MLflow run of '{name}' (it tracked to another store, or this one was made anew): a new MLflow "
                       "run holds this session; the earlier steps stay where they were recorded", flush=True)
