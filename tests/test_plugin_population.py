@@ -165,6 +165,9 @@ def test_a_vectorized_sweep_of_a_users_jax_workload(tmp_path):
     print(proc.stdout[-5000:], proc.stderr[-3000:], sep="\n")
     assert proc.returncode == 0
     assert "6 trials — 6 ok" in proc.stdout
+    assert ("note: a program packs configurations that differ only in train.lr, train.weight_decay, train.seed; "
+            "the space also searches model.hidden, so configurations that differ there train as separate "
+            "programs") in proc.stdout
 
     with open(project / "raysys_runs" / "sweeps" / "vec" / "report" / "trials.csv") as f:
         rows = list(csv.DictReader(f))

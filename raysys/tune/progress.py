@@ -138,7 +138,7 @@ class Progress(Callback):
             self._print(f"trial {trial.trial_id} started ({n}/{self.total}): {format_knobs(trial.config)}")
             return
         self._print(f"trials {trial.trial_id}_0..{len(members) - 1} started as one program:" if len(members) > 1
-                    else f"trial {trial.trial_id}_0 started (a program of its own, no other member of its shape):")
+                    else f"trial {trial.trial_id}_0 started (a program of its own: no other configuration agrees with it outside the member knobs):")
         for mid, knobs in zip(member_ids(trial.trial_id, len(members)), members):
             self._print(f"  trial {mid}: {format_knobs(knobs)}")
 

@@ -525,6 +525,15 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
           f"{opts.num_samples} trials{f' ({opts.vectorize} per program)' if opts.vectorize > 1 else ''}, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
           + tracking.ui_lines(uri, link, prefix="[raysys.tune]"), flush=True)
+    apart = [k for k in sp.knobs if k not in wl.population.member_knobs] if opts.vectorize > 1 else []
+    if apart:  # each value of these is a program of its own: K per program only where the others are alike
+        packed = [k for k in sp.knobs if k in wl.population.member_knobs]
+        print("[raysys.tune] note: " + (f"a program packs configurations that differ only in {', '.join(packed)}; "
+                                        f"the space also searches {', '.join(apart)}, so configurations that differ "
+                                        "there train as separate programs" if packed else
+                                        f"{wl.name} trains no knob of this space inside one program "
+                                        "(Population.member_knobs): every configuration is a program of its own"),
+              flush=True)
 
     started = time.monotonic()
     tune_path, tune_storage = _tune_storage(opts, sweep_dir)
