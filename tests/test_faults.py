@@ -1001,6 +1001,8 @@ def test_a_sweep_waits_out_a_tracking_outage(tmp_path):
         print(out[-5000:])
         assert proc.returncode == 0 and "Recommended: trial" in out
         assert "FAILED" not in out  # no trial failed for the outage
+        # the sweep's own console says it (the trials said it in their logs only); checked every 15 s
+        assert f"[raysys.tune] the MLflow server at {server.url} does not answer: the trials buffer" in out
         exp = _client(server.url).get_experiment_by_name("raysys-deep_gpcm")
         children = [r for r in _client(server.url).search_runs([exp.experiment_id]) if "raysys.trial_id" in r.data.tags]
         assert sorted(c.data.tags["raysys.trial_status"] for c in children) == ["ok", "ok"]

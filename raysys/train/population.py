@@ -249,7 +249,9 @@ def _copied(state: Any) -> Any:
 
 
 def _retune(fn: Optional[Callable[[list], None]], cfgs: list) -> None:
-    if fn is None:
-        raise TypeError("this program was built without retune=: it cannot take new hyper-parameters (PBT); "
-                        "pass the carrier a retune(cfgs) that rebuilds them")
+    if fn is None:  # the workload's code, as it stands: a restart would meet it again
+        from raysys.config import ConfigError
+
+        raise ConfigError("this program was built without retune=: it cannot take new hyper-parameters (PBT); "
+                          "pass the carrier a retune(cfgs) that rebuilds them")
     fn(cfgs)

@@ -558,7 +558,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                                                    opts.max_failures, log=log), log, *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
     SAVED["fitting"] = True  # from here a signal stops the trials at a step boundary (or, sent again, at once)
-    with _signals_stop_like_ctrl_c(stop_actor) as signals:
+    with _signals_stop_like_ctrl_c(stop_actor) as signals, _watching_store(uri):
         grid = tuner.fit()
     try:  # Ray Tune's probe of the storage, left at the sweep's root; the sweep's files are raysys's
         storage.remove(sweep_dir / ".validate_storage_marker")
@@ -608,6 +608,32 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     tracking.end_run(uri, parent, status="FINISHED")
     print(f"[raysys.tune] compare the trials in MLflow: {link}", flush=True)
     return SweepOutcome(name, sweep_dir, parent, records, rec, False)
+
+
+@contextlib.contextmanager
+def _watching_store(uri: str, every_s: float = 15.0):
+    """While the trials run: one line when the tracking server stops answering and one when it is back. The
+    trials wait for it and buffer their records, but they say so in their own logs; the console said nothing."""
+    if not tracking.is_server(uri):
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        away = False
+        while not done.wait(every_s):
+            if _answers(uri) == away:
+                away = not away
+                print(f"[raysys.tune] the MLflow server at {uri} " + (
+                    "does not answer: the trials buffer their records, and a trial that starts waits for it "
+                    "($RAYSYS_TRACKING_WAIT_S)" if away else "answers again"), flush=True)
+
+    thread = threading.Thread(target=watch, name="raysys-store-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _answers(uri: str) -> bool:
