@@ -29,7 +29,7 @@ def column_values(table, name: str, path) -> list:
             try:
                 v = v.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: row {i}: column {name} is not UTF-8 text (byte 0x{v[e.start]:02x} at "
+                raise ValueError(f"{path}: row {i + 1}: column {name} is not UTF-8 text (byte 0x{v[e.start]:02x} at "
                                  f"position {e.start}); save the file as UTF-8") from None
         out.append(v)
     return out

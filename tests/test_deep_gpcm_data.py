@@ -110,9 +110,9 @@ def test_missing_column_error_names_it(tmp_path):
 
 @pytest.mark.parametrize("questions,responses,fragment", [
     ([[1, 0, 2]], [[0, 1, 1]], ">= 1 with data.id_base=1"),  # 0 is the padding id
-    ([[1, 2, 3]], [[0, 1]], "row 0 has 3 questions but 2 responses"),
+    ([[1, 2, 3]], [[0, 1]], "row 1 has 3 questions but 2 responses"),
     ([[1, 2]], [[0, -1]], ">= 0"),
-    ([[1, 2], []], [[0, 1], []], "row 1 has no responses"),
+    ([[1, 2], []], [[0, 1], []], "row 2 has no responses"),
 ])
 def test_invalid_values_are_rejected(tmp_path, questions, responses, fragment):
     f = tmp_path / "seqs.parquet"

@@ -208,7 +208,7 @@ def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
 @pytest.mark.parametrize("name", ["d.jsonl", "d.csv"])
 def test_text_that_is_not_utf8_names_its_file_and_row(tmp_path, name):
     """Audit N: a JSONL file's stray latin-1 byte was a bare "'utf-8' codec can't decode" line naming no
-    file; a CSV's blamed its valid row 0 for being "bytes, not text"."""
+    file; a CSV's blamed its valid first row for being "bytes, not text"."""
     from raysys.workloads.pointer_generator.data import read_texts
 
     rows = [{"note": f"note {i}, caf\u00e9 au lait", "summary": f"summary {i}"} for i in range(5)]
@@ -219,7 +219,7 @@ def test_text_that_is_not_utf8_names_its_file_and_row(tmp_path, name):
         path.write_text("note,summary\n" + "".join(f'"{r["note"]}",{r["summary"]}\n' for r in rows))
     assert read_texts(str(path), "note", "summary") == rows  # UTF-8, accents included
     path.write_bytes(path.read_bytes().replace(b"note 3, caf\xc3\xa9", b"note 3, caf\xe9"))  # latin-1's e-acute
-    with pytest.raises(ValueError, match=rf"{name}: row 3: column note is not UTF-8 text \(byte 0xe9 at position 11\)"):
+    with pytest.raises(ValueError, match=rf"{name}: row 4: column note is not UTF-8 text \(byte 0xe9 at position 11\)"):
         read_texts(str(path), "note", "summary")
 
 

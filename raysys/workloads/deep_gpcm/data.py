@@ -212,7 +212,7 @@ def _list_column(table, column: str, file: Path) -> tuple[np.ndarray, np.ndarray
             try:
                 rows.append([int(x) for x in re.split(r"[\s,;]+", text.strip(" []")) if x])
             except ValueError:
-                raise ValueError(f"{file}: row {i}: column {column!r} is not a list of integers: {text[:60]!r}") from None
+                raise ValueError(f"{file}: row {i + 1}: column {column!r} is not a list of integers: {text[:60]!r}") from None
         col = pa.array(rows, pa.list_(pa.int64()))
     if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
         raise ValueError(f"{file}: column {column!r} must hold lists of integers, found type {col.type}")
@@ -242,7 +242,7 @@ def _from_table(table, file: Path, opt: ReadOptions) -> Flat:
         r, r_off = _list_column(table, "responses", file)
         if not np.array_equal(q_off, r_off):
             bad = int(np.flatnonzero(np.diff(q_off) != np.diff(r_off))[0])
-            raise ValueError(f"{file}: row {bad} has {q_off[bad + 1] - q_off[bad]} questions but "
+            raise ValueError(f"{file}: row {bad + 1} has {q_off[bad + 1] - q_off[bad]} questions but "
                              f"{r_off[bad + 1] - r_off[bad]} responses; each row needs one response per question")
         return q, r, q_off
     present = [c for c in REQUIRED_COLUMNS if c in table.column_names]
@@ -450,7 +450,7 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
                      "adds categories)")
     lengths = np.diff(off)
     if np.any(lengths == 0):
-        raise ValueError(f"{label}: row {int(np.flatnonzero(lengths == 0)[0])} has no responses")
+        raise ValueError(f"{label}: row {int(np.flatnonzero(lengths == 0)[0]) + 1} has no responses")
     cuts = off[1:-1]
     return SequenceData(np.split(q, cuts), np.split(r, cuts), n_questions, n_cats, tuple(notes))
 

@@ -65,9 +65,9 @@ def read_texts(path: str, source: str, target: str, min_rows: int = 2) -> list[d
     for i, (s, t) in enumerate(zip(column_values(table, source, path), column_values(table, target, path))):
         for name, v in ((source, s), (target, t)):
             if not isinstance(v, str):
-                raise ValueError(f"{path}: row {i}: column {name} is {type(v).__name__}, not text")
+                raise ValueError(f"{path}: row {i + 1}: column {name} is {type(v).__name__}, not text")
             if not v.strip():
-                raise ValueError(f"{path}: row {i}: column {name} is empty")
+                raise ValueError(f"{path}: row {i + 1}: column {name} is empty")
         rows.append({"note": s, "summary": t})
     if len(rows) < min_rows:
         raise ValueError(f"{path}: {len(rows)} row(s); need at least {min_rows}"
