@@ -330,6 +330,18 @@ def test_a_resume_to_another_tracking_store_says_where_each_part_is(workdir, cap
     assert "train/planted" not in run.data.metrics
 
 
+def test_a_resume_says_it_keeps_its_store_over_the_environments(workdir, capsys, monkeypatch):
+    """$RAYSYS_TRACKING_URI set after the run began: the resume goes on in the run's own store, and says so."""
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "e"]
+    assert main([*args, "--set", "train.max_steps=2"]) == 0
+    other = f"sqlite:///{workdir / 'other.db'}"
+    monkeypatch.setenv("RAYSYS_TRACKING_URI", other)
+    capsys.readouterr()
+    assert main([*args, "--resume", "--set", "train.max_steps=4"]) == 0
+    assert (f"[raysys] note: this resume tracks to sqlite:///{workdir / 'mlflow.db'}, not to {other} from the "
+            "environment: a run stays in its own MLflow store unless --tracking-uri moves it") in capsys.readouterr().out
+
+
 def test_a_resume_to_a_store_made_anew_says_it_lost_the_run(workdir):
     """The same store, made anew (its database replaced): the run trained, so it had an MLflow run; the note
     says the store lost it (it said the run's first session had ended before making one)."""

@@ -482,6 +482,10 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     launch = cfg.launch
     name, run_dir = resolve_run_dir(wl.name, launch)
     uri = tracking.resolve_tracking_uri(launch.tracking_uri)
+    env = os.environ.get("RAYSYS_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
+    if launch.resume and parent_run_id is None and env and tracking.resolve_tracking_uri(env) != uri:
+        print(f"[raysys] note: this resume tracks to {uri}, not to {env} from the environment: a run stays in its "
+              "own MLflow store unless --tracking-uri moves it", flush=True)
     if parent_run_id is None:
         tracking.check_store(uri)  # a command's own store: bad input, one line before anything
     else:
