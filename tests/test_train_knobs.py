@@ -68,6 +68,7 @@ def test_cross_validation_runs_each_fold_under_one_parent(workdir, capsys):
     # one breakdown table: the other fold's is named, not repeated
     assert out.count("| phase | ms/step | share |") == 1
     assert f"[deep_gpcm] step-time breakdown: {workdir / 'raysys_runs' / 'cv-fold1' / 'breakdown.md'}" in out
+    assert f"| {workdir / 'raysys_runs' / 'cv-fold'}*\n" in out  # where the folds are (not their whole runs folder)
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("raysys-deep_gpcm")
     runs = client.search_runs([exp.experiment_id])

@@ -111,10 +111,11 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
 
 
 def _folds_at(fold: Any) -> str:
-    """The folder of the folds' runs as users know it: on remote storage its URI, not a working copy's parent."""
+    """Where the folds' runs are, as users know it (on remote storage its URI, not a working copy's): their
+    folder and the folds' names, ``<runs>/<name>-fold*`` (no folder of that name exists)."""
     from raysys import storage
 
-    return storage.where(fold.run_dir).rsplit("/", 1)[0]
+    return storage.where(fold.run_dir).rsplit("-fold", 1)[0] + "-fold*"
 
 
 def _resumed(wl, launch: Any) -> str:
