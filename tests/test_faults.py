@@ -1402,7 +1402,8 @@ def test_sigterm_to_one_ray_worker_stops_the_run_at_a_step_boundary(tmp_path):
     ("stopper:WORKLOAD", "digits_stop", 13, ["--preset", "quick"]),  # a small model with dropout, stopped mid-epoch
     # two data-parallel workers, stopped in the second epoch: rank 0 alone evaluated, so the ranks' RNG streams
     # differ by then, and each must come back as its own (all took rank 0's, and losses drifted by 1e-4)
-    ("ddp_stopper:WORKLOAD", "digits_stop", 16, ["--preset", "quick", "--workers", "2"]),
+    pytest.param("ddp_stopper:WORKLOAD", "digits_stop", 16, ["--preset", "quick", "--workers", "2"],
+                 marks=pytest.mark.slow),  # ~80 s: three runs of two Ray Train workers
     # stopped by a real SIGINT wherever it lands (~65 s; test_a_signal_saves_marks_killed_and_says_how_to_resume
     # checks a real signal's checkpoint and resume by default)
     pytest.param("deep_gpcm", "deep_gpcm", 0, ["--set", "train.epochs=2"], marks=pytest.mark.slow),
