@@ -155,7 +155,7 @@ def _next_snapshot(run_dir: Path, resume: bool) -> Path:
     return run_dir / f"config.resume-{n}.yaml"
 
 
-def _set_aside_buffer(run_dir: Path, tracked_to: str) -> str:
+def _set_aside_buffer(run_dir: Path) -> str:
     """A resume that tracks to another store: what the run's last session could not send to its own store is
     kept for that store (``tracking-buffer.unsent.jsonl``), not sent into the new store's run; said in a few
     words, '' when nothing waited."""
@@ -548,7 +548,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         new_mlflow_run = created or (parent_run_id is None and tracking.find_run(uri, experiment, name) is None)
         if launch.resume and new_mlflow_run:
             if tracked_to and getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(tracked_to) != uri:
-                unsent = _set_aside_buffer(run_dir, tracked_to)
+                unsent = _set_aside_buffer(run_dir)
                 print(f"[raysys] note: '{name}' tracked to {tracked_to}; this session tracks to {uri}: a new MLflow "
                       f"run there holds it from step {_latest_step(store)}, the earlier steps stay in {tracked_to}"
                       + (f" ({unsent})" if unsent else "") + f" (resume with --tracking-uri {tracked_to} to go on "
