@@ -178,8 +178,9 @@ def _main(argv: list[str] | None) -> int:
                               f"your configuration with `python -m raysys train {wl.name} --set ...` (its perf/ "
                               "metrics), or compare configurations with `python -m raysys.tune`")
         if overrides:  # every key and value, whoever applies them (a bench of its own may ignore one): before the banner
-            apply_overrides(wl.config(args.preset or ("quick" if args.quick and "quick" in wl.presets else "default")),
-                            overrides)
+            from raysys.bench_generic import bench_preset
+
+            apply_overrides(wl.config(bench_preset(wl, args.quick, args.preset)), overrides)
         what = ("step times, then how each path learns from the same weights" if wl.bench is None
                 else "with its own bench")
         print(f"[raysys.bench] measuring {wl.name}{' (quick)' if args.quick else ''} on {measured_on}: {what}; "

@@ -68,6 +68,11 @@ def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[di
     return rows(on_device, {}) + (rows(lambda e: e.self_cpu_time_total, {"host": True}) if cuda else [])
 
 
+def bench_preset(wl: registry.Workload, quick: bool, preset: Optional[str]) -> str:
+    """The preset a bench measures: the one asked for, else ``quick`` for --quick where the workload has one."""
+    return preset or ("quick" if quick and "quick" in wl.presets else "default")
+
+
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,
                   overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device
@@ -79,7 +84,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         raise ConfigError(f"{wl.name} trains with its own loop (train_fn) and has no bench: give "
                           "Workload(bench=...) a function that measures it")
     task = wl.task
-    preset = preset or ("quick" if quick and "quick" in wl.presets else "default")
+    preset = bench_preset(wl, quick, preset)
     cfg = apply_overrides(wl.config(preset), overrides or {})
     cfg = (task.prepare(cfg) or cfg) if getattr(task, "prepare", None) is not None else cfg
     launch = apply_overrides(cfg, {"launch.workers": 0}).launch
@@ -90,6 +95,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     label = {p: p or "configured" for p in paths}
 
     train_ds, eval_ds = map_style(wl.name, task.datasets(cfg))
+    collate = registry.collate_of(task)
     if len(train_ds) == 0:
         raise ConfigError(f"{wl.name}: its training set is empty (Task.datasets gave 0 items): nothing to time")
     bs = cfg.train.batch_size
@@ -97,7 +103,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(train_ds), generator=g).tolist()
     items = [[train_ds[i] for i in order[b * bs:(b + 1) * bs]] for b in range(n_batches)]
-    eval_batches = [to_device(registry.collate_of(task)([eval_ds[i] for i in range(s, min(s + bs, len(eval_ds)))]), device)
+    eval_batches = [to_device(collate([eval_ds[i] for i in range(s, min(s + bs, len(eval_ds)))]), device)
                     for s in range(0, min(len(eval_ds), bs * (2 if quick else 8)), bs)]
 
     models, opts = {}, {}
@@ -113,7 +119,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         except RuntimeError as e:
             raise ConfigError(f"{wl.name}: the naive and optimized models differ in parameters, so the paths "
                               f"cannot be compared on the same weights: {str(e).splitlines()[0]}") from None
-        batch = to_device(registry.collate_of(task)(items[0]), device)
+        batch = to_device(collate(items[0]), device)
         a.eval(), b.eval()  # no dropout: the same function must give the same loss
         with torch.no_grad():
             la, lb = (float(checked_loss(task, m, batch, wl.name)[0]) for m in (a, b))
@@ -123,7 +129,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     losses = {p: [] for p in paths}  # read once the timing is over: a read is a device sync
 
     def step(p: str, batch_items: list) -> tuple[int, int]:
-        batch = to_device(registry.collate_of(task)(batch_items), device)
+        batch = to_device(collate(batch_items), device)
         opts[p].zero_grad(set_to_none=True)
         loss, stats = checked_loss(task, models[p], batch, wl.name)
         losses[p].append(loss.detach())

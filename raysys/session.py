@@ -194,15 +194,15 @@ def _say_alike(wl, cfgs: list, finals: list, lead: "Session", pbt: bool) -> None
     if pbt:  # exploit copies one member's state into another: alike ends are PBT's doing
         return
     knobs = [{k: v for k, v in flatten(to_dict(c)).items() if k in wl.population.member_knobs} for c in cfgs]
-    said = {k: v for k, v in ((i, tuple(sorted((m, x) for m, x in f.items() if not m.startswith("perf/"))))
-                              for i, f in enumerate(finals)) if v}
-    for i in said:
-        for j in said:
-            if i < j and said[i] == said[j] and knobs[i] != knobs[j]:
-                differ = ", ".join(k for k in knobs[i] if knobs[i][k] != knobs[j].get(k))
-                lead.message(f"note: two members that differ in {differ} ended with the very same metrics; "
-                             "does its Population.train_fn give each member its own value of it?")
-                return
+    first: dict[tuple, int] = {}  # each ending (metrics but speed) -> the first member that ended so
+    for i, f in enumerate(finals):
+        ending = tuple(sorted((m, x) for m, x in f.items() if not m.startswith("perf/")))
+        j = first.setdefault(ending, i) if ending else i
+        if knobs[j] != knobs[i]:
+            differ = ", ".join(k for k in knobs[i] if knobs[i][k] != knobs[j].get(k))
+            lead.message(f"note: two members that differ in {differ} ended with the very same metrics; "
+                         "does its Population.train_fn give each member its own value of it?")
+            return
 
 
 def _per_member(wl, outs: Any, n: int) -> list:

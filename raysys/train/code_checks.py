@@ -24,7 +24,6 @@ class DataError(ConfigError):
     """The user's data cannot be used (missing or wrong columns, bad values, unreadable files)."""
 
 
-
 CODE_FILE = "code.json"
 """``<run>/code.json``: the digest of the workload's own code (``registry.code_digest``) in its last session."""
 

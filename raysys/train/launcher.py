@@ -162,10 +162,9 @@ def _set_aside_buffer(run_dir: Path) -> str:
     buffer = run_dir / tracking.BUFFER_FILE
     if not storage.pull(buffer):
         return ""
-    aside = run_dir / "tracking-buffer.unsent.jsonl"
-    n = sum(1 for line in buffer.read_text().splitlines() if line.strip())
-    before = aside.read_text() if storage.pull(aside) else ""
-    storage.write_text(aside, before + buffer.read_text())
+    aside, text = run_dir / "tracking-buffer.unsent.jsonl", buffer.read_text()
+    n = sum(1 for line in text.splitlines() if line.strip())
+    storage.write_text(aside, (aside.read_text() if storage.pull(aside) else "") + text)
     storage.remove(buffer)
     return f"its {n} records not sent there are kept in {storage.where(run_dir)}/{aside.name}"
 
@@ -554,9 +553,10 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                       + (f" ({unsent})" if unsent else "") + f" (resume with --tracking-uri {tracked_to} to go on "
                       "in that run)", flush=True)
             elif getattr(launch, "tracking_uri", None) and tracking.resolve_tracking_uri(launch.tracking_uri) == uri:
-                if _latest_step(store) > 0:  # it trained, so it had made its run: the store lost it
+                at = _latest_step(store)
+                if at > 0:  # it trained, so it had made its run: the store lost it
                     print(f"[raysys] note: {uri} no longer has the MLflow run of '{name}' (the store was made anew, or "
-                          f"the run deleted): a new MLflow run holds it from step {_latest_step(store)}", flush=True)
+                          f"the run deleted): a new MLflow run holds it from step {at}", flush=True)
                 else:
                     print(f"[raysys] note: '{name}' has no MLflow run yet (its first session ended before it made one): "
                           "this session's holds it from here", flush=True)

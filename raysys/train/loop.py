@@ -144,6 +144,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     if getattr(task, "prepare", None) is not None:  # optional; idempotent: on a cluster each node makes
         task.prepare(cfg)  # or checks its own copy of the data
     train_ds, eval_ds = map_style(wl.name, task.datasets(cfg))
+    collate = registry.collate_of(task)
     model = task.build_model(cfg).to(device)
     ddp = None
     if world > 1:
@@ -259,7 +260,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     def evaluate() -> dict[str, float]:
         nonlocal eval_loader_items
         if eval_loader_items is None:  # eval batches are fixed: build (and move) them once
-            loader = make_loader(eval_ds, tc.batch_size, ShardSampler(len(eval_ds), shuffle=False), registry.collate_of(task), cfg.loader,
+            loader = make_loader(eval_ds, tc.batch_size, ShardSampler(len(eval_ds), shuffle=False), collate, cfg.loader,
                                  device, train=False)  # every sample is evaluated (loader.drop_last is training's)
             eval_loader_items = [to_device(b, device) for b in loader]
         model.eval()
@@ -286,7 +287,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     micro_at_start = micro_done  # micro_done counts from here in this epoch's first `start` samples
     while epoch < tc.epochs and step < total_steps and not diverged and not stopped:
         sampler.set_epoch(epoch, start=start)
-        it = iter(make_loader(train_ds, tc.batch_size, sampler, registry.collate_of(task), cfg.loader, device,
+        it = iter(make_loader(train_ds, tc.batch_size, sampler, collate, cfg.loader, device,
                               seed=tc.seed * 100_003 + epoch))
         exhausted = False
         while not exhausted and step < total_steps and not diverged:
