@@ -131,7 +131,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     def step(p: str, batch_items: list) -> tuple[int, int]:
         batch = to_device(collate(batch_items), device)
         opts[p].zero_grad(set_to_none=True)
-        loss, stats = checked_loss(task, models[p], batch, wl.name)
+        loss, stats = checked_loss(task, models[p], batch, wl.name, bs)
         losses[p].append(loss.detach())
         loss.backward()
         clip = cfg.optim.clip_grad_norm

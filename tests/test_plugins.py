@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from raysys.config import ConfigError
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "your-workload.md"
 EXAMPLE = REPO / "examples" / "digits"
@@ -1328,22 +1330,40 @@ class PairTask(PlainTask):
     def collate(self, items):
         return Pair(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
 
+@dataclasses.dataclass(frozen=True)
+class Batch:  # a batch as a (frozen) dataclass: moved to the device field by field, counted by its first tensor
+    x: torch.Tensor
+    y: torch.Tensor
+
+class BoxTask(PlainTask):
+    def collate(self, items):
+        return Batch(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
+
+    def loss(self, model, batch):
+        return F.cross_entropy(model(batch.x), batch.y), {}
+
+    def evaluate(self, model, batches):  # a metric as a 0-d tensor is a number too
+        right = sum((model(b.x).argmax(-1) == b.y).sum() for b in batches)
+        return {"accuracy": right / sum(len(b.y) for b in batches)}
+
 PLAIN = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_plain", task=PlainTask())
 PAIRS = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_pairs", task=PairTask())
+BOXES = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_boxes", task=BoxTask())
 """
 
 
 def test_a_task_written_as_plain_torch_trains_with_tuple_batches_and_no_counts(project):
     """What a torch user writes by habit: no collate (torch's default_collate), an (x, y) batch, a namedtuple
-    one, and a loss without sample counts. Each trains and learns, its throughput counted from the batch."""
+    one, a dataclass one, a loss without sample counts and a metric as a tensor. Each trains and learns, its
+    throughput counted from the batch."""
     from mlflow.tracking import MlflowClient
 
     (project / "plain.py").write_text(PLAIN_TORCH)
-    for attr in ("PLAIN", "PAIRS"):
+    for attr in ("PLAIN", "PAIRS", "BOXES"):
         out = _run(["python", "-m", "raysys", "train", f"plain:{attr}", "--preset", "quick", "--workers", "0"], project)
         assert out.returncode == 0, out.stderr[-2000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
-    for name in ("digits_plain", "digits_pairs"):
+    for name in ("digits_plain", "digits_pairs", "digits_boxes"):
         (run,) = client.search_runs([client.get_experiment_by_name(f"raysys-{name}").experiment_id])
         assert run.info.status == "FINISHED" and run.data.metrics["eval/accuracy"] > 0.8
         assert run.data.metrics["perf/samples_per_s"] > 0
@@ -1351,6 +1371,150 @@ def test_a_task_written_as_plain_torch_trains_with_tuple_batches_and_no_counts(p
     bench = _run(["python", "-m", "raysys.bench", "plain:PLAIN", "--quick"], project)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert float(re.search(r"same weights and batch: ([\d.e+-]+)", bench.stdout).group(1)) < 1e-5
+
+
+def _digits():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("digits_mlp_example", EXAMPLE / "digits_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_what_the_loop_would_refuse_of_a_plugin_is_one_line_before_the_run():
+    """``code_checks.built`` runs before the run exists: what the workers' loop refuses of the model and data
+    (SyncBatchNorm on CPU workers, length bucketing of a dataset without lengths), a loss that breaks its
+    contract (a bare tensor, a loss per sample) and, for DDP, parameters its loss leaves without a gradient are
+    said then; a model that only meta tensors cannot build (numpy in its build_model) is left to the workers,
+    not refused."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from raysys.train.code_checks import built
+
+    digits = _digits()
+    base = digits.DigitsTask
+
+    class SyncBN(base):
+        def build_model(self, cfg):
+            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+                torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 10)))
+
+    class Bare(base):
+        def loss(self, model, batch):
+            return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    class PerSample(base):
+        def loss(self, model, batch):
+            return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none"), {}
+
+    class Numpy(base):
+        def build_model(self, cfg):
+            net = super().build_model(cfg)
+            first = net.net[0].weight
+            scale = float(np.abs(np.asarray(first.detach())).mean())  # only a real tensor has values
+            with torch.no_grad():
+                first.div_(scale)
+            return net
+
+    cfg = digits.quick()
+    assert built(base(), "fine", cfg) is not None and built(Numpy(), "numpy", cfg) is None
+    two_cpus = digits.quick()
+    two_cpus.launch.workers = 2
+    assert built(SyncBN(), "sbn", cfg) is not None  # one worker: plain BatchNorm
+    with pytest.raises(ConfigError, match=r"^sbn: its model has SyncBatchNorm, which torch synchronises on GPUs only, "
+                                          r"and its 2 workers train on CPUs"):
+        built(SyncBN(), "sbn", two_cpus)
+    bucketed = digits.quick()
+    bucketed.loader.bucket_batches = 4
+    with pytest.raises(ConfigError, match=r"^loader.bucket_batches=4 sorts batches by the training set's `lengths` "
+                                          r"\(one per sample\), and digits's list has none for its 1347 samples"):
+        built(base(), "digits", bucketed)
+    with pytest.raises(ConfigError, match=r"^bare: its Task.loss returned a Tensor, not \(a scalar loss tensor"):
+        built(Bare(), "bare", cfg)
+    with pytest.raises(ConfigError, match=r"^each: its Task.loss returned a loss of shape \[64\], not a scalar"):
+        built(PerSample(), "each", cfg)
+
+    class Unused(base):  # a head the loss never reaches: DDP would fail at its second step
+        def build_model(self, cfg):
+            net = super().build_model(cfg)
+            net.aux = torch.nn.Linear(64, 2)
+            return net
+
+    assert built(Unused(), "aux", cfg) is not None  # one worker: no DDP
+    with pytest.raises(ConfigError, match=r"^aux: its Task.loss gives no gradient to trainable parameters aux.weight, "
+                                          r"aux.bias, which DDP's 2 workers would wait for at the second step: set "
+                                          r"launch.find_unused_parameters=true"):
+        built(Unused(), "aux", two_cpus)
+    two_cpus.launch.find_unused_parameters = True
+    assert built(Unused(), "aux", two_cpus) is not None
+
+
+AUX_HEAD = """
+import dataclasses
+import torch
+import digits_mlp
+
+class AuxTask(digits_mlp.DigitsTask):  # an auxiliary head its loss never reaches
+    def build_model(self, cfg):
+        net = super().build_model(cfg)
+        net.aux = torch.nn.Linear(64, 2)
+        return net
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_aux", task=AuxTask())
+"""
+
+
+@pytest.mark.slow  # ~1 min: a Ray Train run of 2 workers
+def test_a_model_with_parameters_its_loss_never_reaches_trains_under_ddp_with_the_knob(project):
+    """DDP fails at the second step of a model whose loss leaves parameters without gradients: refused in one
+    line, exit 2, before the run exists; with launch.find_unused_parameters=true it trains on 2 workers."""
+    (project / "aux.py").write_text(AUX_HEAD)
+    args = ["python", "-m", "raysys", "train", "aux:WORKLOAD", "--preset", "quick", "--workers", "2"]
+    refused = _run(args, project)
+    assert refused.returncode == 2 and not (project / "raysys_runs").exists()
+    assert refused.stderr.strip().splitlines() == [
+        "raysys: config error: digits_aux: its Task.loss gives no gradient to trainable parameters aux.weight, "
+        "aux.bias, which DDP's 2 workers would wait for at the second step: set launch.find_unused_parameters=true "
+        "(a branch the data picks), or freeze them (requires_grad=False)"]
+    out = _run([*args, "--set", "launch.find_unused_parameters=true"], project)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(re.search(r"done: .* eval/accuracy ([\d.]+)", out.stdout).group(1)) > 0.5  # chance: 0.1
+
+
+def test_a_metric_evaluate_gives_must_be_one_number():
+    """A list or a tensor of several values for a metric is one line naming the key, not float()'s traceback
+    in the worker after the first epoch; a number, a numpy scalar and a one-element tensor are numbers."""
+    import numpy as np
+    import torch
+
+    from raysys.train.loop import _number
+
+    assert [_number(v, "k", "w") for v in (1, 0.5, np.float32(2), torch.tensor(3.0), np.array([4.0]))] == [1, .5, 2, 3, 4]
+    with pytest.raises(ConfigError, match=r"^w: its Task.evaluate gave a list for 'acc', not a number"):
+        _number([0.5, 0.6], "acc", "w")
+    with pytest.raises(ConfigError, match=r"^w: its Task.evaluate gave a Tensor of shape \[3\] for 'acc'"):
+        _number(torch.zeros(3), "acc", "w")
+
+
+def test_a_batch_as_a_dataclass_goes_to_the_device_and_is_counted():
+    import dataclasses
+
+    import torch
+
+    from raysys.train.data import batch_len, to_device
+
+    @dataclasses.dataclass(frozen=True)
+    class B:
+        note: str
+        x: torch.Tensor
+
+    b = B("n", torch.zeros(5, 3))
+    moved = to_device(b, torch.device("meta"))
+    assert moved.x.is_meta and moved.note == "n" and not b.x.is_meta and batch_len(b) == 5
+    assert batch_len(object()) == 0
 
 
 OWN_BENCH = """
@@ -1546,16 +1710,20 @@ def test_optim_values_a_tasks_own_hooks_never_read_are_named():
     assert unread_optim(groups, Cfg(), net, "t") == []  # param_groups keep the config's optimizer
 
 
-def test_a_schedule_fixed_to_the_runs_length_is_rebuilt_when_a_resume_changes_it():
+@pytest.mark.parametrize("peak", ["given", "read_from_the_group"])
+def test_a_schedule_fixed_to_the_runs_length_is_rebuilt_when_a_resume_changes_it(peak):
     """OneCycleLR restored with its old total_steps fails past it (torch's ValueError), and a cosine climbs
-    back to its peak: rebuilt for the new length and taken to the run's step, the LR is the new schedule's."""
+    back to its peak: rebuilt for the new length and taken to the run's step, the LR is the new schedule's.
+    A schedule that reads its peak from the optimizer's groups reads the LR they were built with, not the
+    checkpoint's (OneCycleLR's start, 25 times lower)."""
     import torch
 
-    from raysys.train.optim import fast_forward
+    from raysys.train.optim import fast_forward, group_settings
 
     class Task:
         def scheduler(self, opt, cfg, total_steps):
-            return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total_steps)
+            top = 0.1 if peak == "given" else [g["lr"] for g in opt.param_groups]
+            return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=top, total_steps=total_steps)
 
     def new_opt():
         torch.manual_seed(0)
@@ -1566,13 +1734,15 @@ def test_a_schedule_fixed_to_the_runs_length_is_rebuilt_when_a_resume_changes_it
     for _ in range(20):
         first.step(), sched.step()
     resumed = new_opt()
+    as_built = group_settings(resumed)
     Task().scheduler(resumed, None, 88)  # the loop builds it before the checkpoint is loaded
     resumed.load_state_dict(first.state_dict())
-    sched = fast_forward(Task(), None, resumed, 88, 20)
+    sched = fast_forward(Task(), None, resumed, 88, 20, as_built)
     alone = new_opt()
     ref = Task().scheduler(alone, None, 88)
     for _ in range(20):
         alone.step(), ref.step()
     assert resumed.param_groups[0]["lr"] == pytest.approx(alone.param_groups[0]["lr"])
+    assert resumed.param_groups[0]["max_lr"] == pytest.approx(0.1)
     for _ in range(88 - 20 - 1):  # to the new end, where the restored state failed at its step 45
         resumed.step(), sched.step()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from raysys import storage
 from raysys import workload as registry
@@ -126,39 +126,114 @@ def map_style(name: str, out: Any) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
-def _batches_left(name: str, cfg: Any, train: Any) -> None:
-    """A training set that ``loader.drop_last`` leaves without one batch per worker: said as the loop would
-    say it, but before the run exists."""
+def fits_the_loader(name: str, cfg: Any, train: Any, model: Any, world: int, cpu: bool, before: bool = False) -> None:
+    """What the loop would refuse in a worker of a run of ``world`` workers (``cpu``: without GPUs), said in the
+    same words by ``built`` before the run exists: a training set ``loader.drop_last`` leaves without a batch,
+    an epoch ending on a batch of one sample its BatchNorm cannot train on, SyncBatchNorm on CPUs, and length
+    bucketing of a dataset that has no lengths. ``before``: said before the run exists."""
     import math
 
-    loader, tc, launch = (getattr(cfg, k, None) for k in ("loader", "train", "launch"))
-    if not getattr(loader, "drop_last", False) or not hasattr(tc, "batch_size") or not len(train):
-        return
-    per_worker = math.ceil(len(train) / max(1, getattr(launch, "workers", 1)))  # as ShardSampler shards it
-    if per_worker < tc.batch_size:
+    import torch
+
+    loader, tc = cfg.loader, cfg.train
+    per_worker = math.ceil(len(train) / max(1, world))  # as ShardSampler shards it
+    if loader.drop_last and per_worker < tc.batch_size:
         raise DataError(f"loader.drop_last leaves no batch: {per_worker} training samples per worker, fewer than "
-                        f"train.batch_size={tc.batch_size} ({name}; nothing was created)")
+                        f"train.batch_size={tc.batch_size} ({name}" + ("; nothing was created)" if before else ")"))
+    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    if per_worker % tc.batch_size == 1 and not loader.drop_last and any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in modules):
+        # said now, not as BatchNorm's ValueError at the epoch's last step, restarted max_failures times
+        raise ConfigError(f"{name}: each epoch would end with a batch of one sample ({per_worker} per worker, "
+                          f"train.batch_size={tc.batch_size}), which its BatchNorm cannot train on: set "
+                          "loader.drop_last=true, or another batch size")
+    if world > 1 and cpu and any(isinstance(m, torch.nn.SyncBatchNorm) for m in modules):
+        raise ConfigError(f"{name}: its model has SyncBatchNorm, which torch synchronises on GPUs only, and its "
+                          f"{world} workers train on CPUs: set launch.gpus_per_worker, or keep plain BatchNorm")
+    lengths = getattr(train, "lengths", None)
+    if loader.bucket_batches and (lengths is None or not hasattr(lengths, "__len__") or len(lengths) != len(train)):
+        had = ("none" if lengths is None else f"{len(lengths)}" if hasattr(lengths, "__len__")
+               else type(lengths).__name__)
+        raise ConfigError(f"loader.bucket_batches={loader.bucket_batches} sorts batches by the training set's "
+                          f"`lengths` (one per sample), and {name}'s {type(train).__name__} has {had} for its "
+                          f"{len(train)} samples: give it a `lengths` attribute, or set loader.bucket_batches=0")
+
+
+def loss_contract(out: Any, name: str) -> tuple:
+    """``Task.loss``'s answer checked: ``(scalar loss tensor, counts)``. A bare tensor would otherwise fail later as
+    'iteration over a 0-d tensor', and a loss per sample as backward's 'grad can be implicitly created only for
+    scalar outputs'."""
+    import torch
+
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and isinstance(out[1], Mapping)):
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, tuple) else "")
+        raise ConfigError(f"{name}: its Task.loss returned a {got}, not (a scalar loss tensor, {{'samples': n, "
+                          "'tokens': n}), the counts optional")
+    if out[0].numel() != 1:
+        raise ConfigError(f"{name}: its Task.loss returned a loss of shape {list(out[0].shape)}, not a scalar: reduce "
+                          "it (.mean() over the batch)")
+    return out
+
+
+def _loss_on_meta(task: Any, name: str, model: Any, train: Any, cfg: Any) -> None:
+    """``Task.loss`` of a first batch on the meta model: a loss that breaks its contract is one line before the run
+    exists, and so, for a run of several workers, are trainable parameters its gradient does not reach (DDP
+    fails at its second step then, unless ``launch.find_unused_parameters``). Anything else that fails here (an
+    op meta tensors lack, a batch of another size than the code expects) is left to the workers."""
+    import torch
+
+    from raysys.train.data import to_device
+
+    try:
+        n = min(len(train), cfg.train.batch_size, 256)  # a batch as the loop's: a branch its data picks is taken
+        batch = to_device(registry.collate_of(task)([train[i] for i in range(n)]), torch.device("meta"))
+        out = task.loss(model, batch)
+    except Exception:
+        return
+    loss, _ = loss_contract(out, name)
+    launch = cfg.launch
+    if launch.workers < 2 or getattr(launch, "find_unused_parameters", True) or not loss.requires_grad:
+        return
+    try:
+        loss.backward()
+    except Exception:
+        return
+    idle = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if idle:
+        more = f" and {len(idle) - 3} more" if len(idle) > 3 else ""
+        raise ConfigError(f"{name}: its Task.loss gives no gradient to trainable parameters {', '.join(idle[:3])}{more}, "
+                          f"which DDP's {launch.workers} workers would wait for at the second step: set "
+                          "launch.find_unused_parameters=true (a branch the data picks), or freeze them "
+                          "(requires_grad=False)")
+
+
+def _on_meta_only(e: Exception) -> bool:
+    """An error that meta tensors cause, not the code (``.numpy()``: "can't convert meta device type tensor")."""
+    return "meta" in str(e)
 
 
 def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
     """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
     memory), before the run exists; None where it cannot be built here. An error of the code itself
     (``CODE_ERRORS``) is one line naming the hook, the error and where it was raised (with ``say``), not the
-    workers' traceback after the run was made and restarted ``max_failures`` times. A ConfigError is left to
-    the workers: it may check this process's devices, and there it fails the run at once with its message."""
+    workers' traceback after the run was made and restarted ``max_failures`` times; so are what the loop
+    refuses of the data and model (``fits_the_loader``) and a loss that breaks its contract. A ConfigError is
+    left to the workers: it may check this process's devices, and there it fails the run at once with its
+    message."""
     import torch
 
+    train = model = None
     for hook in ("datasets", "build_model"):
         try:
             if hook == "datasets":
                 out = task.datasets(cfg)
             else:
                 with torch.device("meta"):
-                    return task.build_model(cfg)
+                    model = task.build_model(cfg)
         except ConfigError:  # may be a check of this process's own devices ("needs a GPU"): the workers' to make
             return None
         except CODE_ERRORS as e:
-            if not say:
+            if not say or _on_meta_only(e):  # a model built with numpy, say: the workers build it on a real device
                 return None
             frames = traceback.extract_tb(e.__traceback__)  # where in the workload's code, not inside torch
             where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
@@ -171,8 +246,20 @@ def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
         except Exception:  # what may fail here alone: the workers build it, and meet any error there
             return None
         if hook == "datasets" and say:
-            _batches_left(name, cfg, map_style(name, out)[0])
-    return None
+            train = map_style(name, out)[0]
+            _fits(name, cfg, train, None)  # the data's own refusals, whether or not the model builds here
+    if say and _fits(name, cfg, train, model):
+        _loss_on_meta(task, name, model, train, cfg)
+    return model
+
+
+def _fits(name: str, cfg: Any, train: Any, model: Any) -> bool:
+    """``fits_the_loader`` for the run ``cfg`` launches; False where it has nothing to check."""
+    launch = getattr(cfg, "launch", None)
+    if not (len(train) and hasattr(launch, "workers") and hasattr(cfg, "loader") and hasattr(cfg, "train")):
+        return False
+    fits_the_loader(name, cfg, train, model, max(1, launch.workers), not getattr(launch, "gpus_per_worker", 0), before=True)
+    return True
 
 
 def code_works(wl: registry.Workload, say: bool = True) -> Callable[[Any], None]:

@@ -163,6 +163,11 @@ class LaunchConfig:
     threads: Optional[int] = None
     """torch intra-op threads per training process. None: one per physical core (half the usable logical
     CPUs) for an in-process run (workers=0); Ray's default (cpus_per_worker) on Ray Train workers."""
+    find_unused_parameters: bool = False
+    """DDP's ``find_unused_parameters``, for a model some trainable parameters of which a step's loss may not
+    reach (an auxiliary head, a branch the data picks): DDP then walks the graph each step to mark them ready.
+    Without it DDP fails at the second step of such a model: a run of 2+ workers whose loss leaves a parameter
+    without a gradient is refused before it starts."""
 
     def validate(self) -> None:
         if self.workers < 0:

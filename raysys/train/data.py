@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from typing import Any, Iterator, Mapping
 
@@ -72,8 +74,9 @@ def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: Lo
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """A batch on ``device``, whatever its structure: a dict of tensors, or an ``(x, y)`` tuple or list as torch's
-    ``default_collate`` gives (a namedtuple keeps its type); what is not a tensor is left as it is."""
+    """A batch on ``device``, whatever its structure: a dict of tensors, an ``(x, y)`` tuple or list as torch's
+    ``default_collate`` gives (a namedtuple keeps its type), or a dataclass of them (a copy, its other fields
+    shared); what is not a tensor is left as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)  # non_blocking only helps from pinned memory; harmless otherwise
     if isinstance(batch, Mapping):
@@ -82,12 +85,26 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        moved = copy.copy(batch)
+        for f in dataclasses.fields(batch):  # object.__setattr__: a frozen dataclass too
+            object.__setattr__(moved, f.name, to_device(getattr(batch, f.name), device))
+        return moved
     return batch
+
+
+def _parts(batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.values()
+    if isinstance(batch, (list, tuple)):
+        return batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    return ()
 
 
 def batch_len(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor (0 where it has none)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
-    parts = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    return next((n for n in (batch_len(v) for v in parts) if n), 0)
+    return next((n for n in (batch_len(v) for v in _parts(batch)) if n), 0)

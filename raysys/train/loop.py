@@ -27,9 +27,9 @@ from raysys.console import Sink, forwarding
 from raysys.config import ConfigError, from_dict
 from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughput
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
-from raysys.train.code_checks import DataError, map_style
+from raysys.train.code_checks import DataError, fits_the_loader, loss_contract, map_style
 from raysys.train.data import ShardSampler, batch_len, make_loader, to_device
-from raysys.train.optim import fast_forward, hooks_used, is_plateau, task_optimizer, task_scheduler
+from raysys.train.optim import fast_forward, group_settings, hooks_used, is_plateau, task_optimizer, task_scheduler
 
 
 def _ray_context() -> tuple[int, int]:
@@ -146,13 +146,6 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     train_ds, eval_ds = map_style(wl.name, task.datasets(cfg))
     collate = registry.collate_of(task)
     model = task.build_model(cfg).to(device)
-    ddp = None
-    if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    fwd_model = ddp or model
-    if tc.compile:
-        fwd_model = torch.compile(fwd_model)
-
     sampler = ShardSampler(len(train_ds), rank, world, seed=tc.seed, lengths=getattr(train_ds, "lengths", None),
                            bucket=cfg.loader.bucket_batches * tc.batch_size)
     if len(train_ds) == 0 or len(sampler) == 0:  # else a run of 0 steps "finishes" with an untrained model
@@ -160,19 +153,17 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                         + (f" for {world} workers)" if len(train_ds) else ")"))
     per_worker = len(sampler)
     micro_per_epoch = per_worker // tc.batch_size if cfg.loader.drop_last else math.ceil(per_worker / tc.batch_size)
-    if micro_per_epoch == 0:
-        raise ConfigError(f"loader.drop_last leaves no batch: {per_worker} training samples per worker, fewer than "
-                          f"train.batch_size={tc.batch_size}")
-    if per_worker % tc.batch_size == 1 and not cfg.loader.drop_last and any(
-            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        # said now, not as BatchNorm's ValueError at the epoch's last step, restarted max_failures times
-        raise ConfigError(f"{wl.name}: each epoch would end with a batch of one sample ({per_worker} per worker, "
-                          f"train.batch_size={tc.batch_size}), which its BatchNorm cannot train on: set "
-                          "loader.drop_last=true, or another batch size")
-    if world > 1 and device.type == "cpu" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
-        raise ConfigError(f"{wl.name}: its model has SyncBatchNorm, which torch synchronises on GPUs only, and its "
-                          f"{world} workers train on CPUs: set launch.gpus_per_worker, or keep plain BatchNorm")
+    # refused before the run existed (code_checks.built), and here again for a run it could not check (a model
+    # its driver could not build, a resume's changed settings)
+    fits_the_loader(wl.name, cfg, train_ds, model, world, device.type == "cpu")
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
+    ddp = None  # after the checks above: DDP of a model they refuse fails in its own words
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                        find_unused_parameters=cfg.launch.find_unused_parameters)
+    fwd_model = ddp or model
+    if tc.compile:
+        fwd_model = torch.compile(fwd_model)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(run_dir, wl.name, payload["identity"], keep=tc.keep_checkpoints,
@@ -193,6 +184,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     if tc.max_steps is not None:
         total_steps = min(tc.max_steps, total_steps)
     opt = task_optimizer(task, cfg, model, wl.name)
+    as_built = group_settings(opt)  # before a scheduler writes to the groups: a changed length rebuilds from it
     sched = task_scheduler(task, cfg, opt, total_steps, wl.name, wl.quality_metric, wl.quality_mode)
     plateau = is_plateau(sched)  # stepped with the quality after each evaluation, not at each step
     own_schedule = getattr(task, "scheduler", None) is not None
@@ -209,7 +201,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             if stretched:
-                sched = fast_forward(task, cfg, opt, total_steps, state["step"])
+                sched = fast_forward(task, cfg, opt, total_steps, state["step"], as_built)
             else:
                 sched.load_state_dict(state["scheduler"])
         except (RuntimeError, ValueError, KeyError) as e:  # a setting outside the checkpoint's identity changed
@@ -269,7 +261,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
         model.train()
         if not isinstance(metrics, Mapping):
             raise ConfigError(f"{wl.name}: its Task.evaluate returned a {type(metrics).__name__}, not a dict of metrics")
-        out = {f"eval/{k}": float(v) for k, v in metrics.items()}
+        out = {f"eval/{k}": _number(v, k, wl.name) for k, v in metrics.items()}
         if task.quality_metric not in metrics:  # a typo would leave every sweep of it without a quality
             raise ConfigError(f"{wl.name}: its Task.quality_metric '{task.quality_metric}' is not among the metrics "
                               f"its evaluate() returned: {', '.join(map(str, metrics)) or 'none'}")
@@ -307,7 +299,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                 sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
                 with sync:
                     with timer.phase("forward"), _autocast(tc.precision, device):
-                        loss, stats = checked_loss(task, fwd_model, batch, wl.name)
+                        loss, stats = checked_loss(task, fwd_model, batch, wl.name, tc.batch_size)
                     with timer.phase("backward"):
                         scaler.scale(loss / tc.grad_accum).backward()
                 losses.append(loss.detach())
@@ -439,6 +431,16 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     ray.train.report({**final, "done": 1.0})
 
 
+def _number(v: Any, key: Any, name: str) -> float:
+    """One metric of ``Task.evaluate`` as a float: a number, or a tensor or array of one element."""
+    size = v.numel() if isinstance(v, torch.Tensor) else getattr(v, "size", None)
+    if isinstance(v, (int, float)) or (size == 1 and callable(getattr(v, "item", None))):
+        return float(v.item() if hasattr(v, "item") else v)
+    what = f"a {type(v).__name__} of shape {list(v.shape)}" if hasattr(v, "shape") else f"a {type(v).__name__}"
+    raise ConfigError(f"{name}: its Task.evaluate gave {what} for '{key}', not a number: MLflow and a sweep take one "
+                      "number per metric (reduce it, or return one key per value)")
+
+
 def _epoch_samples(state: dict, meta: dict, batch_size: int, world: int) -> int:
     """The samples of its epoch a checkpoint had trained on, over all workers. A checkpoint of an earlier
     version kept only its micro-batches: their size and the worker count come from the config it recorded."""
@@ -457,19 +459,14 @@ def _first_mismatch(text: str) -> str:
     return (detail or (lines[0] if lines else "state_dict mismatch"))[:300]
 
 
-def checked_loss(task: Any, model: Any, batch: Any, name: str) -> tuple:
-    """``task.loss``, its contract checked: a bare tensor would otherwise fail later as 'iteration over a 0-d tensor'.
-    Counts it leaves out are the batch's own: ``samples`` its first tensor's leading size, ``tokens`` the samples
-    (a throughput of 0 would read as the slowest trial of a sweep)."""
-    out = task.loss(model, batch)
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and isinstance(out[1], Mapping)):
-        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, tuple) else "")
-        raise ConfigError(f"{name}: its Task.loss returned a {got}, not (a scalar loss tensor, {{'samples': n, "
-                          "'tokens': n})")
-    loss, stats = out
+def checked_loss(task: Any, model: Any, batch: Any, name: str, size: int = 0) -> tuple:
+    """``task.loss``, its contract checked (``code_checks.loss_contract``). Counts it leaves out are the batch's
+    own: ``samples`` its first tensor's leading size (``size``, the loader's batch size, where the batch holds no
+    tensor it can see), ``tokens`` the samples (a throughput of 0 would read as the slowest trial of a sweep)."""
+    loss, stats = loss_contract(task.loss(model, batch), name)
     if "samples" not in stats or "tokens" not in stats:
         stats = dict(stats)
-        stats.setdefault("samples", batch_len(batch))
+        stats.setdefault("samples", batch_len(batch) or size)
         stats.setdefault("tokens", stats["samples"])
     return loss, stats
 

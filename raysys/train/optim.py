@@ -102,14 +102,28 @@ def task_scheduler(task: Any, cfg: Any, opt: torch.optim.Optimizer, total_steps:
     return sched
 
 
-def fast_forward(task: Any, cfg: Any, opt: torch.optim.Optimizer, total_steps: int, step: int) -> Any:
+def group_settings(opt: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings as the optimizer was built, before a scheduler wrote its own keys
+    (``initial_lr``, OneCycleLR's ``max_lr``) or moved ``lr``: what :func:`fast_forward` rebuilds from."""
+    import copy
+
+    return [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
+
+
+def fast_forward(task: Any, cfg: Any, opt: torch.optim.Optimizer, total_steps: int, step: int,
+                 built: list[dict]) -> Any:
     """The task's own scheduler for a run whose length changed on a resume: built for ``total_steps``
     and stepped ``step`` times, to where the run is. The checkpoint's state would keep the old length
     (OneCycleLR then fails past it; a cosine climbs back to its peak after it)."""
     import warnings
 
-    for g in opt.param_groups:  # the schedule starts from the LR it started from, not the one reached
-        g["lr"] = g.get("initial_lr", g["lr"])
+    # the groups as the optimizer was built (``built``: group_settings before any scheduler), not as the
+    # checkpoint left them: a scheduler reading its peak from the group's lr (OneCycleLR's max_lr from
+    # ``g["lr"]``) or keeping an old ``initial_lr`` would otherwise start from the LR a schedule reached
+    for g, settings in zip(opt.param_groups, built):
+        params = g["params"]
+        g.clear()
+        g.update(settings, params=params)
     sched = task.scheduler(opt, cfg, total_steps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": no step is taken here
