@@ -571,7 +571,7 @@ class MLflowLogger:
         now = time.monotonic()
         if self.buffer.is_file():  # an outage: queue behind what is waiting, retry now and then
             waiting = self.pending
-            if now < self._retry_at or not self.flush():
+            if now < self._retry_at or not self._back() or not self.flush():
                 return self._append(rec, now)
             self._backoff = 30.0
             if waiting:
@@ -585,6 +585,19 @@ class MLflowLogger:
             log.warning("tracking call failed (%s%s); buffering in %s", type(e).__name__,
                         f": {reason}" if reason else "", self.buffer)
             self._append(rec, now)
+
+    def _back(self) -> bool:
+        """The server answers a quick look (2 s): a server that hangs (up, but answers nothing) costs the loop
+        that, not a full call's timeouts and retry (~20 s) each time the buffer is retried."""
+        if not is_server(self.uri):
+            return True
+        from raysys.config import ConfigError
+
+        try:
+            check_store(self.uri, timeout=2.0)
+        except ConfigError:
+            return False
+        return True
 
     def _artifact(self, name: str, upload: Callable[[], None]) -> None:
         """An upload; its failure is ``ArtifactRefused`` where the run itself still answers (with a buffer

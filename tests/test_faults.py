@@ -1012,14 +1012,16 @@ def test_a_sweep_waits_out_a_tracking_outage(tmp_path):
 
 @pytest.mark.slow  # ~2 min: an outage longer than the sweep waits
 def test_a_sweep_whose_server_stays_away_says_so_and_how_to_finish(tmp_path):
-    """The server goes away once the trial's run exists and stays away past $RAYSYS_TRACKING_WAIT_S: the
-    sweep ends with exit 1 naming the outage and its resume line (it said "config error ... nothing was
-    created", exit 2, with neither), and once the server is back that resume finishes it."""
+    """The server goes away once the first trial's run exists and stays away past $RAYSYS_TRACKING_WAIT_S:
+    the second trial, started in the outage, fails waiting for it, and the sweep ends with exit 1 naming the
+    outage and its resume line (it said "config error ... nothing was created", exit 2, with neither). Once
+    the server is back that resume finishes it, the trial the outage failed trained (it stayed failed, and
+    its second failure was called an error of the training code)."""
     server = MlflowServer(tmp_path / "server").start()
     runs = tmp_path / "raysys_runs" / "sweeps" / "away" / "runs"
     args = [sys.executable, "-m", "raysys.tune", "--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"),
-            "--num-samples", "1", "--preset", "quick", "--set", "train.epochs=1", "--tracking-uri", server.url,
-            "--name", "away"]
+            "--num-samples", "2", "--max-concurrent", "1", "--preset", "quick", "--set", "train.epochs=1",
+            "--tracking-uri", server.url, "--name", "away"]
     proc = subprocess.Popen(args, cwd=tmp_path, env={**_env(), "RAYSYS_TRACKING_WAIT_S": "5"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _STARTED.append(proc)
@@ -1040,9 +1042,14 @@ def test_a_sweep_whose_server_stays_away_says_so_and_how_to_finish(tmp_path):
                                text=True, timeout=900)
         print(again.stdout[-3000:], again.stderr[-3000:], sep="\n")
         assert again.returncode == 0
+        assert "[raysys.tune] 1 trial failed while the MLflow server did not answer: it runs again" in again.stdout
+        assert "training code" not in out + again.stdout
         exp = _client(server.url).get_experiment_by_name("raysys-deep_gpcm")
-        (parent,) = [r for r in _client(server.url).search_runs([exp.experiment_id]) if "raysys.trial_id" not in r.data.tags]
+        found = _client(server.url).search_runs([exp.experiment_id])
+        (parent,) = [r for r in found if "raysys.trial_id" not in r.data.tags]
         assert parent.info.status == "FINISHED"
+        trials = [r for r in found if "raysys.trial_id" in r.data.tags]
+        assert len(trials) == 2 and all(r.info.status == "FINISHED" and "eval/quality" in r.data.metrics for r in trials)
     finally:
         server.stop()
 

@@ -330,6 +330,41 @@ def test_buffered_artifacts_are_sent_from_the_run_folder_of_the_process_that_sen
     assert client.get_run(run_id).data.tags["after"] == "yes"
 
 
+def test_a_hung_tracking_server_is_looked_at_once_per_retry_not_called(tmp_path):
+    """A server that takes connections and answers nothing: with records waiting, a retry that is due asks it
+    one quick question (/health, 2 s) and, without an answer, buffers. Before, it sent the buffer's records,
+    each holding the training loop for MLflow's timeout and retry (~20 s)."""
+    import socket
+    import threading
+
+    from raysys.tracking import MLflowLogger
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    taken = []
+
+    def accept():
+        while True:
+            try:
+                conn, _ = hung.accept()
+            except OSError:
+                return
+            taken.append(conn)  # kept open, never answered
+
+    threading.Thread(target=accept, daemon=True).start()
+    logger = MLflowLogger(f"http://127.0.0.1:{hung.getsockname()[1]}", "run", buffer=tmp_path / "tracking-buffer.jsonl")
+    (tmp_path / "tracking-buffer.jsonl").write_text('{"kind": "metrics", "data": {"a": 1.0}, "step": 1}\n')
+    logger._recorded = {}  # the steps MLflow holds are read once per process: not what this is about
+    try:
+        logger.log_metrics({"a": 2.0}, 2)  # a retry is due (the first): one look, no call
+        assert logger.pending == 2 and len(taken) == 1
+    finally:
+        hung.close()
+        for conn in taken:
+            conn.close()
+
+
 def test_a_full_disk_leaves_no_half_record_in_the_tracking_buffer_and_a_cut_one_blocks_nothing(tmp_path):
     """A record the buffer cannot take whole (the disk fills mid-write: here a file-size limit) is taken
     back out, and the error names the buffer; a record an older raysys left cut short (or a line edited in by

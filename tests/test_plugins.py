@@ -427,6 +427,17 @@ def test_permanent_errors_are_found_inside_rays_wrappers():
                                 " object: AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 28, "
                                 "Timeout was reached); the earlier checkpoints are intact")
     assert permanent_cause(Wrapped({0: disk})) is disk and permanent_cause(Wrapped({0: away})) is None
+    # a tracking server away for the whole wait, raised while one failed look's ConfigError was handled: an
+    # outage (Tune retries it, a --resume runs it again), not that ConfigError
+    from raysys.tracking import TrackingOutageError
+
+    try:
+        try:
+            raise ConfigError("the MLflow tracking server does not answer")
+        except ConfigError:
+            raise TrackingOutageError("has not answered for 10 min") from None
+    except TrackingOutageError as e:
+        assert permanent_cause(Wrapped({0: e})) is None
 
 
 def test_sgd_with_nesterov_and_the_quality_metric_named_once():

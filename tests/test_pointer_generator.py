@@ -341,8 +341,11 @@ def test_a_resume_on_other_data_is_refused_but_not_from_a_copy_elsewhere(tmp_pat
     assert _cli(tmp_path / "b", *common, "--resume", "--set", "train.max_steps=3", "--set",
                 "data.eval_examples=3").returncode == 0
     _write_jsonl(tmp_path / "b" / "notes.jsonl", rows[::-1])  # other bytes under the same name
+    prepared = sorted(p.parent.name for p in (tmp_path / "b").rglob("meta.json"))
     proc = _cli(tmp_path / "b", *common, "--resume", "--set", "train.max_steps=4")
     assert proc.returncode == 2 and "different config: data.digest" in proc.stderr
+    # refused before prepare: no tokenizer was trained on the other text (it was, then the resume was refused)
+    assert sorted(p.parent.name for p in (tmp_path / "b").rglob("meta.json")) == prepared
     proc = _cli(tmp_path / "a", *common, "--resume", "--set", "train.max_steps=4", "--set", "data.seed=1")
     assert proc.returncode == 2 and "data.seed" in proc.stderr
     shutil.rmtree(tmp_path / "b")

@@ -33,7 +33,9 @@ def find_cause(e: BaseException, types: tuple, where: Optional[Callable[[BaseExc
         failures = getattr(err, "worker_failures", None)
         if isinstance(failures, dict):
             stack.extend(failures.values())
-        stack.extend([err.__cause__, err.__context__])
+        # not a context its raise set aside (``raise X from None``): a TrackingOutageError raised while a
+        # ConfigError of one failed look was being handled is an outage, not that ConfigError
+        stack.extend([err.__cause__, None if err.__suppress_context__ else err.__context__])
     return None
 
 

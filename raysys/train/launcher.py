@@ -24,7 +24,7 @@ import yaml
 from raysys import console, lifecycle, storage, tracking
 from raysys import workload as registry
 from raysys.checkpoint import CheckpointError, CheckpointStore, Superseded
-from raysys.config import ConfigError, flatten, to_dict
+from raysys.config import ConfigError, apply_overrides, flatten, to_dict
 from raysys.metrics import divergence
 from raysys.train import code_checks
 from raysys.train.code_checks import DataError
@@ -436,15 +436,28 @@ def _same_place(uri: str) -> str:
 
 def _refuse_before_prepare(wl: registry.Workload, cfg: Any, run_dir: Path, changes: str) -> None:
     """A resume that changed a key of the checkpoint's identity is refused now, not after ``prepare``, which may
-    make data for minutes (the ad_transformer's PPO histories) for a run that cannot go on. Only a key given
-    anew on this resume counts (``changes``: 'key: old -> new; ...'): ``prepare`` fills in others (an absolute
-    path), and the checkpoint's own check after it sees those."""
-    store = CheckpointStore(run_dir, wl.name, identity_of(wl, cfg), local_keys=wl.extra.get("local_keys", ()))
+    make data for minutes (the ad_transformer's PPO histories, the pointer_generator's tokenizer) for a run that
+    cannot go on. Only a key given anew on this resume counts (``changes``: 'key: old -> new; ...'), and those the
+    workload can say before ``prepare`` (``extra["digest_before_prepare"]``: cfg -> {key: value}, a digest of the
+    user's files): ``prepare`` fills in others (an absolute path), and the checkpoint's own check after it sees
+    those."""
+    early = wl.extra.get("digest_before_prepare")
+    known: dict = {}
+    if early is not None:
+        try:
+            known = dict(early(cfg) or {})
+        except (OSError, ValueError):  # a file missing or unreadable: prepare says so, in its words
+            known = {}
+    given = {part.split(":", 1)[0] for part in changes.split("; ")} if changes else set()
+    if not given and not known:
+        return
+    seen = apply_overrides(cfg, known) if known else cfg
+    store = CheckpointStore(run_dir, wl.name, identity_of(wl, seen), local_keys=wl.extra.get("local_keys", ()))
     latest = store.latest()
     if latest is None:
         return
-    given = {part.split(":", 1)[0] for part in changes.split("; ")}
-    diff = {k: v for k, v in store.differences(store.meta(latest)).items() if k in given and not _same_path(*v)}
+    diff = {k: v for k, v in store.differences(store.meta(latest)).items()
+            if (k in given or k in known) and not _same_path(*v)}
     if diff:
         from raysys.checkpoint import refuse_different
 
@@ -499,8 +512,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     if launch.resume:
         _hold(run_dir, name, launch, create=False)
         lifecycle.arm(_resume_command(wl, launch, name))  # from here a signal stops the run with a checkpoint
-    if launch.resume and (tags or {}).get("raysys.resume_changes"):
-        _refuse_before_prepare(wl, cfg, run_dir, tags["raysys.resume_changes"])
+    if launch.resume and ((tags or {}).get("raysys.resume_changes") or wl.extra.get("digest_before_prepare")):
+        _refuse_before_prepare(wl, cfg, run_dir, (tags or {}).get("raysys.resume_changes", ""))
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     if check is not None:
         check(cfg)

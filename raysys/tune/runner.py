@@ -140,6 +140,18 @@ def _resolve_remote(opts: SweepOptions, workload: str) -> tuple[str, Path]:
     return name, sweep_dir
 
 
+def _lost_to_outage(tuner: Any) -> int:
+    """The trials of a restored sweep that failed because its tracking server did not answer for the whole wait
+    (``tracking.TrackingOutageError``): what an outage took, which a --resume gives back."""
+    try:
+        grid = tuner.get_results()
+    except Exception:  # nothing recorded yet
+        return 0
+    from raysys.tune.trial import tracking_outage
+
+    return sum(1 for r in grid if r.error is not None and tracking_outage(r.error))
+
+
 def _tune_storage(opts: SweepOptions, sweep_dir: Path) -> tuple[str, dict]:
     """Where Tune keeps its experiment state: (the sweep's path for restore, RunConfig/restore kwargs)."""
     owner = storage.remote_of(sweep_dir)
@@ -549,6 +561,13 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
               flush=True)
         tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False,
                                    **restore_fs)
+        lost = _lost_to_outage(tuner)
+        if lost:  # they failed waiting for the server, not of their code: they run again, from their checkpoints
+            print(f"[raysys.tune] {lost} trial{'s' if lost > 1 else ''} failed while the MLflow server did not answer: "
+                  f"{'they run' if lost > 1 else 'it runs'} again (other failed trials too: Tune resumes them all)",
+                  flush=True)
+            tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=True,
+                                       **restore_fs)
     else:
         log = ObjectiveLog(str(sweep_dir / OBJECTIVES_DIR))
         tuner = tune.Tuner(trainable, tune_config=_tune_config(sp, opts, concurrent, wl),

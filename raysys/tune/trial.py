@@ -318,9 +318,24 @@ def repeated_failure(setup: TrialSetup, trial_id: str, e: BaseException, runs: O
     return None
 
 
+def tracking_outage(e: BaseException) -> bool:
+    """``e`` is (or, from a trial's child process, names) a ``tracking.TrackingOutageError``: the trial waited for
+    its sweep's tracking server for the whole wait, which is no error of its code however often it repeats."""
+    from raysys.train.failures import find_cause
+    from raysys.tracking import TrackingOutageError
+
+    return (find_cause(e, (TrackingOutageError,)) is not None
+            or error_summary(e).split(":", 1)[0].endswith(TrackingOutageError.__name__)
+            or f"{TrackingOutageError.__name__}: " in str(e))
+
+
 def fail_permanently(setup: TrialSetup, trial_id: str, e: BaseException, report, runs: Optional[list] = None) -> bool:
     """If ``e`` is permanent, or repeats the trial's last failure (``repeated_failure``): log it and send
-    the trial's last report (``report(reason)``); else False."""
+    the trial's last report (``report(reason)``); else False. A tracking outage is neither: Tune retries the
+    trial, and one it ends as failed runs again on the sweep's --resume (``runner._lost_to_outage``)."""
+    if tracking_outage(e):
+        log_event(setup.sweep_dir, f"outage {trial_id} {error_summary(e)}")
+        return False
     reason = permanent_reason(e) or repeated_failure(setup, trial_id, e, runs)
     if reason is None:
         return False

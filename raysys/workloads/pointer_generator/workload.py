@@ -72,6 +72,14 @@ LOCAL_KEYS = ("data.path", "data.eval_path", "data.data_dir", "data.prepared_dir
 (its ``digest`` says what the files hold), so a run resumes from another folder or machine."""
 
 
+def digest_of_files(cfg: PointerGeneratorConfig) -> dict:
+    """``data.digest`` before ``prepare``: a resume whose files now hold other text is refused at once, not after
+    the tokenizer was trained on them."""
+    from raysys.workloads.pointer_generator import data
+
+    return {"data.digest": data.files_digest(cfg.data.path, cfg.data.eval_path)} if cfg.data.path else {}
+
+
 @dataclass
 class ModelConfig:
     path: Literal["naive", "optimized"] = "optimized"
@@ -313,5 +321,5 @@ WORKLOAD = Workload(
     dataset=_dataset,
     # a checkpoint's token rows mean its data's tokenizer: a resume on other data (another corpus, seed,
     # vocabulary or truncation) is refused; where the files lie and how many notes are evaluated are not the data
-    extra={"identity_sections": ("model", "data"), "local_keys": LOCAL_KEYS},
+    extra={"identity_sections": ("model", "data"), "local_keys": LOCAL_KEYS, "digest_before_prepare": digest_of_files},
 )
