@@ -1456,7 +1456,7 @@ def test_what_the_loop_would_refuse_of_a_plugin_is_one_line_before_the_run():
 
     assert built(Unused(), "aux", cfg) is not None  # one worker: no DDP
     with pytest.raises(ConfigError, match=r"^aux: its Task.loss gives no gradient to trainable parameters aux.weight, "
-                                          r"aux.bias, which DDP's 2 workers would wait for at the second step: set "
+                                          r"aux.bias, on which DDP's 2 workers fail at their second step: set "
                                           r"launch.find_unused_parameters=true"):
         built(Unused(), "aux", two_cpus)
     two_cpus.launch.find_unused_parameters = True
@@ -1488,7 +1488,7 @@ def test_a_model_with_parameters_its_loss_never_reaches_trains_under_ddp_with_th
     assert refused.returncode == 2 and not (project / "raysys_runs").exists()
     assert refused.stderr.strip().splitlines() == [
         "raysys: config error: digits_aux: its Task.loss gives no gradient to trainable parameters aux.weight, "
-        "aux.bias, which DDP's 2 workers would wait for at the second step: set launch.find_unused_parameters=true "
+        "aux.bias, on which DDP's 2 workers fail at their second step: set launch.find_unused_parameters=true "
         "(a branch the data picks), or freeze them (requires_grad=False)"]
     out = _run([*args, "--set", "launch.find_unused_parameters=true"], project)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -202,7 +202,7 @@ def _loss_on_meta(task: Any, name: str, model: Any, train: Any, cfg: Any) -> Non
     if idle:
         more = f" and {len(idle) - 3} more" if len(idle) > 3 else ""
         raise ConfigError(f"{name}: its Task.loss gives no gradient to trainable parameters {', '.join(idle[:3])}{more}, "
-                          f"which DDP's {launch.workers} workers would wait for at the second step: set "
+                          f"on which DDP's {launch.workers} workers fail at their second step: set "
                           "launch.find_unused_parameters=true (a branch the data picks), or freeze them "
                           "(requires_grad=False)")
 
