@@ -1462,6 +1462,45 @@ def test_what_the_loop_would_refuse_of_a_plugin_is_one_line_before_the_run():
     two_cpus.launch.find_unused_parameters = True
     assert built(Unused(), "aux", two_cpus) is not None
 
+    # an epoch ending on one sample (1347 % 2): a BatchNorm1d on features cannot train on it; a BatchNorm2d on
+    # images can (one value per channel is what fails), and so can a frozen one its train() keeps in eval
+    class BN1d(base):
+        def build_model(self, cfg):
+            return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 10))
+
+    class BN2d(base):
+        def build_model(self, cfg):
+            return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 8, 8)), torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4),
+                                       torch.nn.Flatten(), torch.nn.Linear(144, 10))
+
+    class Frozen(torch.nn.Sequential):
+        def train(self, mode=True):
+            super().train(mode)
+            self[1].eval()  # the "pretrained" backbone's statistics stay as they are
+            return self
+
+    class FrozenBN(base):
+        def build_model(self, cfg):
+            return Frozen(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 10))
+
+    odd = digits.quick()
+    odd.train.batch_size = 2
+    with pytest.raises(ConfigError, match=r"^bn: each epoch would end with a batch of one sample"):
+        built(BN1d(), "bn", odd)
+    assert built(BN2d(), "bn2", odd) is not None and built(FrozenBN(), "frozen", odd) is not None
+
+    class Lazy(base):  # a loss that builds its criterion on its first call, on the batch's device
+        crit = None
+
+        def loss(self, model, batch):
+            if self.crit is None:
+                self.crit = torch.nn.CrossEntropyLoss(weight=torch.ones(10, device=batch["x"].device))
+            return self.crit(model(batch["x"]), batch["y"]), {}
+
+    lazy = Lazy()
+    assert built(lazy, "lazy", cfg) is not None
+    assert lazy.crit is None  # no meta tensor left for the run this process trains next (--workers 0)
+
 
 AUX_HEAD = """
 import dataclasses

@@ -141,8 +141,11 @@ def fits_the_loader(name: str, cfg: Any, train: Any, model: Any, world: int, cpu
         raise DataError(f"loader.drop_last leaves no batch: {per_worker} training samples per worker, fewer than "
                         f"train.batch_size={tc.batch_size} ({name}" + ("; nothing was created)" if before else ")"))
     modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    if modules:
+        model.train()  # as the loop trains it: a BatchNorm its train() keeps in eval (a frozen backbone) is fine
+    # BatchNorm fails on one value per channel: a BatchNorm1d on (N, C) features, not a BatchNorm2d on images
     if per_worker % tc.batch_size == 1 and not loader.drop_last and any(
-            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in modules):
+            isinstance(m, torch.nn.BatchNorm1d) and m.training for m in modules):
         # said now, not as BatchNorm's ValueError at the epoch's last step, restarted max_failures times
         raise ConfigError(f"{name}: each epoch would end with a batch of one sample ({per_worker} per worker, "
                           f"train.batch_size={tc.batch_size}), which its BatchNorm cannot train on: set "
@@ -184,12 +187,20 @@ def _loss_on_meta(task: Any, name: str, model: Any, train: Any, cfg: Any) -> Non
 
     from raysys.train.data import to_device
 
+    # the task's attributes as they were: a loss that builds state on its first call (a criterion with class
+    # weights on the batch's device, a cached mask) must not keep meta tensors for the run that follows in this
+    # process (--workers 0 trains this very task object)
+    saved = dict(vars(task)) if hasattr(task, "__dict__") else None
     try:
         n = min(len(train), cfg.train.batch_size, 256)  # a batch as the loop's: a branch its data picks is taken
         batch = to_device(registry.collate_of(task)([train[i] for i in range(n)]), torch.device("meta"))
         out = task.loss(model, batch)
     except Exception:
         return
+    finally:
+        if saved is not None:
+            vars(task).clear()
+            vars(task).update(saved)
     loss, _ = loss_contract(out, name)
     launch = cfg.launch
     if launch.workers < 2 or getattr(launch, "find_unused_parameters", True) or not loss.requires_grad:
