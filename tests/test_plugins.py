@@ -1567,6 +1567,131 @@ def test_a_batch_as_a_dataclass_goes_to_the_device_and_is_counted():
     assert batch_len(object()) == 0
 
 
+def test_a_batch_of_its_own_type_goes_to_the_device_as_it_is():
+    """A mapping of its own type (a tokenizer's BatchEncoding: keys read as attributes) stays that type, the
+    original untouched; an object with its own ``.to(device)`` (a graph library's batch) is moved by it; a
+    read-only mapping becomes a dict of its moved values."""
+    import types
+    from collections import UserDict
+
+    import torch
+
+    from raysys.train.data import batch_len, to_device
+
+    class Encoding(UserDict):
+        def __getattr__(self, key):
+            try:
+                return self.data[key]
+            except KeyError:
+                raise AttributeError(key) from None
+
+    class Graph:
+        def __init__(self, x):
+            self.x = x
+
+        def to(self, device):
+            return Graph(self.x.to(device))
+
+    enc = Encoding(x=torch.zeros(4, 2), ids=["a", "b", "c", "d"])
+    moved = to_device(enc, torch.device("meta"))
+    assert type(moved) is Encoding and moved.x.is_meta and moved.ids == enc.ids and not enc.x.is_meta
+    assert batch_len(moved) == 4
+    assert to_device(Graph(torch.zeros(3)), torch.device("meta")).x.is_meta
+    frozen = to_device(types.MappingProxyType({"x": torch.zeros(2)}), torch.device("meta"))
+    assert type(frozen) is dict and frozen["x"].is_meta
+
+
+FINE_TUNED = """
+import dataclasses
+from collections import UserDict
+
+import torch
+import torch.nn.functional as F
+import digits_mlp
+
+
+class Encoding(UserDict):  # what a tokenizer gives: keys read as attributes
+    def __getattr__(self, key):
+        try:
+            return self.data[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+class Tuned(digits_mlp.DigitsTask):
+    def collate(self, items):
+        return Encoding(x=torch.stack([x for x, _ in items]), y=torch.stack([y for _, y in items]))
+
+    def build_model(self, cfg):  # a lazy first layer: its shape comes from the first batch
+        return torch.nn.Sequential(torch.nn.LazyLinear(128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                                   torch.nn.Linear(128, 10))
+
+    def param_groups(self, model, cfg):  # fine-tuning: the "pretrained" middle layer frozen here
+        model[2].requires_grad_(False)
+        return [{"params": model[0].parameters()}, {"params": model[4].parameters(), "weight_decay": 0.0}]
+
+    def loss(self, model, batch):
+        return F.cross_entropy(model(batch.x), batch.y), {}
+
+    def evaluate(self, model, batches):
+        return super().evaluate(model, [dict(b) for b in batches])
+
+
+class Experts(torch.nn.Module):  # top-1 routing that skips an expert no sample chose, as MoE code does
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(64, 16)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(64, 10) for _ in range(16))
+
+    def forward(self, x):
+        route = self.router(x).argmax(-1)
+        out = torch.zeros(len(x), 10)
+        for e, expert in enumerate(self.experts):
+            if (route == e).any():
+                out[route == e] = expert(x[route == e])
+        return out + self.router(x)[:, :10]
+
+
+class Routed(digits_mlp.DigitsTask):
+    def build_model(self, cfg):
+        return Experts()
+
+
+WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="tuned", task=Tuned())
+ROUTED = dataclasses.replace(digits_mlp.WORKLOAD, name="routed", task=Routed())
+"""
+
+
+def test_a_fine_tuned_lazy_model_of_its_own_batches_trains_in_process(project):
+    """A batch of the task's own type (attribute access) reaches its loss as that type, a lazy layer gets its
+    shape before the optimizer holds it, and a layer the param_groups hook freezes stays as it was built."""
+    (project / "tuned.py").write_text(FINE_TUNED)
+    out = _run(["python", "-m", "raysys", "train", "tuned:WORKLOAD", "--preset", "quick", "--workers", "0",
+                "--name", "t"], project)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(re.search(r"done: .* eval/accuracy ([\d.]+)", out.stdout).group(1)) > 0.5  # chance: 0.1
+
+
+@pytest.mark.slow  # ~1.5 min: two Ray Train runs of 2 workers
+def test_what_ddp_needs_of_a_model_is_done_or_said_on_two_workers(project):
+    """DDP wraps what the loop built: the optimizer hooks run first (a layer they freeze is not one DDP waits
+    for) and lazy layers get their shapes first, so the fine-tuned model trains on 2 workers; a model whose
+    data leaves an expert without gradient fails at once, in raysys's words, with the setting that fixes it."""
+    (project / "tuned.py").write_text(FINE_TUNED)
+    args = ["python", "-m", "raysys", "train", "--preset", "quick", "--workers", "2"]
+    out = _run([*args[:4], "tuned:WORKLOAD", *args[4:]], project)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(re.search(r"done: .* eval/accuracy ([\d.]+)", out.stdout).group(1)) > 0.5
+    routed = _run([*args[:4], "tuned:ROUTED", *args[4:]], project)
+    assert routed.returncode == 2 and "restarting" not in routed.stdout + routed.stderr
+    assert routed.stderr.strip().splitlines()[-1] == (
+        "raysys: config error: routed: at step 1 some trainable parameters had no gradient from the step before (a "
+        "branch the data picks, a layer its loss skipped), which DDP's 2 workers cannot reduce: set "
+        "launch.find_unused_parameters=true, or freeze them (requires_grad=False)")
+    fixed = _run([*args[:4], "tuned:ROUTED", *args[4:], "--set", "launch.find_unused_parameters=true"], project)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+
+
 OWN_BENCH = """
 import dataclasses
 import digits_mlp

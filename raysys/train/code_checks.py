@@ -63,12 +63,14 @@ def model_fits(wl: registry.Workload, tags: Optional[dict]) -> Callable[[Any, di
     is built as a worker builds it (data first), on torch's meta device: shapes, no memory."""
 
     def fits(cfg: Any, state: dict, code_changed: str = "") -> None:
+        import torch
+
         saved = state.get("model") if isinstance(state, dict) else None
         if not isinstance(saved, dict):
             return
         model = built(wl.task, wl.name, cfg, say=False)
-        if model is None:  # not buildable here: the workers build it, and a mismatch fails there in one line
-            return
+        if model is None or any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
+            return  # not buildable here, or lazy modules of no shape yet: the workers build it, and say a mismatch
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}
         odd = next((k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)), None)
@@ -223,14 +225,15 @@ def _on_meta_only(e: Exception) -> bool:
     return "meta" in str(e)
 
 
-def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
+def built(task: Any, name: str, cfg: Any, say: bool = True, before_loss: Optional[Callable[[Any], None]] = None) -> Any:
     """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
     memory), before the run exists; None where it cannot be built here. An error of the code itself
     (``CODE_ERRORS``) is one line naming the hook, the error and where it was raised (with ``say``), not the
     workers' traceback after the run was made and restarted ``max_failures`` times; so are what the loop
     refuses of the data and model (``fits_the_loader``) and a loss that breaks its contract. A ConfigError is
     left to the workers: it may check this process's devices, and there it fails the run at once with its
-    message."""
+    message. ``before_loss``: what the loop does to the model before its first step (the optimizer hooks, which
+    may freeze parameters), done before the loss is checked."""
     import torch
 
     train = model = None
@@ -260,6 +263,8 @@ def built(task: Any, name: str, cfg: Any, say: bool = True) -> Any:
             train = map_style(name, out)[0]
             _fits(name, cfg, train, None)  # the data's own refusals, whether or not the model builds here
     if say and _fits(name, cfg, train, model):
+        if before_loss is not None:
+            before_loss(model)
         _loss_on_meta(task, name, model, train, cfg)
     return model
 
@@ -289,17 +294,26 @@ def code_works(wl: registry.Workload, say: bool = True) -> Callable[[Any], None]
 
         if not say and not hooks_used(task):
             return
-        model = built(task, wl.name, cfg, say)
+        ran: list[bool] = []
+
+        def hooks(model: Any) -> None:
+            try:
+                opt = task_optimizer(task, cfg, model, wl.name)
+                task_scheduler(task, cfg, opt, 1000, wl.name, wl.quality_metric, wl.quality_mode)
+                ran.append(True)
+            except ConfigError:
+                raise
+            except Exception:  # a hook of its own failing on meta tensors: the workers find out, with its traceback
+                ran.append(False)
+
+        # the hooks before the loss is checked, as in the loop: a parameter they freeze is one it need not reach
+        model = built(task, wl.name, cfg, say, before_loss=hooks if hooks_used(task) else None)
         if model is None or not hooks_used(task):
             return
-        try:
-            opt = task_optimizer(task, cfg, model, wl.name)
-            task_scheduler(task, cfg, opt, 1000, wl.name, wl.quality_metric, wl.quality_mode)
-        except ConfigError:
-            raise
-        except Exception:  # a hook of its own failing on meta tensors: the workers find out, with its traceback
-            return
-        say_unread_optim(task, cfg, model, wl.name)
+        if not ran:
+            hooks(model)
+        if ran[0]:
+            say_unread_optim(task, cfg, model, wl.name)
 
     return check
 

@@ -74,13 +74,22 @@ def make_loader(ds: Dataset, batch_size: int, sampler: Sampler, collate, cfg: Lo
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """A batch on ``device``, whatever its structure: a dict of tensors, an ``(x, y)`` tuple or list as torch's
-    ``default_collate`` gives (a namedtuple keeps its type), or a dataclass of them (a copy, its other fields
-    shared); what is not a tensor is left as it is."""
+    """A batch on ``device``, whatever its structure: a dict of tensors (a mapping of its own type, as a
+    tokenizer's ``BatchEncoding``, keeps it: a copy), an ``(x, y)`` tuple or list as torch's ``default_collate``
+    gives (a namedtuple keeps its type), a dataclass of them (a copy, its other fields shared), or an object
+    with its own ``.to(device)`` (a graph library's batch); what is not a tensor is left as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)  # non_blocking only helps from pinned memory; harmless otherwise
     if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        items = {k: to_device(v, device) for k, v in batch.items()}
+        if type(batch) is dict:
+            return items
+        try:  # its own type, with what it adds (attribute access to its keys): a loss may read them
+            moved = copy.copy(batch)
+            moved.update(items)
+            return moved
+        except (TypeError, AttributeError):  # a read-only mapping: a dict of it
+            return items
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -90,6 +99,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
         for f in dataclasses.fields(batch):  # object.__setattr__: a frozen dataclass too
             object.__setattr__(moved, f.name, to_device(getattr(batch, f.name), device))
         return moved
+    to = getattr(batch, "to", None)
+    if callable(to) and not isinstance(batch, (str, bytes, type)):
+        moved = to(device)
+        return batch if moved is None else moved  # a .to() that moves in place
     return batch
 
 

@@ -157,6 +157,11 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     # its driver could not build, a resume's changed settings)
     fits_the_loader(wl.name, cfg, train_ds, model, world, device.type == "cpu")
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
+    if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
+        _materialize(task, model, train_ds, collate, tc.batch_size, device)
+    # the task's optimizer hooks before DDP wraps the model: a parameter they freeze (fine-tuning) is one DDP's
+    # reducer never waits for; an optimizer over the bare model's parameters is the same under DDP or compile
+    opt = task_optimizer(task, cfg, model, wl.name)
     ddp = None  # after the checks above: DDP of a model they refuse fails in its own words
     if world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -183,7 +188,6 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                    if epoch < tc.epochs else step)
     if tc.max_steps is not None:
         total_steps = min(tc.max_steps, total_steps)
-    opt = task_optimizer(task, cfg, model, wl.name)
     as_built = group_settings(opt)  # before a scheduler writes to the groups: a changed length rebuilds from it
     sched = task_scheduler(task, cfg, opt, total_steps, wl.name, wl.quality_metric, wl.quality_mode)
     plateau = is_plateau(sched)  # stepped with the quality after each evaluation, not at each step
@@ -298,7 +302,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                 # no DDP all-reduce on accumulation micro-steps: gradients sync once per optimizer step
                 sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
                 with sync:
-                    with timer.phase("forward"), _autocast(tc.precision, device):
+                    with timer.phase("forward"), _autocast(tc.precision, device), _unused_said(wl.name, world, step):
                         loss, stats = checked_loss(task, fwd_model, batch, wl.name, tc.batch_size)
                     with timer.phase("backward"):
                         scaler.scale(loss / tc.grad_accum).backward()
@@ -457,6 +461,33 @@ def _first_mismatch(text: str) -> str:
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     detail = next((l for l in lines[1:] if "size mismatch" in l or "Missing key" in l or "Unexpected key" in l), None)
     return (detail or (lines[0] if lines else "state_dict mismatch"))[:300]
+
+
+def _materialize(task: Any, model: Any, train_ds: Any, collate: Any, batch_size: int, device: Any) -> None:
+    """Shapes for a model's lazy modules (``nn.LazyLinear``): one forward of the first batch, without gradients
+    and in eval mode (no running statistics moved). DDP refuses parameters of no shape yet, and an optimizer
+    built before them would hold placeholders."""
+    batch = to_device(collate([train_ds[i] for i in range(min(len(train_ds), batch_size))]), device)
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        task.loss(model, batch)
+    model.train(was)
+
+
+@contextlib.contextmanager
+def _unused_said(name: str, world: int, step: int):
+    """DDP's error for parameters a step left without gradients (it says so at the next step, as a constructor
+    keyword the user never passes), said as the setting that fixes it; a ConfigError, as no restart would."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "Expected to have finished reduction in the prior iteration" not in str(e):
+            raise
+        raise ConfigError(f"{name}: at step {step} some trainable parameters had no gradient from the step before "
+                          "(a branch the data picks, a layer its loss skipped), which DDP's "
+                          f"{world} workers cannot reduce: set launch.find_unused_parameters=true, or freeze them "
+                          "(requires_grad=False)") from None
 
 
 def checked_loss(task: Any, model: Any, batch: Any, name: str, size: int = 0) -> tuple:
