@@ -15,7 +15,7 @@ import random
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
@@ -198,6 +198,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     speed = Throughput()
 
     loss_val = float("nan")
+    counted: set = set()  # the counts the task's loss gives: without tokens, its progress line says samples/s
     if state is not None:
         # a task's own schedule fixed to the run's length (OneCycleLR, a cosine's T_max) is rebuilt for a new one
         stretched = own_schedule and not plateau and state.get("total_steps", total_steps) != total_steps
@@ -303,7 +304,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                 sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
                 with sync:
                     with timer.phase("forward"), _autocast(tc.precision, device), _unused_said(wl.name, world, step):
-                        loss, stats = checked_loss(task, fwd_model, batch, wl.name, tc.batch_size)
+                        loss, stats = checked_loss(task, fwd_model, batch, wl.name, tc.batch_size, counted)
                     with timer.phase("backward"):
                         scaler.scale(loss / tc.grad_accum).backward()
                 losses.append(loss.detach())
@@ -343,7 +344,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                            **speed.rates(world), **monitor.metrics()}
                 logger.log_metrics(metrics, step)
                 if rank == 0:
-                    sink.progress(wl.name, step, total_steps, _progress_text(epoch, tc.epochs, metrics, getattr(task, "token_name", "tokens")))
+                    sink.progress(wl.name, step, total_steps, _progress_text(epoch, tc.epochs, metrics, _unit(task, counted)))
                 ray.train.report({**metrics, "step": step})
             minutes = tc.checkpoint_every_minutes
             due = minutes is not None and time.monotonic() - last_ckpt_time >= 60 * minutes
@@ -490,16 +491,25 @@ def _unused_said(name: str, world: int, step: int):
                           "(requires_grad=False)") from None
 
 
-def checked_loss(task: Any, model: Any, batch: Any, name: str, size: int = 0) -> tuple:
+def checked_loss(task: Any, model: Any, batch: Any, name: str, size: int = 0, counted: Optional[set] = None) -> tuple:
     """``task.loss``, its contract checked (``code_checks.loss_contract``). Counts it leaves out are the batch's
     own: ``samples`` its first tensor's leading size (``size``, the loader's batch size, where the batch holds no
-    tensor it can see), ``tokens`` the samples (a throughput of 0 would read as the slowest trial of a sweep)."""
+    tensor it can see), ``tokens`` the samples (a throughput of 0 would read as the slowest trial of a sweep).
+    ``counted``: gets the counts the task gave."""
     loss, stats = loss_contract(task.loss(model, batch), name)
+    if counted is not None:
+        counted.update(stats)
     if "samples" not in stats or "tokens" not in stats:
         stats = dict(stats)
         stats.setdefault("samples", batch_len(batch) or size)
         stats.setdefault("tokens", stats["samples"])
     return loss, stats
+
+
+def _unit(task: Any, counted: set) -> str:
+    """What perf/tokens_per_s counts, as the progress line names it: the task's ``token_name``, else tokens where
+    its loss counts them, else samples (what the metric then holds)."""
+    return getattr(task, "token_name", None) or ("tokens" if "tokens" in counted else "samples")
 
 
 def _progress_text(epoch: int, epochs: int, m: dict, token_name: str) -> str:
