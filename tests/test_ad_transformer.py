@@ -163,6 +163,10 @@ def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):
     ("few_goals", "has no histories of goals [9, 10,"),
     ("bad_actions", "shard_000.npz: actions must lie in 0..4 (a 9x9 Darkroom with 5 actions), found 0..7"),
     ("bad_states", "shard_000.npz: states must lie in 0..8"),
+    ("truncated", "shard_000.npz is not a readable numpy .npz shard (BadZipFile)"),
+    ("twice", "manifest.json: its shards' goals are not its 'goals', each once"),
+    ("renamed", "; the manifest says ["),
+    ("steps", "manifest.json: 'steps' is 'abc', not a whole number"),
 ])
 def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, data_dir, case, needle):
     """A user's history folder is checked before the run exists: its shards open, it holds the goals the
@@ -177,6 +181,25 @@ def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, da
     if case == "corrupt":
         shutil.copytree(made, bad)
         (bad / "shard_000.npz").write_text("garbage")
+    elif case == "truncated":  # a copy cut short: numpy's zip reader raised BadZipFile, a traceback
+        shutil.copytree(made, bad)
+        whole = (bad / "shard_000.npz").read_bytes()
+        (bad / "shard_000.npz").write_bytes(whole[: len(whole) // 2])
+    elif case in ("twice", "renamed", "steps"):  # a manifest edited by hand: goals dropped or trained twice
+        shutil.copytree(made, bad)
+        m = json.loads((bad / "manifest.json").read_text())
+        if case == "twice":
+            m["shards"].append(m["shards"][0])
+        elif case == "renamed":  # the manifest's lists agree with each other, not with the shard's file
+            from raysys.envs.darkroom import goal_split
+
+            trained = set(goal_split()[0][:20].tolist())  # a goal the run does not ask for: it loaded another
+            shard, g = next((s, g) for s in m["shards"] for g in s["goals"] if g not in trained)
+            m["goals"][m["goals"].index(g)] = 99
+            shard["goals"][shard["goals"].index(g)] = 99
+        else:
+            m["steps"] = "abc"
+        (bad / "manifest.json").write_text(json.dumps(m))
     elif case == "short":
         h = H.load(made)
         H.save(H.Histories(h.goals, *(getattr(h, k)[:, :, :30] for k in ("states", "actions", "rewards", "next_states")),
@@ -296,6 +319,36 @@ def test_a_two_trial_sweep_of_the_shipped_space(tmp_path, data_dir):
     for c in children:
         assert c.data.tags["raysys.trial_status"] == "ok"
         assert "eval/icl_return_last" in c.data.metrics and c.data.metrics["perf/samples_per_s"] > 0
+
+
+def test_generated_histories_that_were_damaged_are_one_line_and_create_nothing(tmp_path, data_dir):
+    """The generated folder is checked as a user's is (only its manifest was looked for): a shard cut short
+    failed as a traceback after the run existed, a held-out goal's shard lost at the first evaluation, and the
+    --resume the error advised met it again."""
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    (made,) = (m.parent for m in copy.glob("histories-*/manifest.json"))
+    last = sorted(made.glob("shard_*.npz"))[-1]
+    last.unlink()
+    proc = _train(tmp_path, "ad_transformer", "--preset", "quick", "--workers", "0", "--set", f"data.data_dir={copy}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("raysys:")]
+    assert line == (f"raysys: config error: the histories generated in {made} are damaged ({last} is not a readable "
+                    "numpy .npz shard (FileNotFoundError)): delete that folder, and the next run generates them again")
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_region_longer_than_the_generated_streams_is_refused():
+    """The streams are whole PPO rollouts long: 599 steps per goal over 10 streams of 20-step rollouts are 2
+    rollouts, 40 steps (the check took 59, and the run failed after it existed)."""
+    from raysys.config import ConfigError
+
+    assert apply_overrides(quick(), {"source.steps_per_goal": 599, "data.region": 39}).data.region == 39
+    with pytest.raises(ConfigError, match=r"the source's streams are 40 steps long .* data.region \(40\) must be "
+                                          "shorter, with one step left for its query"):
+        apply_overrides(quick(), {"source.steps_per_goal": 599, "data.region": 40})
 
 
 def test_asking_for_more_goals_or_streams_than_exist_is_refused():

@@ -22,6 +22,7 @@ import shutil
 import sys
 import time
 import uuid
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
@@ -129,6 +130,20 @@ def manifest(folder: Path) -> dict:
     lost = [k for k in ("goals", "streams", "steps", "shards") if k not in m]
     if lost:
         raise ValueError(f"{path} lacks {', '.join(lost)}")
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    cells = lambda v: isinstance(v, list) and all(whole(g) for g in v)  # noqa: E731
+    odd = next((f"'{k}' is {m[k]!r}, not a whole number" for k in ("streams", "steps") if not whole(m[k])), None)
+    if odd is None and not cells(m["goals"]):
+        odd = "'goals' is not a list of cell numbers"
+    if odd is None and not (isinstance(m["shards"], list) and all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) and cells(s.get("goals")) for s in m["shards"])):
+        odd = "'shards' is not a list of {\"file\": name, \"goals\": [cell numbers]}"
+    if odd is None:
+        held = [g for s in m["shards"] for g in s["goals"]]
+        if sorted(held) != sorted(m["goals"]) or len(set(held)) != len(held):
+            odd = "its shards' goals are not its 'goals', each once"
+    if odd is not None:
+        raise ValueError(f"{path}: {odd}")
     return m
 
 
@@ -170,10 +185,12 @@ def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int
             with np.load(path, allow_pickle=False) as z:
                 lost = [k for k in ("goals",) + ARRAYS if k not in z.files]
                 arrays = {} if lost else {k: z[k] for k in ("goals", "states", "actions", "rewards", "next_states")}
-        except (OSError, ValueError, EOFError) as e:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # cut short, bytes changed (a CRC)
             raise ValueError(f"{path} is not a readable numpy .npz shard ({type(e).__name__})") from None
         if lost:
             raise ValueError(f"{path} lacks {', '.join(lost)}")
+        if [int(g) for g in arrays["goals"]] != s["goals"]:  # load picks a shard's goals by the manifest's list
+            raise ValueError(f"{path} holds goals {[int(g) for g in arrays['goals']]}; the manifest says {s['goals']}")
         _check_values(path, m, arrays)
 
 
@@ -204,9 +221,13 @@ def load(folder: Path, goals: Optional[Sequence[int]] = None) -> Histories:
     for s in m["shards"]:
         keep = [i for i, g in enumerate(s["goals"]) if g in wanted]
         if keep:
-            with np.load(folder / s["file"]) as z:
-                for k in parts:
-                    parts[k].append(z[k][keep])
+            try:
+                with np.load(folder / s["file"], allow_pickle=False) as z:
+                    for k in parts:
+                        parts[k].append(z[k][keep])
+            except (OSError, ValueError, EOFError, KeyError, IndexError, zipfile.BadZipFile) as e:
+                raise ValueError(f"{folder / s['file']} is not a readable shard of the manifest's goals "
+                                 f"({type(e).__name__})") from None
     arrays = {k: np.concatenate(v) for k, v in parts.items()}
     order = np.argsort([want.index(int(g)) for g in arrays["goals"]])
     return Histories(**{k: v[order] for k, v in arrays.items()})

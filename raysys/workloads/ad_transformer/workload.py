@@ -115,9 +115,10 @@ class ADConfig:
     def validate(self) -> None:
         require(self.model.max_len >= 2 * self.data.region + 4, f"model.max_len ({self.model.max_len}) must cover "
                 f"2 x data.region + 4 = {2 * self.data.region + 4} positions")
-        steps = self.source.steps_per_goal // self.source.streams
-        require(self.data.histories is not None or steps > self.data.region, f"the source's streams are {steps} steps "
-                f"long; data.region ({self.data.region}) must be shorter")
+        steps = self.source.updates * self.source.n_steps  # what the generator makes: whole PPO rollouts
+        require(self.data.histories is not None or steps - 1 >= self.data.region, f"the source's streams are "
+                f"{steps} steps long (source.steps_per_goal // (streams x n_steps) rollouts of n_steps); "
+                f"data.region ({self.data.region}) must be shorter, with one step left for its query")
         require(self.data.histories is not None or (self.data.streams or 0) <= self.source.streams,
                 f"data.streams ({self.data.streams}) must be <= source.streams ({self.source.streams}), the streams made")
         n_train = round(9 * 9 * 0.9)  # darkroom.goal_split's training goals on the 9x9 grid (not imported: JAX)
@@ -241,16 +242,22 @@ class DistillationTask:
         from raysys.workloads.ad_transformer import histories
 
         folder = ensure_histories(cfg)
-        if cfg.data.histories:  # a user's folder: what the run needs is there, said before anything is made
-            try:
-                histories.check(folder, self.goals(cfg)[0], cfg.data.region, cfg.data.streams)
-            except FileNotFoundError:
-                what = ("is a file, not a folder of histories" if folder.is_file() else "does not exist"
-                        if not folder.is_dir() else "holds no manifest.json")
-                raise ConfigError(f"data.histories: {folder} {what} (make one with python -m "
-                                  "raysys.workloads.ad_transformer.histories --out DIR)") from None
-            except ValueError as e:
+        train, held_out = self.goals(cfg)
+        # what the run needs is there, said before anything is made: a user's folder, and a generated one a full
+        # disk, an interrupted copy or a hand's edit damaged (the held-out goals too: the source's comparison)
+        try:
+            histories.check(folder, train if cfg.data.histories else np.concatenate([train, held_out]),
+                            cfg.data.region, cfg.data.streams)
+        except FileNotFoundError:
+            what = ("is a file, not a folder of histories" if folder.is_file() else "does not exist"
+                    if not folder.is_dir() else "holds no manifest.json")
+            raise ConfigError(f"data.histories: {folder} {what} (make one with python -m "
+                              "raysys.workloads.ad_transformer.histories --out DIR)") from None
+        except ValueError as e:
+            if cfg.data.histories:
                 raise ConfigError(f"data.histories: {e}") from None
+            raise ConfigError(f"the histories generated in {folder} are damaged ({e}): delete that folder, and the "
+                              "next run generates them again") from None
         cfg.data.prepared_dir = str(folder)
         cfg.data.digest = histories.digest(folder) if cfg.data.histories else None
         return cfg
@@ -308,7 +315,7 @@ class DistillationTask:
             source = None
             try:
                 source = histories.load(Path(cfg.data.prepared_dir), goals).returns
-            except ValueError:  # a user's folder without the held-out goals: no source comparison
+            except (ValueError, OSError):  # a user's folder without the held-out goals: no source comparison
                 pass
             self._baselines = {"random": icl.random_returns(goals), "source": source}
         return self._baselines
