@@ -136,7 +136,7 @@ def _train(cwd: Path, *args: str, env=None, timeout=900) -> subprocess.Completed
     return proc
 
 
-def test_a_quick_run_trains_and_evaluates_in_context(tmp_path, data_dir):
+def test_a_quick_run_trains_and_evaluates_in_context(tmp_path, data_dir, capsys):
     proc = _train(tmp_path, "ad_transformer", "--preset", "quick", "--workers", "0", "--name", "q",
                   "--set", f"data.data_dir={data_dir}")
     assert proc.returncode == 0
@@ -146,6 +146,28 @@ def test_a_quick_run_trains_and_evaluates_in_context(tmp_path, data_dir):
               "eval/optimal_return", "eval/end_token_accuracy", "eval/icl_return_ep5"):
         assert k in final, k
     assert final["eval/source_return_last"] > 2 * final["eval/random_return"]  # the source PPO learned
+    # the run evaluated again by the in-context CLI: a count of 0 was taken for "not given"
+    assert icl.main([str(tmp_path / "raysys_runs" / "q"), "--episodes", "0"]) == 2
+    assert icl.main([str(tmp_path / "raysys_runs" / "q"), "--episodes", "1", "--streams", "1"]) == 0
+    out = capsys.readouterr()
+    assert "raysys: --episodes must be at least 1, got 0" in out.err and "last 1 episode: " in out.out
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--config", '{"foo": 1}'], "raysys: unknown config key 'foo'"),
+    (["--config", "notjson"], "raysys: --config is not JSON"),
+    (["--config", '{"streams": 3, "steps_per_goal": 100}'], "raysys: source.minibatch (50) must divide streams x "
+                                                             "n_steps = 60"),
+    (["--goals", "1,x"], "raysys: --goals must be 'all' or comma-separated cell numbers, got '1,x'"),
+    (["--goals", "100,200"], "raysys: --goals must be distinct cells of the 9x9 grid, 0..80, got 100,200"),
+])
+def test_the_history_generators_mistakes_are_one_line(tmp_path, capsys, args, line):
+    """Its user's mistakes were tracebacks, and goals off the grid made a 'finished' folder of unreachable goals."""
+    from raysys.workloads.ad_transformer import histories
+
+    assert histories.main(["--out", str(tmp_path / "h"), *args]) == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith(line) and not (tmp_path / "h").exists()
 
 
 def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):

@@ -1,6 +1,6 @@
 """Learning histories on disk: npz shards of a few goals each and a ``manifest.json``.
 
-    python -m raysys.workloads.ad_transformer.histories --out DIR [--steps-per-goal N] [--streams S]
+    python -m raysys.workloads.ad_transformer.histories --out DIR [--config '{"steps_per_goal": N, "streams": S}'] [--goals 0,1,...]
 
 generates them (source.py) and writes them. A folder is written under a temporary name and renamed into
 place when complete, so a reader never sees half a dataset and an interrupted run leaves nothing that
@@ -249,15 +249,34 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="{}", help="SourceConfig fields as JSON, e.g. '{\"steps_per_goal\": 20000}'")
     ap.add_argument("--goals", default="all", help="comma-separated cell numbers, or 'all' (81)")
     a = ap.parse_args(argv)
-    if Path(a.out).exists():
-        print(f"raysys: {a.out} exists; histories are never overwritten", file=sys.stderr)
+    from raysys.config import ConfigError, from_dict
+
+    cells = 81  # darkroom.SIZE ** 2, not imported before the pinning below (JAX)
+    try:  # the user's mistakes in one line, before anything is generated or written
+        if Path(a.out).exists():
+            raise ConfigError(f"{a.out} exists; histories are never overwritten")
+        try:
+            given = json.loads(a.config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config is not JSON ({e})") from None
+        if not isinstance(given, dict):
+            raise ConfigError("--config must be a JSON object of SourceConfig fields")
+        c = from_dict(SourceConfig, given)
+        c.validate()
+        try:
+            goals = np.arange(cells) if a.goals == "all" else np.array([int(g) for g in a.goals.split(",")])
+        except ValueError:
+            raise ConfigError(f"--goals must be 'all' or comma-separated cell numbers, got {a.goals!r}") from None
+        if goals.min() < 0 or goals.max() >= cells or len(set(goals.tolist())) != len(goals):
+            raise ConfigError(f"--goals must be distinct cells of the 9x9 grid, 0..{cells - 1}, got {a.goals}")
+    except ConfigError as e:
+        print(f"raysys: {e}", file=sys.stderr)
         return 2
     pin_jax_to_one_core()
     from raysys.envs import darkroom as dr
     from raysys.workloads.ad_transformer import source
 
-    c = SourceConfig(**json.loads(a.config))
-    goals = np.arange(dr.SIZE * dr.SIZE) if a.goals == "all" else np.array([int(g) for g in a.goals.split(",")])
+    assert dr.SIZE * dr.SIZE == cells
     t0 = time.perf_counter()
     h = source.generate(c, goals, progress=lambda d, n: print(f"[histories] update {d}/{n} "
                                                                f"({time.perf_counter() - t0:.0f} s)", flush=True))

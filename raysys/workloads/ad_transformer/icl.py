@@ -140,6 +140,9 @@ def main(argv=None) -> int:
         ckpt = CheckpointStore(run, "ad_transformer", {}).latest()
         if ckpt is None:
             raise ConfigError(f"{run} has no complete checkpoint")
+        for flag in ("episodes", "streams"):
+            if getattr(a, flag) is not None and getattr(a, flag) < 1:
+                raise ConfigError(f"--{flag} must be at least 1, got {getattr(a, flag)}")
     except ConfigError as e:
         print(f"raysys: {e}", file=sys.stderr)
         return 2
@@ -147,19 +150,21 @@ def main(argv=None) -> int:
     model = task.build_model(cfg)
     model.load_state_dict(torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)["model"])
     _, held_out = task.goals(cfg)
-    episodes, streams = a.episodes or cfg.eval.episodes, a.streams or cfg.eval.streams
+    episodes = a.episodes if a.episodes is not None else cfg.eval.episodes
+    streams = a.streams if a.streams is not None else cfg.eval.streams
+    last = min(cfg.eval.last_episodes, episodes)
     out = rollout(model, held_out, streams, episodes, cfg.data.region, seed=a.seed)
     base = task.baselines(cfg, held_out)
-    m = summarize(out["returns"], cfg.eval.last_episodes, base["random"], held_out, base["source"])
+    m = summarize(out["returns"], last, base["random"], held_out, base["source"])
     curve = out["returns"].mean((0, 1))
-    per_goal = out["returns"][:, :, -cfg.eval.last_episodes:].mean((1, 2))
+    per_goal = out["returns"][:, :, -last:].mean((1, 2))
     print(f"{ckpt} | held-out goals {held_out.tolist()} | {streams} rollouts each")
     print("| episode | AD in context | source PPO | random |\n|---:|---:|---:|---:|")
     src = base["source"]
     for k in sorted({1, 2, 3, 5, 10, 20, 30, 40, 50, episodes} & set(range(1, episodes + 1))):
         s = f"{src[:, k - 1].mean():.2f}" if src is not None and k <= src.shape[1] else "-"
         print(f"| {k} | {curve[k - 1]:.2f} | {s} | {m['random_return']:.2f} |")
-    print(f"last {cfg.eval.last_episodes} episodes: {m['icl_return_last']:.2f} +- {per_goal.std():.2f} over goals "
+    print(f"last {last} episode{'s' if last > 1 else ''}: {m['icl_return_last']:.2f} +- {per_goal.std():.2f} over goals "
           f"(optimum {m['optimal_return']:.2f}); end-token accuracy {out['end_token_accuracy']:.2f}")
     if a.plot:
         plot(curve, m["random_return"], src, m["optimal_return"], a.plot, f"in-context RL, {run.name} ({ckpt.name})")
