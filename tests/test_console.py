@@ -148,3 +148,31 @@ def test_a_workers_warnings_reach_the_drivers_console_and_rays_storage_traceback
     assert console._one_line_storage_error(one) and "\n" not in one.getMessage()
     assert one.getMessage() == ("Previous sync command failed with the following error: OSError: When uploading 'x': "
                                 "AWS Error NETWORK_CONNECTION during PutObject: Could not connect")
+
+
+DIED = ("A worker died or was killed while executing a task by an unexpected system error. To troubleshoot the "
+        "problem, check the logs for the dead worker. Lease ID: 0600 Worker ID: db5a Node ID: 0dd4 Worker IP "
+        "address: 192.0.2.2 Worker port: 35485 Worker PID: 6085 Worker exit type: SYSTEM_ERROR Worker exit detail: "
+        "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
+        "process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called")
+
+
+def test_a_worker_that_died_is_one_short_line_on_a_quiet_console(monkeypatch, capsys):
+    """Ray's driver prints what its cluster publishes (a killed worker: the paragraph above, ~1,000 characters
+    with ids and advice) whatever log_to_driver says; a quiet console gets its first sentence, the pid and
+    the exit detail. Ray's own printing function is the one that runs, wrapped."""
+    import ray._private.worker as ray_worker
+
+    from raysys.train.runtime import one_line_cluster_errors
+
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # put back after the test
+    one_line_cluster_errors()
+    one_line_cluster_errors()  # once wrapped is enough: a second run's init does not wrap it again
+    ray_worker.print_to_stdstream({"lines": [DIED], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    ray_worker.print_to_stdstream({"lines": ["One sentence alone."], "pid": "raylet", "is_err": False},
+                                  ignore_prefix=False)
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith(
+        "A worker died or was killed while executing a task by an unexpected system error (pid 6085, Worker "
+        "unexpectedly exits with a connection error code 2. End of file.); Ray's session logs hold the rest")
+    assert out.splitlines()[1].endswith("One sentence alone.") and len(out.splitlines()) == 2

@@ -203,7 +203,39 @@ def init_ray(address: Optional[str]) -> None:
         with ray_services_in_own_session(), keeping_stop_handlers():
             ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=not quiet,
                      configure_logging=False, runtime_env=env)
+    if quiet:
+        one_line_cluster_errors()
     lifecycle.reinstall_if_active()  # in case a Ray that sets its handler elsewhere replaced ours
+
+
+def one_line_cluster_errors() -> None:
+    """Errors the cluster publishes to the driver (a worker process that died: a paragraph of ids, causes and
+    advice), as one short line; ``-v`` keeps Ray's own. Ray prints them from a thread of its own, whatever
+    ``log_to_driver`` says, through ``ray._private.worker.print_to_stdstream``, which this wraps."""
+    import re
+
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    if getattr(original, "raysys_one_line", False):
+        return
+
+    def short(line: str) -> str:
+        pid = re.search(r"Worker PID: (\d+)", line)
+        detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", line)
+        first = re.split(r"(?<=[.!?]) ", line.strip(), maxsplit=1)[0]
+        if first == line.strip():
+            return line
+        extra = ", ".join(x for x in (pid and f"pid {pid.group(1)}", detail and detail.group(1).strip()) if x)
+        return first.rstrip(".") + (f" ({extra})" if extra else "") + "; Ray's session logs hold the rest"
+
+    def print_one_line(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            data = {**data, "lines": [short(line) for line in data.get("lines", [])]}
+        original(data, ignore_prefix)
+
+    print_one_line.raysys_one_line = True
+    ray_worker.print_to_stdstream = print_one_line
 
 
 def shutdown_ray() -> None:

@@ -339,7 +339,7 @@ def _init_ray(address: Optional[str]) -> None:
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     if ray.is_initialized():
         return
-    from raysys.train.runtime import join_refused, joins_cluster
+    from raysys.train.runtime import join_refused, joins_cluster, one_line_cluster_errors
 
     # Trial output goes to per-trial logs and our progress lines; the driver stays readable.
     env = registry.runtime_env()  # a plug-in from a local file travels to every trial's node
@@ -356,6 +356,7 @@ def _init_ray(address: Optional[str]) -> None:
             # "local": never a cluster a `ray start` left on this machine (ray.init's default joins it)
             ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
                      runtime_env=env)
+    one_line_cluster_errors()
 
 
 def _prepare(wl: registry.Workload, cfg: Any) -> Any:
