@@ -188,7 +188,8 @@ def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):
     ("truncated", "shard_000.npz is not a readable numpy .npz shard (BadZipFile)"),
     ("twice", "manifest.json: its shards' goals are not its 'goals', each once"),
     ("renamed", "; the manifest says ["),
-    ("steps", "manifest.json: 'steps' is 'abc', not a whole number"),
+    ("steps", "manifest.json: 'steps' is 'abc', not a whole number of at least 1"),
+    ("no_streams", "manifest.json: 'streams' is 0, not a whole number of at least 1"),
 ])
 def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, data_dir, case, needle):
     """A user's history folder is checked before the run exists: its shards open, it holds the goals the
@@ -207,7 +208,7 @@ def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, da
         shutil.copytree(made, bad)
         whole = (bad / "shard_000.npz").read_bytes()
         (bad / "shard_000.npz").write_bytes(whole[: len(whole) // 2])
-    elif case in ("twice", "renamed", "steps"):  # a manifest edited by hand: goals dropped or trained twice
+    elif case in ("twice", "renamed", "steps", "no_streams"):  # a manifest edited by hand: goals dropped or trained twice
         shutil.copytree(made, bad)
         m = json.loads((bad / "manifest.json").read_text())
         if case == "twice":
@@ -219,8 +220,10 @@ def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, da
             shard, g = next((s, g) for s in m["shards"] for g in s["goals"] if g not in trained)
             m["goals"][m["goals"].index(g)] = 99
             shard["goals"][shard["goals"].index(g)] = 99
-        else:
+        elif case == "steps":
             m["steps"] = "abc"
+        else:
+            m["streams"] = 0
         (bad / "manifest.json").write_text(json.dumps(m))
     elif case == "short":
         h = H.load(made)
@@ -371,6 +374,24 @@ def test_a_region_longer_than_the_generated_streams_is_refused():
     with pytest.raises(ConfigError, match=r"the source's streams are 40 steps long .* data.region \(40\) must be "
                                           "shorter, with one step left for its query"):
         apply_overrides(quick(), {"source.steps_per_goal": 599, "data.region": 40})
+
+
+def test_the_source_curve_is_per_episode_whatever_the_rollout_length(data_dir):
+    """The source PPO's baseline "at the same episode" is each stream's episodes' returns (20 steps each): its
+    per-update returns are that only where an update is one episode (n_steps 20, as the quick preset's). A
+    rollout shorter than an episode, whose updates end none, is refused."""
+    from raysys.config import ConfigError
+    from raysys.workloads.ad_transformer import histories as H
+
+    (made,) = (m.parent for m in data_dir.glob("histories-*/manifest.json"))
+    h = H.load(made, [29, 33])
+    np.testing.assert_allclose(icl.episode_returns(h.rewards), h.returns, atol=1e-5)
+    rewards = np.zeros((1, 2, 50), np.int8)  # 2.5 episodes per stream: the cut one left out
+    rewards[0, 0, [3, 4, 25, 45]] = 1
+    rewards[0, 1, [21]] = 1
+    np.testing.assert_allclose(icl.episode_returns(rewards), [[1.0, 1.0]])
+    with pytest.raises(ConfigError, match=r"source.n_steps \(10\) must be at least Darkroom's episode length, 20"):
+        apply_overrides(quick(), {"source.n_steps": 10, "source.minibatch": 10})
 
 
 def test_asking_for_more_goals_or_streams_than_exist_is_refused():

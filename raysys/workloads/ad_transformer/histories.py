@@ -77,6 +77,10 @@ class SourceConfig:
                 f"rollout of streams x n_steps = {batch}")
         require(batch % self.minibatch == 0, f"source.minibatch ({self.minibatch}) must divide streams x n_steps "
                 f"= {batch}")
+        # an update's return is the mean of the episodes its rollout ends (Darkroom's are 20 steps; darkroom.HORIZON,
+        # not imported here: JAX): a shorter rollout ends none in some updates, and their 0 halved the curve
+        require(self.n_steps >= 20, f"source.n_steps ({self.n_steps}) must be at least Darkroom's episode length, "
+                "20: each update's mean return is of the episodes its rollout ends")
         require(self.lr > 0 and 0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1,
                 "source.lr > 0, source.gamma in (0, 1] and source.gae_lambda in [0, 1] are required")
 
@@ -132,7 +136,8 @@ def manifest(folder: Path) -> dict:
         raise ValueError(f"{path} lacks {', '.join(lost)}")
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     cells = lambda v: isinstance(v, list) and all(whole(g) for g in v)  # noqa: E731
-    odd = next((f"'{k}' is {m[k]!r}, not a whole number" for k in ("streams", "steps") if not whole(m[k])), None)
+    odd = next((f"'{k}' is {m[k]!r}, not a whole number of at least 1" for k in ("streams", "steps")
+                if not whole(m[k]) or m[k] < 1), None)
     if odd is None and not cells(m["goals"]):
         odd = "'goals' is not a list of cell numbers"
     if odd is None and not (isinstance(m["shards"], list) and all(

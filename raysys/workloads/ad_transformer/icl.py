@@ -7,7 +7,8 @@ env steps. Regions close every R steps, as in the training data; at each close t
 asked for the token type, whose answer should be end-of-region (reported as ``end_token_accuracy``).
 
 Baselines on the same goals: a uniformly random policy, and the source PPO's own learning curve at the
-same episode (its histories' per-update returns: one update is one episode of every stream).
+same episode (``episode_returns`` of its histories: their per-update returns are per episode only where
+an update is one episode of every stream, ``source.n_steps`` = the horizon).
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def rollout(model: torch.nn.Module, goals, streams: int, episodes: int, region: 
         model.train(was_training)
     return {"returns": returns.reshape(len(goals), streams, episodes),
             "end_token_accuracy": float(np.mean(ends)) if ends else float("nan")}
+
+
+def episode_returns(rewards: np.ndarray) -> np.ndarray:
+    """The source PPO's learning curve, float[goals, episodes]: each stream's rewards ``[goals, streams, steps]``
+    summed over its episodes (the env ends one every ``HORIZON`` steps from the stream's start, whatever the
+    PPO's rollout length), averaged over the streams; a last episode cut short is left out."""
+    G, S, T = rewards.shape
+    E = T // dr.HORIZON
+    return rewards[:, :, :E * dr.HORIZON].reshape(G, S, E, dr.HORIZON).sum(-1, dtype=np.float32).mean(1)
 
 
 def random_returns(goals, episodes: int = 2000, seed: int = 0) -> np.ndarray:

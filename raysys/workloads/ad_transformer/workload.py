@@ -314,7 +314,7 @@ class DistillationTask:
         if self._baselines is None:
             source = None
             try:
-                source = histories.load(Path(cfg.data.prepared_dir), goals).returns
+                source = icl.episode_returns(histories.load(Path(cfg.data.prepared_dir), goals).rewards)
             except (ValueError, OSError):  # a user's folder without the held-out goals: no source comparison
                 pass
             self._baselines = {"random": icl.random_returns(goals), "source": source}
@@ -329,7 +329,8 @@ class DistillationTask:
         out = icl.rollout(model, goals, e.streams, e.episodes, cfg.data.region, seed=e.seed)
         base = self.baselines(cfg, goals)
         metrics = icl.summarize(out["returns"], e.last_episodes, base["random"], goals, base["source"])
-        metrics["end_token_accuracy"] = out["end_token_accuracy"]
+        if np.isfinite(out["end_token_accuracy"]):  # no region closed in episodes this short: nothing measured
+            metrics["end_token_accuracy"] = out["end_token_accuracy"]
         return metrics
 
 
