@@ -76,7 +76,7 @@ def bench_preset(wl: registry.Workload, quick: bool, preset: Optional[str]) -> s
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,
                   overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device
-    from raysys.train.loop import checked_loss
+    from raysys.train.loop import checked_loss, shape_lazy_modules
     from raysys.train.runtime import set_threads
     from raysys.train.optim import task_optimizer
 
@@ -110,6 +110,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     for p in paths:
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every path
         models[p] = task.build_model(cfgs[p]).to(device)
+        shape_lazy_modules(task, models[p], train_ds, collate, bs, device)  # as the loop does, before the optimizer
         opts[p] = task_optimizer(task, cfgs[p], models[p], wl.name)  # the task's own, as its runs train
     parity = None
     if len(paths) == 2:

@@ -1670,6 +1670,8 @@ def test_a_fine_tuned_lazy_model_of_its_own_batches_trains_in_process(project):
                 "--name", "t"], project)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(re.search(r"done: .* eval/accuracy ([\d.]+)", out.stdout).group(1)) > 0.5  # chance: 0.1
+    bench = _run(["python", "-m", "raysys.bench", "tuned:WORKLOAD", "--quick"], project)  # its models shaped too
+    assert bench.returncode == 0 and "naive" in bench.stdout and "optimized" in bench.stdout, bench.stderr[-3000:]
 
 
 @pytest.mark.slow  # ~1.5 min: two Ray Train runs of 2 workers

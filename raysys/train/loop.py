@@ -157,8 +157,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     # its driver could not build, a resume's changed settings)
     fits_the_loader(wl.name, cfg, train_ds, model, world, device.type == "cpu")
     steps_per_epoch = math.ceil(micro_per_epoch / tc.grad_accum)
-    if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
-        _materialize(task, model, train_ds, collate, tc.batch_size, device)
+    shape_lazy_modules(task, model, train_ds, collate, tc.batch_size, device)
     # the task's optimizer hooks before DDP wraps the model: a parameter they freeze (fine-tuning) is one DDP's
     # reducer never waits for; an optimizer over the bare model's parameters is the same under DDP or compile
     opt = task_optimizer(task, cfg, model, wl.name)
@@ -464,10 +463,12 @@ def _first_mismatch(text: str) -> str:
     return (detail or (lines[0] if lines else "state_dict mismatch"))[:300]
 
 
-def _materialize(task: Any, model: Any, train_ds: Any, collate: Any, batch_size: int, device: Any) -> None:
-    """Shapes for a model's lazy modules (``nn.LazyLinear``): one forward of the first batch, without gradients
-    and in eval mode (no running statistics moved). DDP refuses parameters of no shape yet, and an optimizer
-    built before them would hold placeholders."""
+def shape_lazy_modules(task: Any, model: Any, train_ds: Any, collate: Any, batch_size: int, device: Any) -> None:
+    """Shapes for a model's lazy modules (``nn.LazyLinear``), if it has any: one forward of the first batch,
+    without gradients and in eval mode (no running statistics moved). DDP refuses parameters of no shape yet,
+    and an optimizer built before them would hold placeholders."""
+    if not any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
+        return
     batch = to_device(collate([train_ds[i] for i in range(min(len(train_ds), batch_size))]), device)
     was = model.training
     model.eval()
