@@ -384,7 +384,7 @@ class CheckpointStore:
 def refuse_different(path: Path, diff: dict[str, tuple[Any, Any]]) -> None:
     """``diff``: what :meth:`CheckpointStore.differences` found."""
     said = "; ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items())
-    data = [k for k in diff if k.rsplit(".", 1)[-1] == "digest"]
+    data = [k for k in diff if k.endswith("digest")]
     why = (f" ({', '.join(data)}: the data files now hold other data than the run trained on)" if data else "")
     raise CheckpointError(f"checkpoint {path} was written with a different config: {said}{why}. "
                           "Resume with the same settings, or start a new run (another --name).")

@@ -293,6 +293,26 @@ def test_a_run_resumes_from_another_folder_on_a_copy_of_its_histories_but_not_on
     assert proc.returncode == 2 and "different config: data.digest" in proc.stderr
 
 
+def test_a_resume_on_generated_histories_that_were_replaced_is_refused(tmp_path, data_dir):
+    """Generated histories are named by their source settings, which a folder replaced by hand or copied from
+    elsewhere keeps: the run resumed on them, trained on other data, its epoch ending at once."""
+    import shutil
+
+    shutil.copytree(data_dir, tmp_path / "data")
+    (made,) = (m.parent for m in (tmp_path / "data").glob("histories-*/manifest.json"))
+    common = ["ad_transformer", "--preset", "quick", "--workers", "0", "--name", "g", "--set", "data.data_dir=data",
+              "--set", "eval.episodes=2", "--set", "eval.last_episodes=1"]
+    assert _train(tmp_path, *common, "--set", "train.max_steps=3").returncode == 0
+    shard = sorted(made.glob("shard_*.npz"))[0]
+    with np.load(shard) as z:
+        arrays = dict(z)
+    arrays["actions"][0, 0, 0] = (arrays["actions"][0, 0, 0] + 1) % 5
+    np.savez(shard, **arrays)
+    proc = _train(tmp_path, *common, "--resume", "--set", "train.max_steps=6")
+    assert proc.returncode == 2 and "different config: data.generated_digest" in proc.stderr
+    assert "(data.generated_digest: the data files now hold other data than the run trained on)" in proc.stderr
+
+
 def test_a_resume_that_changes_the_source_ppo_is_refused_before_it_generates_histories(tmp_path, data_dir):
     """The histories a changed source.* would need take minutes to generate, and the checkpoint refuses the
     run anyway: refused first, with nothing generated."""

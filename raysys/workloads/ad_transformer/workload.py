@@ -50,10 +50,14 @@ class DataConfig:
     """Set by raysys: the histories folder this run uses, on this machine."""
     digest: Optional[str] = None
     """Set by raysys: the sha256 of ``histories`` (its manifest and shards), what the run learns from
-    wherever the folder lies (generated histories are named by their ``source`` settings instead)."""
+    wherever the folder lies: a resume on other data is refused."""
+    generated_digest: Optional[str] = None
+    """Set by raysys: the same of the generated histories (named by their ``source`` settings): a resume on a
+    folder replaced since (by hand, a copy from elsewhere) is refused."""
 
     def validate(self) -> None:
         at_least(self, "data.", 1, "region", "train_goals", "streams")
+        at_least(self, "data.", 0, "split_seed")
 
 
 @dataclass
@@ -259,7 +263,10 @@ class DistillationTask:
             raise ConfigError(f"the histories generated in {folder} are damaged ({e}): delete that folder, and the "
                               "next run generates them again") from None
         cfg.data.prepared_dir = str(folder)
-        cfg.data.digest = histories.digest(folder) if cfg.data.histories else None
+        # generated ones too: a folder replaced (by hand, a copy, another jaxlib's generation) is other data. A key
+        # of their own, which checkpoints of before it lack (not a difference): those resume as they did
+        digest = histories.digest(folder)
+        cfg.data.digest, cfg.data.generated_digest = (digest, None) if cfg.data.histories else (None, digest)
         return cfg
 
     def goals(self, cfg: ADConfig) -> tuple[np.ndarray, np.ndarray]:
