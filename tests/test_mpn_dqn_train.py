@@ -33,6 +33,11 @@ def test_seed_command_translates_and_schedules():
         apply_overrides(cfg, {"sequence_lenght": 10})
     with pytest.raises(ConfigError, match="precision, compile and cuda_graph"):
         apply_overrides(registry.get("mpn_dqn").config("original"), {"precision": "bf16"})
+    # a replay that never holds learning_starts transitions: the run trained nothing and ended as a success
+    quick = registry.get("mpn_dqn").config("quick")
+    with pytest.raises(ConfigError, match=rf"learning_starts \(200\) is more than buffer_capacity \(130\) ever "
+                                          rf"holds \({130 // quick.num_envs * quick.num_envs} transitions"):
+        apply_overrides(quick, {"buffer_capacity": 130})
     # the CUDA-graphed update (tests/test_gpu.py runs it): its limits are config errors, found up front
     for bad, fragment in (({"device": "cpu"}, "needs a CUDA learner"), ({"precision": "fp16"}, "fp16"),
                           ({"compile": True}, "pick one"), ({"launch.workers": 2}, "across learners")):

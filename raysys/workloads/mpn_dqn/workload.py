@@ -135,6 +135,10 @@ class MPNDQNConfig:
                 f"buffer_capacity ({self.buffer_capacity}) holds {self.buffer_capacity // self.num_envs} steps per env, "
                 f"less than one sampled window (burn_in + sequence_length = {window}); raise it to at least "
                 f"{window * self.num_envs}")
+        held = (self.buffer_capacity // self.num_envs) * self.num_envs  # what the replay ever holds (whole env steps)
+        require(self.learning_starts <= held, f"learning_starts ({self.learning_starts}) is more than buffer_capacity "
+                f"({self.buffer_capacity}) ever holds ({held} transitions of {self.num_envs} envs): no update would "
+                "run; lower it or raise buffer_capacity")
         if self.path == "naive" and (self.precision != "fp32" or self.compile or self.cuda_graph):
             raise ConfigError("precision, compile and cuda_graph apply to path=optimized only (naive is the seed's "
                               "fp32 eager code)")
