@@ -38,6 +38,9 @@ def test_seed_command_translates_and_schedules():
     with pytest.raises(ConfigError, match=rf"learning_starts \(200\) is more than buffer_capacity \(130\) ever "
                                           rf"holds \({130 // quick.num_envs * quick.num_envs} transitions"):
         apply_overrides(quick, {"buffer_capacity": 130})
+    with pytest.raises(ConfigError, match=r"8 episodes of at most 100 steps give at most 900 transitions, fewer than "
+                                          r"learning_starts \(200\) \+ train_freq \(100000\): no update would run"):
+        apply_overrides(quick, {"train_freq": 100_000})
     # the CUDA-graphed update (tests/test_gpu.py runs it): its limits are config errors, found up front
     for bad, fragment in (({"device": "cpu"}, "needs a CUDA learner"), ({"precision": "fp16"}, "fp16"),
                           ({"compile": True}, "pick one"), ({"launch.workers": 2}, "across learners")):

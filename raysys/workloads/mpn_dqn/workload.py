@@ -139,6 +139,10 @@ class MPNDQNConfig:
         require(self.learning_starts <= held, f"learning_starts ({self.learning_starts}) is more than buffer_capacity "
                 f"({self.buffer_capacity}) ever holds ({held} transitions of {self.num_envs} envs): no update would "
                 "run; lower it or raise buffer_capacity")
+        most = (self.num_episodes + self.num_envs) * self.max_episode_steps  # a last collection ends its episodes
+        require(most >= self.learning_starts + self.train_freq, f"{self.num_episodes} episodes of at most "
+                f"{self.max_episode_steps} steps give at most {most} transitions, fewer than learning_starts "
+                f"({self.learning_starts}) + train_freq ({self.train_freq}): no update would run")
         if self.path == "naive" and (self.precision != "fp32" or self.compile or self.cuda_graph):
             raise ConfigError("precision, compile and cuda_graph apply to path=optimized only (naive is the seed's "
                               "fp32 eager code)")
