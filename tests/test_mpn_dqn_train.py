@@ -161,7 +161,7 @@ def test_an_episode_limit_shorter_than_a_trial_still_ends_the_evaluation():
     counts as one (before, the evaluation of such a run looped for ever, deaf to SIGTERM)."""
     from raysys.workloads.mpn_dqn.train import evaluate, policy_factory
 
-    cfg = apply_overrides(registry.get("mpn_dqn").config("quick"), {"max_episode_steps": 3})
+    cfg = apply_overrides(registry.get("mpn_dqn").config("quick"), {"max_episode_steps": 3, "learning_starts": 0})
     res = evaluate(policy_factory(cfg)(), cfg, trials=3)
     assert 0.0 <= res["correct_rate"] <= 1.0 and math.isfinite(res["reward_per_trial"])
 
