@@ -287,3 +287,35 @@ def test_make_env_any_gymnasium_id():
         if terminated:
             break
     assert terminated or truncated
+
+
+def test_an_env_registered_with_a_class_is_made_and_actions_numbered_from_one_are_refused():
+    """gymnasium takes a callable as an env's entry point: it was refused as "cannot be made" (the class's
+    unbound __str__ raised). A Discrete(n, start=1) task would get actions 0..n-1 it never defined."""
+    import gymnasium as gym
+
+    from raysys.config import ConfigError
+    from raysys.workloads.mpn_dqn.env import env_spaces
+
+    class Cue(gym.Env):
+        observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+
+        def __init__(self, start: int = 0):
+            self.action_space = gym.spaces.Discrete(3, start=start)
+
+        def reset(self, seed=None, options=None):
+            super().reset(seed=seed)
+            return np.zeros(4, np.float32), {}
+
+        def step(self, action):
+            assert self.action_space.contains(action), action
+            return np.zeros(4, np.float32), 0.0, True, False, {}
+
+    gym.register("RaysysTestCue-v0", entry_point=Cue)
+    gym.register("RaysysTestCueFromOne-v0", entry_point=Cue, kwargs={"start": 1})
+    assert env_spaces("RaysysTestCue-v0") == (4, 3)
+    env = make_env("RaysysTestCue-v0", 5)
+    assert env.reset(seed=0)[0].shape == (4,) and env.step(2)[2]
+    with pytest.raises(ConfigError, match=r"^task 'RaysysTestCueFromOne-v0': its actions are Discrete\(3, start=1\), "
+                                          r"numbered from 1; DQN's are 0..n-1"):
+        env_spaces("RaysysTestCueFromOne-v0")

@@ -49,7 +49,8 @@ def make_env(task: str = NEUROGYM_TASK, max_episode_steps: int = 200, **task_kwa
     """
     if task not in gym.envs.registry:
         _neurogym_ids()
-    is_neurogym = gym.envs.registry[task].entry_point.__str__().startswith("neurogym.")
+    entry = gym.envs.registry[task].entry_point  # "module:Class", or the callable itself
+    is_neurogym = (entry if isinstance(entry, str) else f"{getattr(entry, '__module__', '')}:").startswith("neurogym.")
     if task == NEUROGYM_TASK:
         task_kwargs.setdefault("use_expl_context", True)
     # The env checker only adds per-step overhead, and NeuroGym's unbounded Box obs trip its
@@ -88,6 +89,9 @@ def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]
             raise ConfigError(f"task {task!r}: the MPN reads a flat Box observation (a vector); this task's is {obs}")
         if not isinstance(act, gym.spaces.Discrete):
             raise ConfigError(f"task {task!r}: DQN picks one of n actions (Discrete); this task's actions are {act}")
+        if int(act.start) != 0:  # the Q-network's outputs are actions 0..n-1
+            raise ConfigError(f"task {task!r}: its actions are {act}, numbered from {int(act.start)}; DQN's are 0..n-1 "
+                              "(wrap it with gymnasium's TransformAction, or register it with Discrete(n))")
         # what it returns, not only what it declares: an env that says (1,) and returns a bare number
         # would fail its run's first batch, after the run exists
         try:

@@ -175,7 +175,8 @@ def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0
             if "new_trial" in info:
                 if info["new_trial"]:
                     done_trials += 1
-                    correct += float(r) > 0
+                    # NeuroGym's own verdict on the trial: a withheld no-go (GoNogo) is right at reward 0
+                    correct += float(info.get("performance", float(r) > 0))
             if (term or trunc) and done_trials == trials_before:  # no trial ended in it: the episode is one
                 done_trials += 1
                 correct += episode_return > 0

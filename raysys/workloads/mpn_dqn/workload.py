@@ -28,8 +28,9 @@ class MPNDQNConfig:
     max_episode_steps: int = 200
     """TimeLimit of an episode (NeuroGym tasks never end by themselves). Seed: --max-episode-steps."""
     num_episodes: int = 100
-    """Episodes to train for, counted over all envs. Seed: --num-episodes. The envs end episodes together, so the
-    last collection may finish a few more (each env ends the episode it is in)."""
+    """Episodes to train for, counted over all envs. Seed: --num-episodes. Envs are stepped ``steps_per_call`` steps
+    at a time, so the last collection may finish more: each env ends the episode it is in, and where episodes are
+    shorter than ``steps_per_call`` up to ``steps_per_call x num_envs`` episodes in all."""
     max_seconds: Optional[float] = None
     """Also stop after this many seconds of training (a time budget); None = no limit."""
     # ---- model
