@@ -319,3 +319,16 @@ def test_an_env_registered_with_a_class_is_made_and_actions_numbered_from_one_ar
     with pytest.raises(ConfigError, match=r"^task 'RaysysTestCueFromOne-v0': its actions are Discrete\(3, start=1\), "
                                           r"numbered from 1; DQN's are 0..n-1"):
         env_spaces("RaysysTestCueFromOne-v0")
+
+
+def test_a_registered_episode_limit_gives_way_to_max_episode_steps():
+    """gymnasium's CartPole-v1 is registered with a 500-step limit, which gym.make wrapped inside ours: a
+    max_episode_steps of 1000 was cut to 500 without a word."""
+    import gymnasium as gym
+
+    env, limits = make_env("CartPole-v1", 1000), []
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, gym.wrappers.TimeLimit):
+            limits.append(env._max_episode_steps)
+        env = env.env
+    assert limits and set(limits) == {1000}

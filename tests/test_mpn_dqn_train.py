@@ -41,6 +41,9 @@ def test_seed_command_translates_and_schedules():
     with pytest.raises(ConfigError, match=r"8 episodes of at most 100 steps give at most 900 transitions, fewer than "
                                           r"learning_starts \(200\) \+ train_freq \(100000\): no update would run"):
         apply_overrides(quick, {"train_freq": 100_000})
+    for bad, said in (({"lam": -5}, "lam, the plastic memory's decay, must be in"), ({"max_seconds": 0}, "max_seconds")):
+        with pytest.raises(ConfigError, match=said):
+            apply_overrides(quick, bad)
     # the CUDA-graphed update (tests/test_gpu.py runs it): its limits are config errors, found up front
     for bad, fragment in (({"device": "cpu"}, "needs a CUDA learner"), ({"precision": "fp16"}, "fp16"),
                           ({"compile": True}, "pick one"), ({"launch.workers": 2}, "across learners")):

@@ -58,7 +58,9 @@ def make_env(task: str = NEUROGYM_TASK, max_episode_steps: int = 200, **task_kwa
     with warnings.catch_warnings():
         # NeuroGym's metadata has no render_modes; gymnasium warns on every make()
         warnings.filterwarnings("ignore", message=".*render_modes.*")
-        env = gym.make(task, disable_env_checker=True, **task_kwargs)
+        # a registered limit of its own (CartPole's 500) would cut a longer max_episode_steps unsaid: it is replaced
+        own = {"max_episode_steps": max_episode_steps} if gym.envs.registry[task].max_episode_steps else {}
+        env = gym.make(task, disable_env_checker=True, **own, **task_kwargs)
     if is_neurogym:
         env = NeurogymSeeding(env)
     return gym.wrappers.TimeLimit(env, max_episode_steps=max_episode_steps)

@@ -123,6 +123,10 @@ class MPNDQNConfig:
         if not 0.0 < self.target_tau <= 1.0:
             raise ConfigError(f"target_tau must be in (0, 1], got {self.target_tau}")
         require(0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}")
+        # M is lam x M + eta x (its Hebbian term): outside [0, 1] it grows without bound over an episode
+        require(0 <= self.lam <= 1, f"lam, the plastic memory's decay, must be in [0, 1], got {self.lam}")
+        require(self.max_seconds is None or self.max_seconds > 0,
+                f"max_seconds must be > 0 (or None: no time budget), got {self.max_seconds}")
         require(self.lr > 0 and self.max_grad_norm > 0, "lr and max_grad_norm must be > 0")
         require(all(0 <= e <= 1 for e in (self.epsilon_start, self.epsilon_end, self.epsilon_fraction)),
                 "epsilon_start, epsilon_end and epsilon_fraction must be in [0, 1]")
