@@ -92,6 +92,35 @@ def test_resume_continues_episodes_and_replay(workdir, capsys):
     assert (workdir / "raysys_runs" / "r" / "final_metrics.json").read_text() == kept
 
 
+@pytest.mark.timeout(300)
+def test_a_run_stopped_in_its_final_evaluation_resumes_into_it(workdir, capsys, monkeypatch):
+    """The end checkpoint came before the evaluation: a run stopped (or killed) in it resumed as "done",
+    FINISHED with no eval/* metrics. Now the evaluation heeds the stop, and the resume evaluates."""
+    from raysys import lifecycle
+    from raysys.workloads.mpn_dqn import train
+
+    evaluate = train.evaluate
+
+    def stopped_midway(model, cfg, trials, epsilon=0.0, seed=12345, stop=None):
+        lifecycle.request_stop()  # as a SIGINT in the evaluation would: the next episode sees it
+        return evaluate(model, cfg, trials, epsilon, seed, stop)
+
+    args = ["train", "mpn_dqn", "--preset", "quick", "--name", "e", "--set", "eval_trials=40"]
+    monkeypatch.setattr(train, "evaluate", stopped_midway)
+    assert main(args) == 130
+    out = capsys.readouterr().out
+    assert "stopped in the final evaluation, after 8 episodes; checkpoint saved: the resume evaluates" in out
+    run = workdir / "raysys_runs" / "e"
+    assert not (run / "final_metrics.json").exists()
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    lifecycle.reset()
+    assert main([*args, "--resume"]) == 0
+    assert "its training had ended; its final evaluation had not: evaluating now" in capsys.readouterr().out
+    m = _final(workdir, "e")
+    assert m["charts/episodes"] == 8 and "eval/reward_per_trial" in m and "eval/random_reward_per_trial" in m
+    assert m["perf/env_steps_per_s"] > 0  # the training session's, kept with its end
+
+
 @pytest.mark.timeout(420)
 def test_rollout_actors_survive_a_killed_actor(workdir, monkeypatch):
     """2 Ray actors x 4 envs on a real local Ray cluster; one actor's process is SIGKILLed just before

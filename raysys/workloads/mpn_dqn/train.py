@@ -14,7 +14,7 @@ import functools
 import math
 import time
 from collections import deque
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -150,17 +150,22 @@ class Collector:
 
 
 @torch.no_grad()
-def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0, seed: int = 12345) -> dict:
+def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0, seed: int = 12345,
+             stop: Optional[Callable[[], bool]] = None) -> Optional[dict]:
     """Reward per NeuroGym trial of the ε-greedy policy (ε=0: greedy; ε=1: uniformly random) on
-    fresh episodes of the task, on CPU. A trial ends where the env's info says ``new_trial`` (and is
-    correct if that step's reward is positive); in an env that never says it (any other gymnasium
-    task) a trial is an episode, correct if its return is positive, and so is an episode cut (by
-    ``max_episode_steps``) before any trial of it ended: else a limit shorter than one trial never ends."""
+    fresh episodes of the task, on CPU. A trial ends where the env's info says ``new_trial`` (correct as
+    NeuroGym's ``performance`` says, else if that step's reward is positive); in an env that never says it
+    (any other gymnasium task) a trial is an episode, correct if its return is positive, and so is an
+    episode cut (by ``max_episode_steps``) before any trial of it ended: else a limit shorter than one trial
+    never ends. None where ``stop()`` turned true (checked between episodes)."""
     model = copy.deepcopy(model).cpu()
     env = make_env(cfg.task, cfg.max_episode_steps)
     gen = torch.Generator().manual_seed(seed)
     total, done_trials, correct, episode = 0.0, 0, 0, 0
     while done_trials < trials:
+        if stop is not None and stop():
+            env.close()
+            return None
         obs, _ = env.reset(seed=seed + episode)
         episode += 1
         episode_return = 0.0
@@ -254,9 +259,14 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         return cfg.max_seconds is not None and time.perf_counter() - t_start >= cfg.max_seconds
 
     done = c["episodes"] >= cfg.num_episodes
-    if done and ckpt is not None:  # resumed after its end: nothing to train, and what it recorded stays
+    if done and ckpt is not None:
         collector.close()
-        return {}
+        # its end checkpoint is marked ended once the final metrics are recorded: not yet, it was stopped or
+        # killed in its final evaluation
+        if "final" in c and not session.store.ended(session.store.latest()):
+            session.message("its training had ended; its final evaluation had not: evaluating now")
+            return _final_evaluation(online, cfg, dict(c["final"]), c, session, rank)
+        return {}  # resumed after its end: nothing to train, and what it recorded stays
     signalled = 0.0
     rollout = None  # the rollout side of the next checkpoint, taken while the actors are idle
     if not done:
@@ -352,9 +362,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
     wall = time.perf_counter() - t_start
     if world > 1:
         _check_in_step(online, session, rank, world, device)
-    session.checkpoint(_state(online, target, opt, c, returns, replay, monitor, rng, rollout, losses, grad_norms),
-                       c["env_steps"])
     if signalled > 0:
+        session.checkpoint(_state(online, target, opt, c, returns, replay, monitor, rng, rollout, losses, grad_norms),
+                           c["env_steps"])
         session.message(f"stopped at {c['episodes']}/{cfg.num_episodes} episodes; checkpoint saved")
         return {"charts/episodes": c["episodes"]}
 
@@ -373,9 +383,23 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         "perf/updates_this_session": c["updates"] - updates_at_start,
         **monitor.metrics(),
     }
+    # the training's measures kept with its end: a run stopped or killed in the evaluation below resumes into it
+    c["final"] = {k: float(v) for k, v in final.items()}  # plain floats: torch's weights-only loader takes no numpy
+    session.checkpoint(_state(online, target, opt, c, returns, replay, monitor, rng, rollout, losses, grad_norms),
+                       c["env_steps"])
+    return _final_evaluation(online, cfg, final, c, session, rank)
+
+
+def _final_evaluation(online: MPNDQN, cfg: MPNDQNConfig, final: dict, c: dict, session: Any, rank: int) -> dict:
+    """The greedy and the random policy on fresh trials, and the run's final metrics logged; a stop asked
+    meanwhile leaves the run to resume into this (its end checkpoint holds ``final``)."""
     if cfg.eval_trials and rank == 0:
-        greedy = evaluate(online, cfg, cfg.eval_trials, epsilon=0.0)
-        rand = evaluate(online, cfg, cfg.eval_trials, epsilon=1.0)
+        greedy = evaluate(online, cfg, cfg.eval_trials, epsilon=0.0, stop=session.should_stop)
+        rand = greedy and evaluate(online, cfg, cfg.eval_trials, epsilon=1.0, stop=session.should_stop)
+        if rand is None:
+            session.message(f"stopped in the final evaluation, after {c['episodes']} episodes; checkpoint saved: "
+                            "the resume evaluates")
+            return {"charts/episodes": c["episodes"]}
         final |= {"eval/reward_per_trial": greedy["reward_per_trial"], "eval/correct_rate": greedy["correct_rate"],
                   "eval/random_reward_per_trial": rand["reward_per_trial"], "eval/quality": greedy["reward_per_trial"]}
     else:
