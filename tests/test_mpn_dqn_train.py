@@ -73,6 +73,9 @@ def test_resume_continues_episodes_and_replay(workdir, capsys):
     assert main([*args, "--set", "num_episodes=4"]) == 0
     first = _final(workdir, "r")
     assert first["charts/episodes"] == 4
+    # the replay's filled rows only (400 of 50,000): the whole allocation made every checkpoint megabytes
+    (state,) = (workdir / "raysys_runs" / "r" / "checkpoints").glob("step_*/state.pt")
+    assert state.stat().st_size < 500_000
     capsys.readouterr()
     assert main([*args, "--set", "num_episodes=6", "--resume"]) == 0
     out = capsys.readouterr().out

@@ -383,6 +383,9 @@ def train(cfg: MPNDQNConfig, session) -> dict:
         "perf/updates_this_session": c["updates"] - updates_at_start,
         **monitor.metrics(),
     }
+    if c["updates"] == 0:
+        session.message(f"no update ran: the replay never held learning_starts ({cfg.learning_starts}) transitions "
+                        f"({c['env_steps']} env steps in all); the policy is untrained")
     # the training's measures kept with its end: a run stopped or killed in the evaluation below resumes into it
     c["final"] = {k: float(v) for k, v in final.items()}  # plain floats: torch's weights-only loader takes no numpy
     session.checkpoint(_state(online, target, opt, c, returns, replay, monitor, rng, rollout, losses, grad_norms),
@@ -438,8 +441,10 @@ REPLAY_FIELDS = ("obs", "next_obs", "action", "reward", "done", "episode_id", "s
 
 def _state(online, target, opt, c: dict, returns: list, replay: SequenceReplay, monitor: StabilityMonitor,
            rng: np.random.Generator, rollout: Optional[dict], losses: list, grad_norms: list) -> dict:
-    rep = {k: torch.from_numpy(getattr(replay, k)) for k in REPLAY_FIELDS if getattr(replay, k) is not None}
-    rep |= {"ptr": replay.ptr, "size": replay.size}
+    # its filled rows only (a buffer not yet full fills them from row 0): an early checkpoint is not the whole
+    # allocation (90 MB of stored states for 400 transitions)
+    rep = {k: torch.from_numpy(getattr(replay, k)[:replay.size]) for k in REPLAY_FIELDS if getattr(replay, k) is not None}
+    rep |= {"ptr": replay.ptr, "size": replay.size, "rows": replay.rows}
     return {"online": online.state_dict(), "target": target.state_dict(), "optim": opt.state_dict(),
             "counters": dict(c), "returns": list(returns), "replay": rep, "stability": monitor.state_dict(),
             "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "rollout": rollout,
@@ -462,13 +467,14 @@ def _restore_rollout(collector: Collector, ckpt: Optional[dict], world: int, ses
 
 
 def _load_replay(replay: SequenceReplay, rep: dict) -> None:
-    if rep["obs"].shape != replay.obs.shape:
+    rows = int(rep.get("rows", rep["obs"].shape[0]))  # (checkpoints of earlier versions hold every row)
+    if (rows, *rep["obs"].shape[1:]) != replay.obs.shape:
         # e.g. resumed with another number of envs: the stored columns no longer line up
-        print(f"[mpn_dqn] replay layout changed {tuple(rep['obs'].shape)} -> {replay.obs.shape}: starting it empty")
+        print(f"[mpn_dqn] replay layout changed {(rows, *rep['obs'].shape[1:])} -> {replay.obs.shape}: starting it empty")
         return
     for k in REPLAY_FIELDS:
         if k in rep and getattr(replay, k) is not None:
-            getattr(replay, k)[...] = rep[k].numpy()
+            getattr(replay, k)[:len(rep[k])] = rep[k].numpy()
     replay.ptr, replay.size = int(rep["ptr"]), int(rep["size"])
 
 
