@@ -82,8 +82,9 @@ class MPNDQNConfig:
     epsilon_fraction: float = 0.3
     """Fraction of num_episodes over which ε decays linearly."""
     target_sync_every: int = 0
-    """Updates between target-network syncs; 0 = scale with the run (about 50 syncs per run). The
-    original's fixed 10,000 never fired in the seed's 100-episode runs."""
+    """Updates between target-network syncs; 0 = scale with the run (about 50 syncs per run of episodes that last
+    max_episode_steps, as NeuroGym's do; set it for a task that ends them sooner). The original's fixed 10,000
+    never fired in the seed's 100-episode runs."""
     target_tau: float = 1.0
     """Target update at each sync: 1.0 = hard copy, < 1 = Polyak average with this weight."""
     burn_in: int = 0
