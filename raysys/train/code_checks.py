@@ -69,7 +69,7 @@ def model_fits(wl: registry.Workload, tags: Optional[dict]) -> Callable[[Any, di
         if not isinstance(saved, dict):
             return
         model = built(wl.task, wl.name, cfg, say=False)
-        if model is None or any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
+        if model is None or any(map(torch.nn.parameter.is_lazy, model.parameters())):
             return  # not buildable here, or lazy modules of no shape yet: the workers build it, and say a mismatch
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}

@@ -467,7 +467,7 @@ def shape_lazy_modules(task: Any, model: Any, train_ds: Any, collate: Any, batch
     """Shapes for a model's lazy modules (``nn.LazyLinear``), if it has any: one forward of the first batch,
     without gradients and in eval mode (no running statistics moved). DDP refuses parameters of no shape yet,
     and an optimizer built before them would hold placeholders."""
-    if not any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
+    if not any(map(torch.nn.parameter.is_lazy, model.parameters())):
         return
     batch = to_device(collate([train_ds[i] for i in range(min(len(train_ds), batch_size))]), device)
     was = model.training
