@@ -77,6 +77,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             if value == a or (isinstance(value, str) and str(a) == value):
                 return a
         raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
+    if origin is dict or tp is dict:  # free-form keyword arguments (a task's constructor): YAML in a string
+        if isinstance(value, str):
+            value = _yaml_value(value) if value.strip() else {}
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping of names to values such as {{dt: 20}}, got {value!r}")
+        return dict(value)
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         if isinstance(value, str):
@@ -135,6 +141,9 @@ def apply_overrides(cfg: Any, overrides: Mapping[str, Any]) -> Any:
                     f"allowed there: {', '.join(allowed)}"
                 )
             tp = types_here[part]
+            if i < len(parts) - 1 and _is_mapping_type(tp):  # key.name=value sets one entry (nested: key.a.b)
+                setattr(node, part, _with_entry(getattr(node, part) or {}, parts[i + 1:], value))
+                break
             if i < len(parts) - 1:
                 if not dataclasses.is_dataclass(tp):
                     raise ConfigError(f"unknown config key '{key}': '{'.'.join(parts[:i + 1])}' is a value, not a section")
@@ -147,6 +156,30 @@ def apply_overrides(cfg: Any, overrides: Mapping[str, Any]) -> Any:
                 setattr(node, part, coerce(value, tp, key))
     _validate(cfg)
     return cfg
+
+
+def _is_mapping_type(tp: Any) -> bool:
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+def _yaml_value(v: Any) -> Any:
+    """A mapping entry given on the command line is a string: read it as YAML (``20`` is a number, ``[1, 2]``
+    a list); anything else, or a string YAML cannot read, stays as it is."""
+    if not isinstance(v, str):
+        return v
+    try:
+        return yaml.safe_load(v)
+    except yaml.YAMLError:
+        return v
+
+
+def _with_entry(d: Mapping, path: list[str], value: Any) -> dict:
+    """A copy of ``d`` with ``d[path[0]][path[1]]... = value`` (a flattened mapping's dotted keys, rebuilt)."""
+    out = dict(d)
+    head, rest = path[0], path[1:]
+    out[head] = _with_entry(out.get(head) if isinstance(out.get(head), Mapping) else {}, rest, value) if rest \
+        else _yaml_value(value)
+    return out
 
 
 def apply_in_place(node: Any, overrides: Mapping[str, Any]) -> None:
@@ -240,7 +273,20 @@ def parse_set_args(items: list[str] | None) -> dict[str, str]:
 
 def from_dict(cls: type, data: Mapping[str, Any]) -> Any:
     """Rebuild a config from ``to_dict`` output (e.g. inside a Ray worker or from a checkpoint)."""
-    return apply_overrides(cls(), flatten(data))
+    return apply_overrides(cls(), _flatten_sections(cls, data))
+
+
+def _flatten_sections(cls: type, d: Mapping, prefix: str = "") -> dict[str, Any]:
+    """``flatten`` down to the config's fields only: a mapping field's value stays whole, as it was typed."""
+    types_here = _field_types(cls)
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        tp = types_here.get(k)
+        if tp is not None and dataclasses.is_dataclass(tp) and isinstance(v, Mapping):
+            out.update(_flatten_sections(tp, v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def fingerprint(d: Mapping[str, Any]) -> str:

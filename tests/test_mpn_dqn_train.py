@@ -213,3 +213,33 @@ def test_evaluation_of_a_task_without_trials_counts_episodes():
     # a trial would be worth exactly 1), cut at the 50-step limit: the mean of the same 4 greedy episodes
     alone = [evaluate(model, cfg, trials=1, seed=12345 + i)["reward_per_trial"] for i in range(4)]
     assert res["reward_per_trial"] == pytest.approx(sum(alone) / 4) and all(5 < a <= 50 for a in alone), (res, alone)
+
+
+@pytest.mark.timeout(300)
+def test_a_tasks_own_keyword_arguments_reach_its_envs_and_its_identity(workdir, capsys):
+    """``task_kwargs`` (a mapping, set entry by entry or as YAML) are the task's constructor arguments: every
+    env the run makes gets them, a wrong one is one line before anything exists, and a resume with others
+    is refused (they change the task the agent learned)."""
+    from raysys.workloads.mpn_dqn.train import env_factory
+
+    quick = registry.get("mpn_dqn").config("quick")
+    cfg = apply_overrides(quick, {"task_kwargs.dt": "20", "task_kwargs.timing.fixation": "60"})
+    assert cfg.task_kwargs == {"dt": 20, "timing": {"fixation": 60}}
+    assert apply_overrides(quick, {"task_kwargs": "{dt: 20, timing: {fixation: 60}}"}).task_kwargs == cfg.task_kwargs
+    env = env_factory(cfg)()
+    assert env.unwrapped.dt == 20 and env.unwrapped.timing["fixation"] == 60
+    assert set(env.unwrapped.timing) == set(env_factory(quick)().unwrapped.timing)  # its other timings kept
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        apply_overrides(quick, {"task_kwargs": "[20]"})
+
+    args = ["train", "mpn_dqn", "--preset", "quick", "--set", "eval_trials=0", "--set", "num_episodes=2"]
+    assert main([*args, "--name", "bad", "--set", "task_kwargs.no_such_arg=1"]) == 2
+    err = capsys.readouterr().err
+    assert "task_kwargs {'no_such_arg': 1}" in err and "no_such_arg" in err.strip().splitlines()[-1]
+    assert not (workdir / "raysys_runs" / "bad").exists()
+
+    assert main([*args, "--name", "k", "--set", "task_kwargs.dt=50"]) == 0
+    assert _final(workdir, "k")["charts/episodes"] == 2
+    capsys.readouterr()
+    assert main([*args, "--name", "k", "--set", "task_kwargs.dt=100", "--set", "num_episodes=3", "--resume"]) == 2
+    assert "task_kwargs.dt: checkpoint=50 now=100" in capsys.readouterr().err

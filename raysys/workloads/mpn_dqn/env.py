@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import warnings
 from typing import Any, Optional
 
@@ -70,10 +71,16 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
-@functools.cache
 def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]:
     """(obs_dim, n_actions) of a task with a flat Box observation and a Discrete action space; a
     ConfigError naming the problem for an unknown id, one that cannot be made, or other spaces."""
+    # cached by value: the kwargs may hold lists or mappings (a task's timing), which are not hashable
+    return _env_spaces(task, json.dumps(task_kwargs, sort_keys=True, default=repr))
+
+
+@functools.cache
+def _env_spaces(task: str, kwargs_json: str) -> tuple[int, int]:
+    task_kwargs = json.loads(kwargs_json)
     if task not in gym.envs.registry:
         _neurogym_ids()
     if task not in gym.envs.registry:
@@ -83,7 +90,8 @@ def env_spaces(task: str = NEUROGYM_TASK, **task_kwargs: Any) -> tuple[int, int]
     try:
         env = make_env(task, **task_kwargs)
     except Exception as e:  # a missing extra (box2d, mujoco), bad kwargs: say which, in one line
-        raise ConfigError(f"task {task!r} cannot be made: {type(e).__name__}: "
+        given = f" with task_kwargs {task_kwargs}" if task_kwargs else ""
+        raise ConfigError(f"task {task!r} cannot be made{given}: {type(e).__name__}: "
                           f"{_first_line(e)}") from None
     obs, act = env.observation_space, env.action_space
     try:

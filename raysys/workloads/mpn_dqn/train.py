@@ -62,12 +62,12 @@ def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 
 def policy_factory(cfg: MPNDQNConfig):
     """A picklable constructor of the Q-network, for rollout actors."""
-    obs_dim, n_actions = env_spaces(cfg.task)
+    obs_dim, n_actions = env_spaces(cfg.task, **cfg.task_kwargs)
     return functools.partial(MPNDQN, obs_dim, n_actions, cfg.hidden, cfg.eta, cfg.lam, cfg.freeze_plasticity)
 
 
 def env_factory(cfg: MPNDQNConfig):
-    return functools.partial(make_env, cfg.task, cfg.max_episode_steps)
+    return functools.partial(make_env, cfg.task, cfg.max_episode_steps, **cfg.task_kwargs)
 
 
 def epsilon_at(cfg: MPNDQNConfig, episodes: int) -> float:
@@ -159,7 +159,7 @@ def evaluate(model: MPNDQN, cfg: MPNDQNConfig, trials: int, epsilon: float = 0.0
     episode cut (by ``max_episode_steps``) before any trial of it ended: else a limit shorter than one trial
     never ends. None where ``stop()`` turned true (checked between episodes)."""
     model = copy.deepcopy(model).cpu()
-    env = make_env(cfg.task, cfg.max_episode_steps)
+    env = make_env(cfg.task, cfg.max_episode_steps, **cfg.task_kwargs)
     gen = torch.Generator().manual_seed(seed)
     total, done_trials, correct, episode = 0.0, 0, 0, 0
     while done_trials < trials:

@@ -25,6 +25,9 @@ class MPNDQNConfig:
     # ---- environment
     task: str = NEUROGYM_TASK
     """NeuroGym task id (or any gymnasium id with a flat Box observation and Discrete actions)."""
+    task_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the task's constructor, e.g. ``--set task_kwargs.dt=20`` or
+    ``--set 'task_kwargs={dt: 20, timing: {stimulus: 500}}'`` (values read as YAML). Part of the run's identity."""
     max_episode_steps: int = 200
     """TimeLimit of an episode (NeuroGym tasks never end by themselves). Seed: --max-episode-steps."""
     num_episodes: int = 100
@@ -231,7 +234,7 @@ def _prepare(cfg):
     """Before a run folder exists: the task must be a vector-observation, discrete-action env."""
     from raysys.workloads.mpn_dqn.env import env_spaces
 
-    env_spaces(cfg.task)
+    env_spaces(cfg.task, **cfg.task_kwargs)
     return cfg
 
 
@@ -250,6 +253,6 @@ WORKLOAD = Workload(
     train_fn=_train,
     throughput_metric="perf/env_steps_per_s",
     # launch.workers > 0: the learner runs data-parallel on that many Ray Train workers
-    extra={"identity_sections": ("task", "hidden", "eta", "lam", "freeze_plasticity"), "distributed": "torch",
+    extra={"identity_sections": ("task", "task_kwargs", "hidden", "eta", "lam", "freeze_plasticity"), "distributed": "torch",
            "prepare": _prepare},
 )
