@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -168,9 +169,15 @@ def _yaml_value(v: Any) -> Any:
     if not isinstance(v, str):
         return v
     try:
-        return yaml.safe_load(v)
+        out = yaml.safe_load(v)
     except yaml.YAMLError:
         return v
+    if isinstance(out, str) and _SCIENTIFIC.fullmatch(out.strip()):
+        return float(out)  # YAML 1.1 reads 1e-3 (no dot) as a string
+    return out
+
+
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _with_entry(d: Mapping, path: list[str], value: Any) -> dict:

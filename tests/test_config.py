@@ -155,3 +155,26 @@ def test_a_sweeps_other_bad_input_is_one_line_before_anything(tmp_path):
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             (args, proc.stderr[-2000:])
         assert sorted(p.name for p in tmp_path.iterdir()) == made, args
+
+
+def test_a_mapping_field_is_set_entry_by_entry_and_round_trips_as_typed():
+    """A ``dict`` field holds free-form keyword arguments: ``--set kw.a.b=1`` sets one (nested) entry, read as
+    YAML; a whole mapping may be given as YAML; a config rebuilt from its dict (a worker, a checkpoint) keeps
+    each value's type, the string "20" included."""
+    import dataclasses
+
+    from raysys.config import apply_overrides, flatten, from_dict, to_dict
+
+    @dataclasses.dataclass
+    class Cfg:
+        kw: dict = dataclasses.field(default_factory=dict)
+
+    cfg = apply_overrides(Cfg(), {"kw.dt": "20", "kw.timing.fixation": "1e2", "kw.name": "'20'", "kw.on": "true"})
+    assert cfg.kw == {"dt": 20, "timing": {"fixation": 100.0}, "name": "20", "on": True}
+    assert from_dict(Cfg, to_dict(cfg)) == cfg
+    assert flatten(to_dict(cfg))["kw.timing.fixation"] == 100.0  # MLflow's params, one per entry
+    assert apply_overrides(Cfg(), {"kw": "{a: [1, 2]}"}).kw == {"a": [1, 2]}
+    assert apply_overrides(cfg, {"kw": ""}).kw == {}
+    for bad in ("[1]", "3", "{1: 2}"):
+        with pytest.raises(ConfigError, match="kw: expected a mapping"):
+            apply_overrides(Cfg(), {"kw": bad})
