@@ -278,6 +278,11 @@ def test_a_run_resumes_from_another_folder_on_a_copy_of_its_histories_but_not_on
     a, b = tmp_path / "A", tmp_path / "B"
     for d in (a, b):
         shutil.copytree(made, d / "hist")
+    from raysys.envs.darkroom import goal_split
+    from raysys.workloads.ad_transformer import histories
+
+    # the digest a run keeps comes from its check's one read of each shard, and is the folder's, wherever it is
+    assert histories.check(a / "hist", goal_split()[0], 40) == histories.digest(b / "hist") == histories.digest(made)
     common = ["ad_transformer", "--preset", "quick", "--workers", "0", "--name", "r", "--storage-path",
               str(tmp_path / "store"), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--set",
               "data.histories=hist", "--set", "eval.episodes=2", "--set", "eval.last_episodes=1"]

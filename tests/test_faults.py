@@ -1157,7 +1157,7 @@ def test_a_sweep_stopped_in_an_outage_does_not_wait_for_the_server(tmp_path):
     server = MlflowServer(tmp_path / "server").start()
     sweep = tmp_path / "raysys_runs" / "sweeps" / "late"
     args = ["--space", str(REPO / "tune_spaces" / "deep_gpcm.yaml"), "--num-samples", "1", "--preset", "quick",
-            "--set", "train.epochs=50", "--set", "train.checkpoint_every_steps=2", "--tracking-uri", server.url]
+            "--set", "train.epochs=20", "--set", "train.checkpoint_every_steps=2", "--tracking-uri", server.url]
     env = {**_env(), "RAYSYS_TRACKING_WAIT_S": "3600"}  # were it waited out, the communicate below times out
     proc = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args, "--name", "late"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -152,13 +153,19 @@ def manifest(folder: Path) -> dict:
     return m
 
 
-def digest(folder: Path) -> str:
-    """What a history folder holds, not where or when it was made: the sha256 of its manifest (less its
-    timings) and of each shard's bytes."""
+def _hasher(m: dict):
+    """sha256 of a manifest less its timings, to which each shard's bytes are added in the manifest's order."""
     import hashlib
 
-    m = {k: v for k, v in manifest(folder).items() if k not in ("created", "wall_s")}
-    h = hashlib.sha256(json.dumps(m, sort_keys=True).encode())
+    return hashlib.sha256(json.dumps({k: v for k, v in m.items() if k not in ("created", "wall_s")},
+                                     sort_keys=True).encode())
+
+
+def digest(folder: Path) -> str:
+    """What a history folder holds, not where or when it was made: the sha256 of its manifest (less its
+    timings) and of each shard's bytes (``check`` returns the same, from its one read of each shard)."""
+    m = manifest(folder)
+    h = _hasher(m)
     for s in m["shards"]:
         with open(Path(folder) / s["file"], "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -172,12 +179,14 @@ def _has_goals(folder: Path, m: dict, goals: Sequence[int]) -> None:
         raise ValueError(f"{folder} has no histories of goals {missing}")
 
 
-def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int] = None) -> None:
+def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int] = None) -> str:
     """Raise ValueError, naming the problem, unless ``folder`` holds the histories a run needs: the
     ``goals``, streams long enough for one ``region`` plus its query, and shards numpy can open that hold
     every array, of the manifest's shape, holding Darkroom's values (a position on the grid, one of its
-    actions, a reward of 0 or 1): histories of another size would fail inside the model, after the run began."""
+    actions, a reward of 0 or 1): histories of another size would fail inside the model, after the run began.
+    Returns the folder's ``digest``: each shard is read once, for both."""
     folder, m = Path(folder), manifest(folder)
+    h = _hasher(m)
     _has_goals(folder, m, goals)
     if streams is not None and streams > int(m["streams"]):
         raise ValueError(f"it holds {m['streams']} streams per goal; data.streams asks for {streams}")
@@ -186,8 +195,10 @@ def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int
                          "plus a query (lower data.region, or make longer histories)")
     for s in m["shards"]:
         path = folder / s["file"]
-        try:  # opened once: its index, then the arrays whose values are checked
-            with np.load(path, allow_pickle=False) as z:
+        try:  # read once: hashed, then its index and the arrays whose values are checked
+            raw = path.read_bytes()
+            h.update(raw)
+            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
                 lost = [k for k in ("goals",) + ARRAYS if k not in z.files]
                 arrays = {} if lost else {k: z[k] for k in ("goals", "states", "actions", "rewards", "next_states")}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # cut short, bytes changed (a CRC)
@@ -197,6 +208,7 @@ def check(folder: Path, goals: Sequence[int], region: int, streams: Optional[int
         if [int(g) for g in arrays["goals"]] != s["goals"]:  # load picks a shard's goals by the manifest's list
             raise ValueError(f"{path} holds goals {[int(g) for g in arrays['goals']]}; the manifest says {s['goals']}")
         _check_values(path, m, arrays)
+    return h.hexdigest()[:16]
 
 
 def _check_values(path: Path, m: dict, a: dict) -> None:

@@ -250,8 +250,8 @@ class DistillationTask:
         # what the run needs is there, said before anything is made: a user's folder, and a generated one a full
         # disk, an interrupted copy or a hand's edit damaged (the held-out goals too: the source's comparison)
         try:
-            histories.check(folder, train if cfg.data.histories else np.concatenate([train, held_out]),
-                            cfg.data.region, cfg.data.streams)
+            digest = histories.check(folder, train if cfg.data.histories else np.concatenate([train, held_out]),
+                                     cfg.data.region, cfg.data.streams)
         except FileNotFoundError:
             what = ("is a file, not a folder of histories" if folder.is_file() else "does not exist"
                     if not folder.is_dir() else "holds no manifest.json")
@@ -265,7 +265,6 @@ class DistillationTask:
         cfg.data.prepared_dir = str(folder)
         # generated ones too: a folder replaced (by hand, a copy, another jaxlib's generation) is other data. A key
         # of their own, which checkpoints of before it lack (not a difference): those resume as they did
-        digest = histories.digest(folder)
         cfg.data.digest, cfg.data.generated_digest = (digest, None) if cfg.data.histories else (None, digest)
         return cfg
 
