@@ -148,7 +148,7 @@ class LaunchConfig:
     address: Optional[str] = None
     """Ray cluster address (e.g. 'auto', 'ray://host:10001'); None starts Ray in-process unless RAY_ADDRESS is set."""
     tracking_uri: Optional[str] = None
-    """MLflow tracking URI; None uses $MLFLOW_TRACKING_URI or sqlite:///./mlflow.db."""
+    """MLflow tracking URI; None uses $RAYSYS_TRACKING_URI, else $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db."""
     experiment: Optional[str] = None
     """MLflow experiment name (default: raysys-<workload>)."""
     name: Optional[str] = None

@@ -60,9 +60,9 @@ def kernel_census(num_envs: int = 256, params: EnvParams | None = None) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m raysys.envs.hackmatrix.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--num-envs", type=int, nargs="+", default=[256, 2048])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-envs", type=int, nargs="+", default=[256, 2048], help="vmapped envs; one measurement per value")
+    ap.add_argument("--steps", type=int, default=200, help="env steps of random legal actions per timed rollout")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rollouts after the compile; the fastest is reported")
     ap.add_argument("--kernels", action="store_true", help="instead: what one vmapped step compiles to (kernel_census)")
     args = ap.parse_args(argv)
     if args.kernels:

@@ -193,7 +193,7 @@ if __name__ == "__main__":  # python -m raysys.workloads.deep_gpcm.bench --batch
                                  description="training-step times of every path at the data's longest T, then the "
                                              "optimized step's profile (the GPU figures of issue #14, alone)")
     ap.add_argument("--batch", type=int, nargs="+", default=[256], help="batch sizes")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=10, help="timed training steps of each path; the median is reported")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     task = DeepGPCMTask()

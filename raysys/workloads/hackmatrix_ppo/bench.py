@@ -310,9 +310,10 @@ if __name__ == "__main__":  # python -m raysys.workloads.hackmatrix_ppo.bench --
 
     ap = argparse.ArgumentParser(prog="python -m raysys.workloads.hackmatrix_ppo.bench",
                                  description="where one PPO update's time goes: env step, policy, learning")
-    ap.add_argument("--profile", type=int, nargs="+", default=[256], metavar="NUM_ENVS")
+    ap.add_argument("--profile", type=int, nargs="+", default=[256], metavar="NUM_ENVS",
+                    help="split one update's time (env step | policy | learning) at each of these env counts")
     ap.add_argument("--steps", type=int, default=128, help="env steps per update")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls of each jitted program; the median is reported")
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"], help="train.precision(s)")
     ap.add_argument("--population", type=int, metavar="K", help="instead: K members at 256 envs as one program vs "
                                                                   "one member alone (aggregate env-steps/s)")

@@ -88,8 +88,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m raysys.workloads.hackmatrix_ppo.rllib_compare",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--runners", type=int, default=1)
-    ap.add_argument("--envs", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=60.0, help="train for about this long (whole iterations), after the first")
+    ap.add_argument("--runners", type=int, default=1, help="RLlib EnvRunner actors")
+    ap.add_argument("--envs", type=int, default=8, help="envs per EnvRunner")
     a = ap.parse_args()
     print(json.dumps(measure_rllib_ppo(a.seconds, a.runners, a.envs), indent=1))

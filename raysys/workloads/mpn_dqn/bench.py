@@ -169,9 +169,9 @@ if __name__ == "__main__":  # python -m raysys.workloads.mpn_dqn.bench: the RLli
 
     ap = argparse.ArgumentParser(prog="python -m raysys.workloads.mpn_dqn.bench",
                                  description="raysys rollout actors vs RLlib EnvRunners on ContextDecisionMaking-v0")
-    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--actors", type=int, default=2, help="rollout actors (and RLlib EnvRunners), one CPU each")
     ap.add_argument("--envs", type=int, default=8, help="envs per actor")
     ap.add_argument("--steps", type=int, default=256, help="vector steps per sample call")
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=12, help="timed sample calls of each, interleaved (after one warm-up each)")
     a = ap.parse_args()
     print(json.dumps(rollout_vs_rllib(a.actors, a.envs, a.steps, a.rounds), indent=1))
