@@ -238,3 +238,47 @@ def test_a_sweeps_driver_prepares_without_starting_jax():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.split("\n")[:2] == ["backends started: False", "after train check: True"], out.stdout + out.stderr
+
+
+TINY = ["train", "hackmatrix_ppo", "--preset", "quick", "--set", "train.num_envs=1", "--set", "train.num_steps=4",
+        "--set", "train.num_minibatches=1", "--set", "train.updates_per_chunk=1", "--set", "train.compilation_cache_dir="]
+
+
+def _history(workdir, name: str, key: str) -> list[tuple[int, float]]:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raysys-hackmatrix_ppo").experiment_id],
+                                filter_string=f"tags.mlflow.runName = '{name}'")
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
+@pytest.mark.timeout(300)
+def test_the_lr_anneals_to_the_runs_real_end_and_the_quality_is_of_finished_episodes(workdir, capsys):
+    """The LR anneals to 0 at the end the run really has (total_timesteps rounded up to whole chunks; it
+    reached 0 before, and the updates past it learned nothing), and the quality is the last return of finished
+    episodes (a last chunk that finished none gave NaN) (audit AP)."""
+    assert main([*TINY, "--name", "a", "--set", "train.total_timesteps=57"]) == 0
+    assert "total_timesteps 57 rounds up to 60" in capsys.readouterr().out
+    lr = _history(workdir, "a", "charts/learning_rate")
+    assert lr[-1] == (60, pytest.approx(2.5e-4 * 4 / 60))  # the last update, at 56 of 60 env steps
+    returns = [v for _, v in _history(workdir, "a", "charts/episode_return")]
+    assert np.isnan(returns[-1]) and not np.isnan(returns).all()  # the last chunk finished no episode
+    assert _final(workdir, "a")["eval/quality"] == pytest.approx([v for v in returns if not np.isnan(v)][-1])
+
+
+@pytest.mark.slow  # ~1 min: four JAX runs
+@pytest.mark.timeout(600)
+def test_a_resume_with_another_seed_draws_from_it(workdir, capsys):
+    """A --resume with another train.seed was announced and then ignored: the checkpoint's random streams went
+    on, bit for bit (audit AP). Two runs alike, each resumed, one with a new seed: only its updates differ."""
+    for name in ("a", "b"):
+        assert main([*TINY, "--name", name, "--set", "train.total_timesteps=60"]) == 0
+    assert main([*TINY, "--name", "a", "--set", "train.total_timesteps=80", "--resume"]) == 0
+    capsys.readouterr()
+    assert main([*TINY, "--name", "b", "--set", "train.total_timesteps=80", "--set", "train.seed=5", "--resume"]) == 0
+    assert "train.seed 0 -> 5: the envs' and the minibatches' random streams start from the new seed" in \
+        capsys.readouterr().out
+    (a0, a1), (b0, b1) = ([[v for s, v in _history(workdir, n, "losses/loss") if (s > 60) == late] for late in (0, 1)]
+                          for n in "ab")
+    assert a0 == b0 and len(a1) == len(b1) == 5 and a1 != b1

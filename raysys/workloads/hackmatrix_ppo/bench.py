@@ -105,7 +105,7 @@ def python_loop_update(cfg):
 
     def update(runner):
         params, opt_state, env_state, obs, env_keys = runner.params, runner.opt_state, runner.env_state, runner.obs, runner.env_keys
-        frac = 1.0 - float(runner.env_steps) / tc.total_timesteps
+        frac = 1.0 - float(runner.env_steps) / ppo.run_end(cfg)
         opt_state[1].hyperparams["learning_rate"] = jnp.float32(
             cfg.optim.lr * min(max(frac, 0.0), 1.0) if cfg.optim.anneal_lr else cfg.optim.lr)
         steps = []

@@ -56,13 +56,14 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
                         f"{program.what}; compiled in {program.compile_s:.1f}s")
     finals = [{"perf/compile_s": program.compile_s} for _ in cfgs]
     best = np.array([s.last_metrics.get(lone.BEST, -np.inf) for s in sessions])  # a resume's, as run alone
+    recent = np.array([s.last_metrics.get("charts/episode_return", np.nan) for s in sessions])  # as lone's quality
     last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
     saved_at = env_steps.copy()
 
     def save(members):
         for i in members:
             if env_steps[i] != saved_at[i] or sessions[i].store.latest() is None:  # only members that moved
-                lone._save(sessions[i], program.state(i), int(env_steps[i]), int(updates[i]))
+                lone._save(sessions[i], program.state(i), int(env_steps[i]), int(updates[i]), cfgs[i].train.seed)
                 saved_at[i] = env_steps[i]
 
     while True:
@@ -82,6 +83,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
             m = lone._chunk_metrics(stats, program.rate(per_chunk, seconds), program.compile_s)
             if m["charts/episodes"]:
                 best[i] = m[lone.BEST] = max(best[i], m["charts/episode_return"])
+                recent[i] = m["charts/episode_return"]
             finals[i] |= m
             progress = lone._progress(m) + f" (member 1 of {len(members)} live)" if i == members[0] else None
             sessions[i].log(m, int(env_steps[i]), progress=progress, bar=(int(env_steps[i]), int(totals[i])),
@@ -103,7 +105,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
             last = sessions[i].last_metrics
             finals[i] = {"eval/quality": last.get("eval/quality", last.get("charts/episode_return", float("nan")))}
             continue
-        finals[i] |= {"eval/quality": finals[i].get("charts/episode_return", float("nan")),
+        finals[i] |= {"eval/quality": float(recent[i]),
                       lone.BEST: float(best[i]), "perf/train_seconds": float(t_train[i]),
                       "perf/env_steps": int(env_steps[i]),
                       "perf/env_steps_per_s_overall": program.rate(trained, t_train[i])}

@@ -97,7 +97,7 @@ class HParams(NamedTuple):
     """The hyper-parameters that change no array shape, as f32 scalars (or [K] over a population)."""
 
     lr: jax.Array
-    anneal_lr: jax.Array  # 1.0: linear decay to 0 over total_timesteps
+    anneal_lr: jax.Array  # 1.0: linear decay to 0 over total_timesteps (rounded up to whole chunks: run_end)
     total_timesteps: jax.Array
     max_grad_norm: jax.Array
     gamma: jax.Array
@@ -107,9 +107,16 @@ class HParams(NamedTuple):
     vf_coef: jax.Array
 
 
+def run_end(cfg) -> int:
+    """The env steps a run trains: ``total_timesteps`` rounded up to whole chunks (a chunk is one compiled
+    program). The LR anneals to 0 here, not at ``total_timesteps``: the updates past it would learn nothing."""
+    per_chunk = cfg.train.updates_per_chunk * cfg.train.num_envs * cfg.train.num_steps
+    return -(-cfg.train.total_timesteps // per_chunk) * per_chunk
+
+
 def hparams_of(cfg) -> HParams:
     o, p = cfg.optim, cfg.ppo
-    values = (o.lr, float(o.anneal_lr), cfg.train.total_timesteps, o.max_grad_norm, p.gamma, p.gae_lambda,
+    values = (o.lr, float(o.anneal_lr), run_end(cfg), o.max_grad_norm, p.gamma, p.gae_lambda,
               p.clip_eps, p.ent_coef, p.vf_coef)
     return HParams(*(np.float32(v) for v in values))
 

@@ -87,7 +87,8 @@ class OptimConfig:
     lr: float = 2.5e-4
     """Adam learning rate (the original's)."""
     anneal_lr: bool = True
-    """Linear decay to 0 over total_timesteps (by env steps, so it survives a changed batch on resume)."""
+    """Linear decay to 0 over total_timesteps rounded up to whole chunks (by env steps, so it survives a changed
+    batch on resume)."""
     max_grad_norm: float = 0.5
     """Global-norm gradient clip."""
 
@@ -202,8 +203,14 @@ def _start(cfg: HackMatrixPPOConfig, session, mesh):
     leaves, tree = jax.tree.flatten(runner)
     if saved is not None and [tuple(t.shape) for t in saved] == [tuple(x.shape) for x in leaves]:
         # the whole state came back (envs, observations, PRNG streams): the run continues bit-exact
+        fresh_keys = runner
         runner = jax.tree.unflatten(tree, [jax.device_put(np.asarray(t).astype(x.dtype), x.sharding)
                                            for t, x in zip(saved, leaves)])
+        was = ckpt.get("seed")  # checkpoints of before it was kept: the seed they ran with is not known
+        if was is not None and int(was) != cfg.train.seed:  # a new seed would otherwise change nothing
+            runner = runner._replace(env_keys=fresh_keys.env_keys, key=fresh_keys.key)
+            session.message(f"train.seed {int(was)} -> {cfg.train.seed}: the envs' and the minibatches' random "
+                            "streams start from the new seed here; params, Adam state and the envs' states go on")
     elif saved is not None:  # another num_envs or num_steps: the saved envs do not fit this program
         session.message("the environments start afresh: the checkpoint's env states have another shape "
                         "(train.num_envs or train.num_steps changed); params and Adam state go on")
@@ -211,7 +218,7 @@ def _start(cfg: HackMatrixPPOConfig, session, mesh):
     return runner, env_steps, updates
 
 
-def _save(session, runner, env_steps: int, updates: int) -> None:
+def _save(session, runner, env_steps: int, updates: int, seed: int) -> None:
     import jax
     import numpy as np
 
@@ -220,7 +227,7 @@ def _save(session, runner, env_steps: int, updates: int) -> None:
     host = to_host((runner.params, runner.opt_state))
     state = {"params": [np.array(x) for x in jax.tree.leaves(host[0])],
              "opt_state": [np.array(x) for x in jax.tree.leaves(host[1])],
-             "env_steps": env_steps, "updates": updates}
+             "env_steps": env_steps, "updates": updates, "seed": seed}
     if jax.process_count() == 1:  # all of it, so that a resume with the same num_envs is bit-exact
         state["runner"] = [np.array(x) for x in jax.tree.leaves(runner)]
     session.checkpoint(state, env_steps)
@@ -274,6 +281,8 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
                     f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps{rounded}")
     # the best so far is logged with each chunk, so a checkpoint keeps it (Session.last_metrics) for a resume
     last_ckpt, t_train, best = time.perf_counter(), 0.0, session.last_metrics.get(BEST, -float("inf"))
+    # the quality is the last chunk's return that finished episodes: a short last chunk may finish none
+    recent = session.last_metrics.get("charts/episode_return", float("nan"))
     final: dict = {"perf/compile_s": compile_s}
     for _ in range(n_chunks):
         t = time.perf_counter()
@@ -286,21 +295,22 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         m = _chunk_metrics(stats, per_chunk / dt, compile_s)
         if stats["episodes"]:
             best = m[BEST] = max(best, m["charts/episode_return"])
+            recent = m["charts/episode_return"]
         final |= m
         session.log(m, env_steps, progress=_progress(m), bar=(env_steps, max(end, env_steps)), unit="env-step")
         if time.perf_counter() - last_ckpt >= 60 * cfg.train.checkpoint_every_minutes:
-            _save(session, runner, env_steps, updates)
+            _save(session, runner, env_steps, updates, cfg.train.seed)
             last_ckpt = time.perf_counter()
         if jax.process_count() == 1 and session.should_stop():  # SIGINT/SIGTERM: save below and stop
-            _save(session, runner, env_steps, updates)
+            _save(session, runner, env_steps, updates, cfg.train.seed)
             session.message(f"stopped at {env_steps}/{cfg.train.total_timesteps} env steps; checkpoint saved")
             return final
     if jax.process_count() > 1:
         # before the final checkpoint: a worker group restarted after a mismatch must not resume
         # from (and so inherit) rank 0's params, which would hide the divergence
         _check_in_hosts(runner, session)
-    _save(session, runner, env_steps, updates)
-    final |= {"eval/quality": final.get("charts/episode_return", float("nan")), BEST: best,
+    _save(session, runner, env_steps, updates, cfg.train.seed)
+    final |= {"eval/quality": recent, BEST: best,
               "perf/train_seconds": t_train, "perf/env_steps": env_steps,
               "perf/env_steps_per_s_overall": (n_chunks * per_chunk) / t_train if t_train else 0.0}
     return final
