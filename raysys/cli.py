@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "MLflow parent run), then the per-fold table and the mean")
     t.add_argument("--max-failures", type=int, help="worker-group restarts from the last checkpoint (launch.max_failures; "
                                                     "default: 2)")
-    t.add_argument("--device", help="device of a workload with its own loop, e.g. cpu, cuda, auto (its `device` key)")
+    t.add_argument("--device", help="the learner's device, for a workload whose config has a `device` key (mpn_dqn): cpu, cuda, cuda:1, auto; the others use --gpus-per-worker (torch) or the devices JAX sees")
 
     s = sub.add_parser("show", help="print a workload's resolved config as YAML (or every key with its meaning)")
     _config_args(s)
