@@ -349,11 +349,11 @@ def _main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         if not lifecycle.armed():
             print("raysys: stopped before the run started; nothing to resume", file=sys.stderr)
-        elif lifecycle.resume_hint():
-            print(f"raysys: interrupted; the run keeps its last checkpoint, resume it with:\n  {lifecycle.resume_hint()}",
-                  file=sys.stderr)
         else:
-            print("raysys: interrupted; the run keeps its last checkpoint (resume with --resume)", file=sys.stderr)
+            kept = ("the run keeps its last checkpoint" if lifecycle.saved()
+                    else "the run had no checkpoint yet (a resume starts it again from step 0)")
+            print(f"raysys: interrupted; {kept}, resume it with:\n  {lifecycle.resume_hint()}" if lifecycle.resume_hint()
+                  else f"raysys: interrupted; {kept} (resume with --resume)", file=sys.stderr)
         return lifecycle.exit_code(lifecycle.stop_requested() or signal.SIGINT)
     except BrokenPipeError:  # whoever read the output went away (`... | head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

@@ -169,12 +169,13 @@ _stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor":
                         "event": threading.Event(), "armed": None, "complete": False, "late": None}
 
 
-def arm(resume: str = "") -> None:
+def arm(resume: str = "", saved: Optional[Callable[[], bool]] = None) -> None:
     """A run now exists (its folder, locked): a stop request from here on ends it at a step boundary with
     a checkpoint. Before that there is nothing to save, and the first signal stops at once (a long data
     download, say, is not waited for). ``resume``: the command that continues it. A signal that came
     after the previous run of this process had trained to its end (:func:`late_stop`) stops this one."""
     _stop["armed"] = resume
+    _stop["saved"] = saved
     _stop["complete"] = False
     if _stop["late"] is not None:
         request_stop(_stop["late"][0])
@@ -189,6 +190,15 @@ def late_stop() -> Optional[int]:
 
 def armed() -> bool:
     return _stop["armed"] is not None
+
+
+def saved() -> bool:
+    """Whether the run this process holds has a checkpoint (True where it cannot be told: storage away)."""
+    check = _stop.get("saved")
+    try:
+        return check is None or bool(check())
+    except Exception:
+        return True
 
 
 def resume_hint() -> str:

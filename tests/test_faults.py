@@ -228,6 +228,10 @@ def test_an_mpn_dqn_device_this_machine_lacks_is_one_line_and_creates_nothing(tm
     (["train.num_envs=30"], "train.num_envs=30 must be a multiple of the 4 devices"),
     (["train.num_envs=4", "train.num_steps=3", "train.num_minibatches=2"], "splits its 3 rows"),
     (["launch.jax_platforms=tpu"], "launch.jax_platforms=tpu: Unable to initialize backend 'tpu'"),  # was ignored
+    # jax asserts where no backend of it initialises: a traceback, exit 1 (audit AP F4)
+    (["launch.jax_platforms=cuda"], "launch.jax_platforms=cuda: no JAX backend for it initialises"),
+    # with Ray Train workers, found by the first of them, after the run and its MLflow run existed (audit AP F5)
+    (["launch.workers=2", "train.num_envs=33"], "train.num_envs=33 must be a multiple of the 2 Ray Train workers"),
 ])
 def test_a_hackmatrix_split_over_devices_that_cannot_be_is_one_line_and_creates_nothing(tmp_path, sets, needle):
     """4 devices (XLA's host platform): the envs per device, and each device's rows per minibatch, are

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from raysys.checkpoint import read_state
+from raysys.config import ConfigError
 from raysys.cli import main
 from raysys.workloads.hackmatrix_ppo import ppo
 
@@ -55,6 +57,14 @@ def test_minibatch_scaling_follows_the_seed():
     assert ppo.minibatch_plan(default()) == (4, 4)
     cfg = seed_fast()  # 2048 x 256 = 524,288 samples -> 64 minibatches of 8,192, epochs floored at 2
     assert ppo.minibatch_plan(cfg) == (64, 2)
+    # where scaling leaves the count as it is, the epochs asked stay (1 became 2: audit AP F8)
+    one = dataclasses.replace(default().train, minibatch_scaling=True, update_epochs=1)
+    assert one.minibatch_plan() == (4, 1)
+    # where it lowers a count asked for, the epochs rise in proportion: as many minibatch steps
+    assert dataclasses.replace(cfg.train, num_minibatches=128).minibatch_plan() == (64, 8)
+    # what the update runs is what the config checks: 200 x 128 rows do not split into the 3 it makes
+    with pytest.raises(ConfigError, match=r"25600 rows\) must be divisible by train.num_minibatches \(minibatch_scaling"):
+        dataclasses.replace(default().train, minibatch_scaling=True, num_minibatches=1, num_envs=200).validate()
 
 
 @pytest.mark.slow  # ~50 s: two JAX compiles; test_ad_source resumes a JAX run bit-exact by default

@@ -1145,11 +1145,20 @@ def test_mistakes_in_a_workloads_config_are_one_line_and_exit_2(workdir, capsys,
 def test_a_second_signal_stops_at_once_and_says_how_to_resume(workdir, capsys):
     from raysys.cli import main
 
-    assert main(["train", f"{TINY}:WORKLOAD", "--name", "twice", "--set", "train.signal_at=3", "--set",
-                 "train.signal_again_at=4", "--set", "train.ask_stop=false"]) == 130
+    args = ["train", f"{TINY}:WORKLOAD", "--set", "train.signal_at=3", "--set", "train.signal_again_at=4",
+            "--set", "train.ask_stop=false"]
+    assert main([*args, "--name", "twice", "--set", "train.checkpoint_every=2"]) == 130
     err = capsys.readouterr().err
     assert "raysys: interrupted; the run keeps its last checkpoint, resume it with:" in err
     assert "python -m raysys train" in err and "--name twice --resume" in err
+    # stopped before its first checkpoint (every 5 steps): said as it is, and so is the resume's new start
+    assert main([*args, "--name", "early"]) == 130
+    assert "raysys: interrupted; the run had no checkpoint yet (a resume starts it again from step 0), resume it " \
+           "with:" in capsys.readouterr().err
+    assert main(["train", f"{TINY}:WORKLOAD", "--name", "early", "--resume", "--set", "train.signal_at=0",
+                 "--set", "train.signal_again_at=0"]) == 0
+    assert "[raysys] --resume: run 'early' has no checkpoint yet (it stopped before its first); it starts again " \
+           "from step 0" in capsys.readouterr().out
 
 
 LOOP_MISTAKES = '''

@@ -57,6 +57,11 @@ def identity_of(wl: registry.Workload, cfg: Any) -> dict:
     return {k: d[k] for k in wl.extra.get("identity_sections", ("model", "data")) if k in d}
 
 
+def _has_checkpoint(wl: registry.Workload, run_dir: Path):
+    """Whether the run has a checkpoint now, for what an interrupted command says (``lifecycle.saved``)."""
+    return lambda: CheckpointStore(run_dir, wl.name, {}).latest() is not None
+
+
 def storage_root(path: str) -> Path:
     """The local folder of ``launch.storage_path`` (``file://`` URIs included)."""
     if storage.is_file_uri(path):
@@ -511,7 +516,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         use_jax_platforms(launch.jax_platforms)
     if launch.resume:
         _hold(run_dir, name, launch, create=False)
-        lifecycle.arm(_resume_command(wl, launch, name))  # from here a signal stops the run with a checkpoint
+        lifecycle.arm(_resume_command(wl, launch, name), _has_checkpoint(wl, run_dir))  # from here a signal stops the run with a checkpoint
     if launch.resume and ((tags or {}).get("raysys.resume_changes") or wl.extra.get("digest_before_prepare")):
         _refuse_before_prepare(wl, cfg, run_dir, (tags or {}).get("raysys.resume_changes", ""))
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
@@ -537,12 +542,15 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                       + f": the run goes on with {'them as they are' if many else 'it as it is'} now", flush=True)
             if fits is not None:  # a changed setting, or the workload's code changed since the checkpoint
                 fits(cfg, state, code_changed)
+        else:  # stopped or killed before its first checkpoint: a resume is a new start (said, not silent)
+            print(f"[raysys] --resume: run '{name}' has no checkpoint yet (it stopped before its first); "
+                  "it starts again from step 0", flush=True)
     created = not launch.resume
     if created:
         name, run_dir = _claim(wl.name, launch, name, run_dir)
         if run_dir != store.run_dir:
             store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
-        lifecycle.arm(_resume_command(wl, launch, name))
+        lifecycle.arm(_resume_command(wl, launch, name), _has_checkpoint(wl, run_dir))
     try:
         cfg_dict = to_dict(cfg)
         if hasattr(launch, "tracking_uri") and cfg_dict.get("launch", {}).get("tracking_uri") is None:

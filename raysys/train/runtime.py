@@ -292,6 +292,15 @@ def set_threads(launch: Any) -> None:
         os.environ["OMP_NUM_THREADS"] = str(int(n))
 
 
+def _jax_plugins() -> str:
+    """The installed JAX accelerator plugins (jax-cuda12-plugin, libtpu...), for a message."""
+    from importlib import metadata
+
+    names = sorted({d.metadata["Name"] for d in metadata.distributions()
+                    if (d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "libtpu", "jax-rocm"))})
+    return "plugins: " + ", ".join(names) if names else "it has no GPU or TPU plugin"
+
+
 def use_jax_platforms(platforms: str) -> None:
     """--workers 0: this process is the run's JAX process, so ``launch.jax_platforms`` applies here (it went
     to the workers only, and was silently ignored); a platform this machine lacks is one line, now."""
@@ -300,7 +309,9 @@ def use_jax_platforms(platforms: str) -> None:
     try:
         jax.config.update("jax_platforms", platforms)
         have = jax.devices()[0].platform
-    except RuntimeError as e:
-        raise ConfigError(f"launch.jax_platforms={platforms}: {str(e).splitlines()[0][:300]}") from None
+    except (RuntimeError, AssertionError) as e:  # a platform with no backend here: jax asserts one initialised
+        said = (str(e).strip().splitlines() or [""])[0][:300] or \
+            f"no JAX backend for it initialises in this install ({_jax_plugins()})"
+        raise ConfigError(f"launch.jax_platforms={platforms}: {said}") from None
     if have not in platforms.replace("cuda", "gpu").split(",") and have not in platforms.split(","):
         raise ConfigError(f"launch.jax_platforms={platforms}: JAX in this process already runs on {have}")

@@ -136,17 +136,17 @@ def python_loop_throughput(num_envs: int = 256, num_steps: int = 128, updates: i
     update = python_loop_update(cfg)
     runner = ppo.init_runner(cfg, jax.random.PRNGKey(0), ppo.make_mesh(jax.devices()[:1]))
     runner, _ = update(runner)  # compile
-    t = time.perf_counter()
-    rets = []
-    for _ in range(updates):
+    rets, times = [], []
+    for _ in range(updates):  # each update timed: the median, as the fused path's, so one slow moment decides nothing
+        t = time.perf_counter()
         runner, traj = update(runner)
+        jax.block_until_ready(runner.params)
+        times.append(time.perf_counter() - t)
         finished = traj.done.astype(bool)
         if finished.any():
             rets.append(float(traj.ep_return[finished].mean()))
-    jax.block_until_ready(runner.params)
-    dt = time.perf_counter() - t
-    return {"env_steps_per_s": updates * num_envs * num_steps / dt, "num_envs": num_envs, "num_steps": num_steps,
-            "mean_return": float(np.mean(rets)) if rets else None}
+    return {"env_steps_per_s": num_envs * num_steps / float(np.median(times)), "num_envs": num_envs,
+            "num_steps": num_steps, "updates_timed": updates, "mean_return": float(np.mean(rets)) if rets else None}
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -248,7 +248,7 @@ def run_bench(quick: bool = False) -> dict:
     print(f"[bench] fused PPO 256x128: {small['env_steps_per_s']:.0f} env-steps/s (compile {small['compile_s']:.1f}s)", flush=True)
     big = fused_throughput(2048, 128, chunks=chunks, updates_per_chunk=1)
     print(f"[bench] fused PPO 2048x128: {big['env_steps_per_s']:.0f} env-steps/s", flush=True)
-    slow = python_loop_throughput(256, 128, updates=1 if quick else 2)
+    slow = python_loop_throughput(256, 128, updates=3)
     print(f"[bench] Python-loop PPO 256x128: {slow['env_steps_per_s']:.0f} env-steps/s", flush=True)
     import jax
 

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from raysys.envs import hackmatrix as hm
+from raysys.workloads.hackmatrix_ppo.workload import check_devices  # noqa: F401  (pure: the driver checks too)
 
 AXIS = "envs"
 
@@ -150,21 +151,6 @@ def runner_shardings(mesh: Mesh) -> Runner:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), runner_specs(), is_leaf=lambda x: isinstance(x, P))
 
 
-def check_devices(cfg, n_devices: int) -> None:
-    """What splitting the envs over ``n_devices`` needs, said in one line: whole envs per device, and
-    per-device rows that the minibatches divide (each device shuffles its own share)."""
-    from raysys.config import ConfigError
-
-    tc = cfg.train
-    if tc.num_envs % n_devices:
-        raise ConfigError(f"train.num_envs={tc.num_envs} must be a multiple of the {n_devices} devices")
-    nmb, _ = minibatch_plan(cfg)
-    rows = tc.num_envs // n_devices * tc.num_steps
-    if rows % nmb:
-        raise ConfigError(f"each of the {n_devices} device(s) splits its {rows} rows (train.num_envs / devices x "
-                          f"train.num_steps) into {nmb} minibatches: choose sizes that divide evenly")
-
-
 def _build(cfg, key, params=None, opt_state=None, env_steps=0) -> Runner:
     """One runner from ``key``: fresh envs, PRNG streams and (unless given) params and Adam state."""
     n = cfg.train.num_envs
@@ -216,16 +202,8 @@ def gae(rewards, values, dones, last_value, gamma: float, lam: float):
 
 
 def minibatch_plan(cfg) -> tuple[int, int]:
-    """(num_minibatches, update_epochs). With ``minibatch_scaling`` the original's large-batch
-    remedy: about 8,192 samples per minibatch (at most 64 minibatches), epochs lowered in
-    proportion (at least 2)."""
-    nmb, epochs = cfg.train.num_minibatches, cfg.train.update_epochs
-    if cfg.train.minibatch_scaling:
-        batch = cfg.train.num_envs * cfg.train.num_steps
-        scaled = int(min(64, max(nmb, batch // 8192)))
-        epochs = max(2, round(epochs * nmb / scaled))
-        nmb = scaled
-    return nmb, epochs
+    """(num_minibatches, update_epochs) of ``cfg``'s update (``TrainConfig.minibatch_plan``)."""
+    return cfg.train.minibatch_plan()
 
 
 def ppo_loss(params, mb: Transition, adv, targets, cfg, dtype=jnp.float32):

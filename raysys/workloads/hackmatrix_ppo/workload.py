@@ -56,7 +56,9 @@ class TrainConfig:
     update_epochs: int = 4
     """Passes over each rollout."""
     minibatch_scaling: bool = False
-    """The seed's large-batch remedy: ~8,192 samples per minibatch (<= 64 of them), epochs lowered (>= 2)."""
+    """The seed's large-batch remedy: ~8,192 samples per minibatch (<= 64 of them), and, where that changes the
+    count, update_epochs scaled to keep about as many minibatch steps (>= 2, unless 1 was asked). The plan in use
+    is said when the run starts."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: network compute in bfloat16; params and Adam state stay fp32."""
     updates_per_chunk: int = 10
@@ -76,10 +78,24 @@ class TrainConfig:
         for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs", "updates_per_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if (self.num_envs * self.num_steps) % self.num_minibatches:
-            raise ConfigError("train.num_envs * train.num_steps must be divisible by train.num_minibatches")
+        nmb, _ = self.minibatch_plan()
+        if (self.num_envs * self.num_steps) % nmb:
+            scaled = f" (minibatch_scaling makes them {nmb})" if nmb != self.num_minibatches else ""
+            raise ConfigError(f"train.num_envs * train.num_steps ({self.num_envs * self.num_steps} rows) must be "
+                              f"divisible by train.num_minibatches{scaled}")
         require(self.checkpoint_every_minutes > 0,
                 f"train.checkpoint_every_minutes must be > 0, got {self.checkpoint_every_minutes}")
+
+    def minibatch_plan(self) -> tuple[int, int]:
+        """(num_minibatches, update_epochs) the update runs. With ``minibatch_scaling`` the original's large-batch
+        remedy: about 8,192 samples per minibatch (at most 64 minibatches); where that changes the count, the
+        epochs in proportion (at least 2, unless 1 was asked), so that about as many minibatch steps are taken."""
+        nmb, epochs = self.num_minibatches, self.update_epochs
+        if self.minibatch_scaling:
+            scaled = int(min(64, max(nmb, self.num_envs * self.num_steps // 8192)))
+            if scaled != nmb:
+                epochs, nmb = max(min(2, epochs), round(epochs * nmb / scaled)), scaled
+        return nmb, epochs
 
 
 @dataclass
@@ -162,18 +178,34 @@ PRESETS = {"default": default, "seed_fast": seed_fast, "learn": learn, "quick": 
 # ---------------------------------------------------------------- training
 
 
+def check_devices(cfg, n_devices: int, what: str = "devices") -> None:
+    """What splitting the envs over ``n_devices`` needs, said in one line: whole envs per device, and
+    per-device rows that the minibatches divide (each device shuffles its own share)."""
+    tc = cfg.train
+    if tc.num_envs % n_devices:
+        raise ConfigError(f"train.num_envs={tc.num_envs} must be a multiple of the {n_devices} {what}")
+    nmb, _ = cfg.train.minibatch_plan()
+    rows = tc.num_envs // n_devices * tc.num_steps
+    if rows % nmb:
+        raise ConfigError(f"each of the {n_devices} {what.split(' (')[0].replace('devices', 'device(s)')} splits its "
+                          f"{rows} rows (train.num_envs / {n_devices} x train.num_steps) into {nmb} minibatches: "
+                          "choose sizes that divide evenly")
+
+
 def _check_here(cfg: HackMatrixPPOConfig) -> None:
     """Trained in this process (--workers 0): the split over this machine's devices is checked before the
     run exists (Ray Train workers check their own devices, a sweep's trials theirs: its driver, which
     trains nothing, neither checks nor starts JAX)."""
     from raysys.workload import on_sweep_driver
 
-    if cfg.launch.workers == 0 and not on_sweep_driver():
+    if on_sweep_driver():
+        return
+    if cfg.launch.workers == 0:
         import jax
 
-        from raysys.workloads.hackmatrix_ppo import ppo
-
-        ppo.check_devices(cfg, jax.device_count())
+        check_devices(cfg, jax.device_count())
+    else:  # each worker has one device or more: what its first worker would refuse, said before the run exists
+        check_devices(cfg, cfg.launch.workers, "Ray Train workers (one device each, at least)")
 
 
 
@@ -277,8 +309,10 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     n_chunks = max(0, -(-(cfg.train.total_timesteps - env_steps) // per_chunk))
     end = env_steps + n_chunks * per_chunk  # a chunk is one compiled program: the run ends on a whole one
     rounded = f" (total_timesteps {cfg.train.total_timesteps} rounds up to {end})" if end > cfg.train.total_timesteps else ""
+    nmb, epochs = cfg.train.minibatch_plan()
+    plan = f"; minibatch_scaling: {nmb} minibatches x {epochs} epochs" if cfg.train.minibatch_scaling else ""
     session.message(f"{mesh.size} device(s) ({jax.devices()[0].platform}), {jax.process_count()} process(es); "
-                    f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps{rounded}")
+                    f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps{rounded}{plan}")
     # the best so far is logged with each chunk, so a checkpoint keeps it (Session.last_metrics) for a resume
     last_ckpt, t_train, best = time.perf_counter(), 0.0, session.last_metrics.get(BEST, -float("inf"))
     # the quality is the last chunk's return that finished episodes: a short last chunk may finish none
