@@ -6,6 +6,7 @@ tried and why, which the CLI prints as a one-line data error before anything is 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "JSONL", ".ndjson": "JSONL", ".json": "JSON",
@@ -35,6 +36,18 @@ def column_values(table, name: str, path) -> list:
     return out
 
 
+def _utf8(p: Path) -> str:
+    """A JSON file's text; bytes that are not UTF-8 are a ``ValueError`` naming the line (as ``column_values``
+    names the row of other formats), not characters replaced unsaid."""
+    raw = p.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{p}: line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                         "save it as UTF-8") from None
+
+
 def read_table(path, text_columns=()):
     """The whole table of a parquet/JSONL/JSON/CSV/TSV file. ``text_columns``: read as text from a CSV/TSV,
     which has no types (a summary column of numbers, "250", stays the text it is); as bytes, which
@@ -45,12 +58,12 @@ def read_table(path, text_columns=()):
     if not p.is_file():
         raise ValueError(f"{path}: {'a folder, not a table file' if p.is_dir() else 'no such file'}")
     kind = FORMATS.get(p.suffix.lower(), "parquet")
+    text = _utf8(p) if kind == "JSON" else ""
     try:
         if kind == "parquet":
             import pyarrow.parquet as pq
 
             return pq.read_table(p)
-        text = p.read_text(errors="replace") if kind == "JSON" else ""
         if text.lstrip()[:1] == "[":
             rows = json.loads(text)  # one JSON array of records (what pandas' to_json writes)
             if not all(isinstance(r, dict) for r in rows):
@@ -67,4 +80,6 @@ def read_table(path, text_columns=()):
     except Exception as e:  # a corrupt or mislabelled file: say which and why, in one line
         known = "" if p.suffix.lower() in FORMATS else f"; known suffixes: {', '.join(sorted(FORMATS))}"
         why = (str(e).strip().splitlines() or [""])[0][:200]
+        if kind in ("JSON", "JSONL"):  # pyarrow counts rows from 0; raysys's own lines, and editors, from 1
+            why = re.sub(r"\bin row (\d+)", lambda m: f"in row {int(m.group(1)) + 1}", why)
         raise ValueError(f"{path}: not readable as {kind} ({type(e).__name__}: {why}){known}") from None

@@ -205,22 +205,40 @@ def test_bad_user_data_is_one_line_and_creates_nothing(tmp_path, case, needle):
     assert not (tmp_path / "raysys_data").exists()
 
 
-@pytest.mark.parametrize("name", ["d.jsonl", "d.csv"])
+@pytest.mark.parametrize("name", ["d.jsonl", "d.csv", "d.json"])
 def test_text_that_is_not_utf8_names_its_file_and_row(tmp_path, name):
     """Audit N: a JSONL file's stray latin-1 byte was a bare "'utf-8' codec can't decode" line naming no
-    file; a CSV's blamed its valid first row for being "bytes, not text"."""
+    file; a CSV's blamed its valid first row for being "bytes, not text". Audit AQ: one JSON array's was
+    replaced by U+FFFD unsaid, and trained on."""
     from raysys.workloads.pointer_generator.data import read_texts
 
     rows = [{"note": f"note {i}, caf\u00e9 au lait", "summary": f"summary {i}"} for i in range(5)]
     path = tmp_path / name
     if name.endswith(".jsonl"):
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    elif name.endswith(".json"):
+        path.write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
     else:
         path.write_text("note,summary\n" + "".join(f'"{r["note"]}",{r["summary"]}\n' for r in rows))
     assert read_texts(str(path), "note", "summary") == rows  # UTF-8, accents included
     path.write_bytes(path.read_bytes().replace(b"note 3, caf\xc3\xa9", b"note 3, caf\xe9"))  # latin-1's e-acute
-    with pytest.raises(ValueError, match=rf"{name}: row 4: column note is not UTF-8 text \(byte 0xe9 at position 11\)"):
+    said = (r"line 5 is not UTF-8 text \(byte 0xe9 at offset \d+\)" if name.endswith(".json")
+            else r"row 4: column note is not UTF-8 text \(byte 0xe9 at position 11\)")
+    with pytest.raises(ValueError, match=rf"{name}: {said}"):
         read_texts(str(path), "note", "summary")
+
+
+def test_a_jsonl_line_pyarrow_cannot_read_is_named_as_an_editor_counts():
+    """pyarrow counts rows from 0: the 3rd line was "row 2" next to raysys's own messages' 1-based rows."""
+    import tempfile
+
+    from raysys.tables import read_table
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "d.jsonl"
+        path.write_text('{"note": "a", "summary": "b"}\n{"note": "c", "summary": "d"}\n{not json\n')
+        with pytest.raises(ValueError, match=r"not readable as JSONL \(ArrowInvalid: .* in row 3\)"):
+            read_table(path)
 
 
 def test_a_corpus_reads_the_same_from_every_table_format(tmp_path):
@@ -377,3 +395,15 @@ def test_a_users_duplicate_notes_stay_on_one_side_of_the_split(tmp_path):
     order = np.random.default_rng(3).permutation(40)
     assert [r["note"] for r in held] == [f"note number {i}" for i in order[:10]]
     assert [r["note"] for r in train] == [f"note number {i}" for i in order[10:]]
+
+
+def test_a_beam_wider_than_the_vocabulary_is_refused_by_the_config():
+    """A beam of 100,000 passed validation, trained, and was killed for memory at the first evaluation, its
+    run left behind (audit AQ); a beam past the vocabulary finds no other summary."""
+    from raysys import workload as registry
+    from raysys.config import ConfigError, apply_overrides
+
+    quick = registry.get("pointer_generator").config("quick")
+    assert apply_overrides(quick, {"model.beam": quick.data.vocab_size}).model.beam == quick.data.vocab_size
+    with pytest.raises(ConfigError, match=r"model.beam \(100000\) must be <= data.vocab_size \(600\)"):
+        apply_overrides(quick, {"model.beam": 100000})

@@ -126,6 +126,12 @@ class PointerGeneratorConfig:
     loader: LoaderConfig = field(default_factory=lambda: LoaderConfig(bucket_batches=16))
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def validate(self) -> None:
+        # each step keeps beam x min(2 x beam, vocabulary) candidates per note: a beam past the vocabulary finds
+        # nothing more, and a huge one is killed for memory at the first evaluation, after the run exists
+        require(self.model.beam <= self.data.vocab_size, f"model.beam ({self.model.beam}) must be <= "
+                f"data.vocab_size ({self.data.vocab_size}): a wider beam finds no other summary")
+
 
 # ---- presets ----------------------------------------------------------------------------------------
 
