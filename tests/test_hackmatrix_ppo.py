@@ -284,7 +284,12 @@ def test_a_resume_with_another_seed_draws_from_it(workdir, capsys):
     on, bit for bit (audit AP). Two runs alike, each resumed, one with a new seed: only its updates differ."""
     for name in ("a", "b"):
         assert main([*TINY, "--name", name, "--set", "train.total_timesteps=60"]) == 0
+    first = _final(workdir, "a")["perf/train_seconds"]
     assert main([*TINY, "--name", "a", "--set", "train.total_timesteps=80", "--resume"]) == 0
+    # the whole run's seconds and rate, not the last session's (audit AP F10)
+    whole = _final(workdir, "a")
+    assert whole["perf/train_seconds"] > first
+    assert whole["perf/env_steps_per_s_overall"] == pytest.approx(80 / whole["perf/train_seconds"])
     capsys.readouterr()
     assert main([*TINY, "--name", "b", "--set", "train.total_timesteps=80", "--set", "train.seed=5", "--resume"]) == 0
     assert "train.seed 0 -> 5: the envs' and the minibatches' random streams start from the new seed" in \

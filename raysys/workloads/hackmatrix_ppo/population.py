@@ -57,7 +57,10 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     finals = [{"perf/compile_s": program.compile_s} for _ in cfgs]
     best = np.array([s.last_metrics.get(lone.BEST, -np.inf) for s in sessions])  # a resume's, as run alone
     recent = np.array([s.last_metrics.get("charts/episode_return", np.nan) for s in sessions])  # as lone's quality
-    last_ckpt, t_train, done, wall = time.perf_counter(), np.zeros(k), 0, 0.0
+    last_ckpt, done, wall = time.perf_counter(), 0, 0.0
+    prior = [s.last_metrics.get(lone.TRAIN_SECONDS) for s in sessions]  # as lone's: the whole run's seconds
+    t_train = np.array([float(p or 0.0) for p in prior])
+    counted_from = np.array([0 if p is not None else int(env_steps[i]) for i, p in enumerate(prior)])
     saved_at = env_steps.copy()
 
     def save(members):
@@ -80,7 +83,8 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
             env_steps[i] += per_chunk
             updates[i] += lead.train.updates_per_chunk
             t_train[i] += seconds
-            m = lone._chunk_metrics(stats, program.rate(per_chunk, seconds), program.compile_s)
+            m = lone._chunk_metrics(stats, program.rate(per_chunk, seconds), program.compile_s) | \
+                {lone.TRAIN_SECONDS: float(t_train[i])}
             if m["charts/episodes"]:
                 best[i] = m[lone.BEST] = max(best[i], m["charts/episode_return"])
                 recent[i] = m["charts/episode_return"]
@@ -108,7 +112,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
         finals[i] |= {"eval/quality": float(recent[i]),
                       lone.BEST: float(best[i]), "perf/train_seconds": float(t_train[i]),
                       "perf/env_steps": int(env_steps[i]),
-                      "perf/env_steps_per_s_overall": program.rate(trained, t_train[i])}
+                      "perf/env_steps_per_s_overall": program.rate(int(env_steps[i] - counted_from[i]), t_train[i])}
     return finals
 
 

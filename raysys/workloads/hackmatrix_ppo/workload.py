@@ -266,6 +266,7 @@ def _save(session, runner, env_steps: int, updates: int, seed: int) -> None:
 
 
 BEST = "charts/best_episode_return"
+TRAIN_SECONDS = "perf/train_seconds"
 
 
 def _chunk_metrics(stats: dict, env_steps_per_s: float, compile_s: float) -> dict:
@@ -314,7 +315,11 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     session.message(f"{mesh.size} device(s) ({jax.devices()[0].platform}), {jax.process_count()} process(es); "
                     f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps{rounded}{plan}")
     # the best so far is logged with each chunk, so a checkpoint keeps it (Session.last_metrics) for a resume
-    last_ckpt, t_train, best = time.perf_counter(), 0.0, session.last_metrics.get(BEST, -float("inf"))
+    last_ckpt, best = time.perf_counter(), session.last_metrics.get(BEST, -float("inf"))
+    # training seconds are logged with each chunk too, so that a resumed run's overall rate is the whole run's
+    # (a checkpoint of before lacks them: then this session's alone)
+    prior = session.last_metrics.get(TRAIN_SECONDS)
+    t_train, counted_from = (float(prior), 0) if prior is not None else (0.0, env_steps)
     # the quality is the last chunk's return that finished episodes: a short last chunk may finish none
     recent = session.last_metrics.get("charts/episode_return", float("nan"))
     final: dict = {"perf/compile_s": compile_s}
@@ -326,7 +331,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         t_train += dt
         env_steps += per_chunk
         updates += cfg.train.updates_per_chunk
-        m = _chunk_metrics(stats, per_chunk / dt, compile_s)
+        m = _chunk_metrics(stats, per_chunk / dt, compile_s) | {TRAIN_SECONDS: t_train}
         if stats["episodes"]:
             best = m[BEST] = max(best, m["charts/episode_return"])
             recent = m["charts/episode_return"]
@@ -345,8 +350,8 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         _check_in_hosts(runner, session)
     _save(session, runner, env_steps, updates, cfg.train.seed)
     final |= {"eval/quality": recent, BEST: best,
-              "perf/train_seconds": t_train, "perf/env_steps": env_steps,
-              "perf/env_steps_per_s_overall": (n_chunks * per_chunk) / t_train if t_train else 0.0}
+              TRAIN_SECONDS: t_train, "perf/env_steps": env_steps,
+              "perf/env_steps_per_s_overall": (env_steps - counted_from) / t_train if t_train else 0.0}
     return final
 
 
