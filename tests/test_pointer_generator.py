@@ -407,3 +407,24 @@ def test_a_beam_wider_than_the_vocabulary_is_refused_by_the_config():
     assert apply_overrides(quick, {"model.beam": quick.data.vocab_size}).model.beam == quick.data.vocab_size
     with pytest.raises(ConfigError, match=r"model.beam \(100000\) must be <= data.vocab_size \(600\)"):
         apply_overrides(quick, {"model.beam": 100000})
+
+
+def test_the_ablation_without_copy_freezes_p_gen_and_keeps_the_optimizers_layout():
+    """model.copy=false never reads p_gen: its layer had no gradient, so --workers 2 failed at step 1 after the
+    run existed (audit AQ). It is frozen now, and the optimizer still holds every parameter in one group, so
+    checkpoints of the ablation made before still resume."""
+    from raysys.train.optim import task_optimizer
+    from raysys.workloads.pointer_generator.model import PointerGenerator
+    from raysys.workloads.pointer_generator.workload import SummarizationTask, quick
+
+    sizes = {}
+    for copy in (True, False):
+        model = PointerGenerator(300, emb_dim=8, hidden=8, layers=1, copy=copy)
+        assert all(p.requires_grad == copy for p in model.gen.parameters())
+        opt = task_optimizer(SummarizationTask(), quick(), model, "pointer_generator")
+        sizes[copy] = [len(g["params"]) for g in opt.param_groups]
+        src = torch.randint(4, 300, (2, 7))
+        total, _ = model(src, torch.tensor([7, 7]), src[:, :4])
+        total.backward()  # every trainable parameter has a gradient: what DDP waits for
+        assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
+    assert sizes[True] == sizes[False] == [len(list(PointerGenerator(300, 8, 8, 1).parameters()))]

@@ -186,6 +186,8 @@ class PointerGenerator(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.out = nn.Linear(feat, vocab_size)
         self.gen = nn.Linear(feat, 1)
+        if not copy:  # the ablation never reads p_gen: frozen, so that DDP waits for no gradient of it (the layer
+            self.gen.requires_grad_(False)  # stays, and checkpoints keep one layout)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -205,6 +205,11 @@ class SummarizationTask:
         self._scorer = None
         self._lead: Optional[dict] = None
 
+    def param_groups(self, model, cfg):
+        """Every parameter in one group, p_gen's layer too where ``model.copy=false`` freezes it (DDP then waits
+        for no gradient of it): the optimizer's layout is the same for both, so checkpoints of either load."""
+        return model.parameters()
+
     def prepare(self, cfg: PointerGeneratorConfig) -> PointerGeneratorConfig:
         from raysys.workloads.pointer_generator import data
 
