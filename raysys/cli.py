@@ -352,8 +352,9 @@ def _main(argv: Optional[list[str]] = None) -> int:
         else:
             kept = ("the run keeps its last checkpoint" if lifecycle.saved()
                     else "the run had no checkpoint yet (a resume starts it again from step 0)")
-            print(f"raysys: interrupted; {kept}, resume it with:\n  {lifecycle.resume_hint()}" if lifecycle.resume_hint()
-                  else f"raysys: interrupted; {kept} (resume with --resume)", file=sys.stderr)
+            hint = lifecycle.resume_hint()
+            print(f"raysys: interrupted; {kept}, " + (f"resume it with:\n  {hint}" if hint else "(resume with --resume)"),
+                  file=sys.stderr)
         return lifecycle.exit_code(lifecycle.stop_requested() or signal.SIGINT)
     except BrokenPipeError:  # whoever read the output went away (`... | head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

@@ -58,9 +58,8 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     best = np.array([s.last_metrics.get(lone.BEST, -np.inf) for s in sessions])  # a resume's, as run alone
     recent = np.array([s.last_metrics.get("charts/episode_return", np.nan) for s in sessions])  # as lone's quality
     last_ckpt, done, wall = time.perf_counter(), 0, 0.0
-    prior = [s.last_metrics.get(lone.TRAIN_SECONDS) for s in sessions]  # as lone's: the whole run's seconds
-    t_train = np.array([float(p or 0.0) for p in prior])
-    counted_from = np.array([0 if p is not None else int(env_steps[i]) for i, p in enumerate(prior)])
+    so_far = [lone.seconds_so_far(s, int(e)) for s, e in zip(sessions, env_steps)]  # as lone's: the whole run's
+    t_train, counted_from = np.array([t for t, _ in so_far]), np.array([c for _, c in so_far])
     saved_at = env_steps.copy()
 
     def save(members):

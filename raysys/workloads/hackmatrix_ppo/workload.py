@@ -269,6 +269,13 @@ BEST = "charts/best_episode_return"
 TRAIN_SECONDS = "perf/train_seconds"
 
 
+def seconds_so_far(session, env_steps: int) -> tuple[float, int]:
+    """(training seconds so far, the env step they count from). They are logged with each chunk, so that a
+    resumed run's overall rate is the whole run's; a checkpoint of before lacks them: this session's alone."""
+    prior = session.last_metrics.get(TRAIN_SECONDS)
+    return (float(prior), 0) if prior is not None else (0.0, env_steps)
+
+
 def _chunk_metrics(stats: dict, env_steps_per_s: float, compile_s: float) -> dict:
     eps = max(stats["episodes"], 1.0)
     return {
@@ -316,10 +323,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
                     f"compiled in {compile_s:.1f}s; {n_chunks} chunks of {per_chunk} env steps{rounded}{plan}")
     # the best so far is logged with each chunk, so a checkpoint keeps it (Session.last_metrics) for a resume
     last_ckpt, best = time.perf_counter(), session.last_metrics.get(BEST, -float("inf"))
-    # training seconds are logged with each chunk too, so that a resumed run's overall rate is the whole run's
-    # (a checkpoint of before lacks them: then this session's alone)
-    prior = session.last_metrics.get(TRAIN_SECONDS)
-    t_train, counted_from = (float(prior), 0) if prior is not None else (0.0, env_steps)
+    t_train, counted_from = seconds_so_far(session, env_steps)
     # the quality is the last chunk's return that finished episodes: a short last chunk may finish none
     recent = session.last_metrics.get("charts/episode_return", float("nan"))
     final: dict = {"perf/compile_s": compile_s}
