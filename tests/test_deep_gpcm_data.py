@@ -140,6 +140,10 @@ def test_the_data_s_categories_are_said_and_gaps_among_them_shown(tmp_path):
         load([[0, 1, 3], [2, 99, 1]])
     with pytest.raises(ValueError, match=r"responses 9, 10 \(2 of 6 rows\) lie above categories 4..8"):
         load([[0, 1, 3], [9, 10, 2]])
+    # audit AR F5: numpy's "array is too big" (a bincount of 2**62 categories), without the file or the value
+    with pytest.raises(ValueError, match=rf"seqs.parquet: response {2 ** 62} \(1 of 6 rows\) lies above categories "
+                                         rf"4..{2 ** 62 - 1}"):
+        load([[0, 1, 3], [2, 2 ** 62, 1]])
     likert = load([[1, 2, 4], [3, 4, 1]])  # a 1..4 scale
     assert likert.n_cats == 4 and [r.tolist() for r in likert.responses] == [[0, 1, 3], [2, 3, 0]]
     assert any(n.startswith("responses start at 1: read as 1..K and shifted to 0..K-1") for n in likert.notes)
@@ -151,6 +155,22 @@ def test_the_data_s_categories_are_said_and_gaps_among_them_shown(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"n_cats": 10}))  # declared: kept, whatever is unseen
     seqs = load([[0, 9]])
     assert seqs.n_cats == 10 and not any("from its largest response" in n for n in seqs.notes)
+    assert "categories 1, 2, 3, 4, 5, 6, 7, 8 never appear" in " ".join(seqs.notes)
+    (tmp_path / "meta.json").write_text(json.dumps({"n_cats": 100}))
+    assert "categories 1, 2, 3, 4, 5, 6, 7, 8, ... never appear" in " ".join(load([[0, 9]]).notes)
+
+
+def test_a_few_ids_far_apart_are_read_with_a_note_of_the_models_size(tmp_path):
+    """Audit AR F6: one stray id (90000 among 21 questions) made the model 90000 questions wide, ~4000x
+    larger and ~100x slower, without a word. Not refused (a subset of a large bank keeps its ids): said."""
+    f = tmp_path / "seqs.parquet"
+    pd.DataFrame({"questions": [[1, 2, 3], [4, 90000, 5]], "responses": [[0, 1, 1], [1, 0, 1]]}).to_parquet(f)
+    seqs = load_sequences(f, ReadOptions())
+    assert seqs.n_questions == 90000
+    assert any(n.startswith("6 distinct question ids, the largest 90000: the model holds 90000 embedding rows")
+               for n in seqs.notes), seqs.notes
+    pd.DataFrame({"questions": [[1, 2, 3], [4, 6, 5]], "responses": [[0, 1, 1], [1, 0, 1]]}).to_parquet(f)
+    assert not any("distinct question ids" in n for n in load_sequences(f, ReadOptions()).notes)
 
 
 def _same(a, b) -> None:

@@ -137,6 +137,26 @@ def test_optimized_path_under_autocast(models):
     opt.zero_grad()
 
 
+def test_a_compiled_optimized_path_is_not_recompiled_for_each_batch(models):
+    """Audit AR F3: under train.compile the loop recurrence's step and row counts (Python ints of each batch)
+    were traced into the graph, and every batch recompiled (~1 minute each on a CPU, for ever). The loop
+    runs eagerly now: after the first change of shape makes the graphs dynamic, batches of other lengths
+    and other padding reuse them, and predict what the eager model does."""
+    import torch._dynamo
+
+    _, opt = models
+    torch._dynamo.reset()
+    compiled = torch.compile(opt, backend="eager")  # Dynamo's guards decide recompiles, whatever the backend
+    graphs = []
+    for seed, lengths in enumerate([[20, 13, 7], [17, 17, 3], [25, 9, 9], [11, 10, 2], [30, 5, 4]]):
+        q, r, mask = batch(lengths, seed=seed)
+        out = compiled(q, r)
+        assert torch.allclose(out[mask], opt(q, r)[mask], atol=1e-6)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[2:] == [graphs[1]] * 3, graphs
+
+
 @pytest.mark.parametrize("path", ["naive", "optimized"])
 def test_read_before_write(models, path):
     model = models[path == "optimized"]

@@ -185,6 +185,10 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--cv", "--set", "data.path=/nonexistent/seqs.txt"], "no sequences file at /nonexistent/seqs.txt"),
     # an unset shell variable ($DATA): it read as none, and the run trained on the workload's own data
     (["--set", "data.path="], "--set data.path= is empty (an unset shell variable?)"),
+    # audit AR: a traceback of numpy's MemoryError; a run made, then failed twice; no key named; a compile per length
+    (["--set", "data.max_len=100000000"], "responses to generate, ~626 GiB, more than this machine's"),
+    (["--set", "data.seed=-1"], "data.seed must be >= 0, got -1"),
+    (["--set", "train.compile=true", "--set", "model.path=naive"], "train.compile=true applies to model.path=optimized"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     (tmp_path / "notes.txt").write_text("my notes\n")  # what a mistyped --tracking-uri may name
@@ -194,6 +198,16 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
     assert not list(tmp_path.glob("s3*")) and not (tmp_path.parent.parent / "x").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "notes.txt"]
+
+
+def test_a_model_too_large_for_this_machine_is_one_line_and_creates_no_run(tmp_path):
+    """Audit AR F2: model sizes no memory holds made the run and its MLflow run, failed on the allocation,
+    restarted, failed again, and offered a --resume of a run that can never start. (The synthetic data the
+    model's sizes come from is made first, and kept: it is a complete dataset, reused by the next run.)"""
+    proc = _train(tmp_path, *QUICK, "--set", "model.memory_size=1000000", "--set", "model.value_dim=1000000")
+    _one_line_error(proc, 2, "deep_gpcm: its model has 3,000,303,005,405 parameters (11177.0 GiB), 22354.0 GiB "
+                             "with the gradients, more than this machine's")
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 @pytest.mark.parametrize("task, needle", [
@@ -1304,6 +1318,32 @@ class LateTask(DigitsTask):
 
 WORKLOAD = dataclasses.replace(BASE, name="digits_late", task=LateTask())
 '''
+
+
+# The digits example whose step, at micro-batch STOP_AT, is sent SIGTERM and then fails as a step whose own
+# subprocess the signal killed does (torch.compile's C++ compiler, a data loader's worker).
+KILLED_STEP = STOPPER.replace("""            lifecycle.request_stop()
+""", """            os.kill(os.getpid(), __import__("signal").SIGTERM)
+            raise RuntimeError("C++ compile error: the compiler was killed")
+""").replace('"digits_stop"', '"digits_killed_step"')
+
+
+def test_an_error_of_a_step_the_stop_signal_killed_stops_the_run_and_does_not_restart_it(tmp_path):
+    """Audit AR F4: a SIGTERM to the process group during a torch.compile step killed the C++ compiler; its
+    error was taken for a failure of the training, and the run restarted from step 0 after the stop request.
+    Now it stops, as the signal asked: KILLED, exit 143, a --resume line, no restart."""
+    (tmp_path / "killed_step.py").write_text(KILLED_STEP)
+    args = ["killed_step:WORKLOAD", "--workers", "0", "--name", "ks", "--set", "train.checkpoint_every_steps=2"]
+    proc = _train(tmp_path, *args, env=_env(STOP_AT="5"))
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "restarting" not in proc.stdout and "after the stop request the step raised" in proc.stdout
+    assert "--name ks --resume" in proc.stdout
+    events = (tmp_path / "raysys_runs" / "ks" / "events.log").read_text()
+    assert "restart" not in events and "stopped; after the stop request the step raised" in events
+    (r,) = _mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "raysys-digits_killed_step")
+    assert r.info.status == "KILLED"
+    done = _train(tmp_path, *args, "--resume", "--set", "train.epochs=1")
+    assert done.returncode == 0 and "step_000000002 (step 2" in done.stdout, done.stderr[-3000:]
 
 
 def test_a_signal_after_the_last_step_leaves_a_finished_run(tmp_path):

@@ -262,11 +262,53 @@ def built(task: Any, name: str, cfg: Any, say: bool = True, before_loss: Optiona
         if hook == "datasets" and say:
             train = map_style(name, out)[0]
             _fits(name, cfg, train, None)  # the data's own refusals, whether or not the model builds here
+    if say and model is not None:
+        _fits_memory(name, cfg, model)
     if say and _fits(name, cfg, train, model):
         if before_loss is not None:
             before_loss(model)
         _loss_on_meta(task, name, model, train, cfg)
     return model
+
+
+def physical_memory() -> Optional[int]:
+    """This machine's memory in bytes; None where the OS does not say (no sysconf: Windows)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _fits_memory(name: str, cfg: Any, model: Any) -> None:
+    """A model whose parameters, their gradients and its buffers alone (a lower bound: no optimizer state, no
+    activations) outgrow this machine's memory, refused before the run exists, not as the workers' allocation
+    error after it was made and restarted. Said for CPU workers of this machine only: a cluster's nodes and a
+    GPU's memory are not this process's to measure."""
+    import os
+
+    import torch
+
+    launch = getattr(cfg, "launch", None)
+    if (not isinstance(model, torch.nn.Module) or getattr(launch, "gpus_per_worker", 0)
+            or getattr(launch, "address", None) or os.environ.get("RAY_ADDRESS")):
+        return
+    from torch.nn.parameter import is_lazy  # a lazy module's tensors have no size until its first batch
+
+    params = [p for p in model.parameters() if not is_lazy(p)]
+    size = sum(p.numel() * p.element_size() for p in params)
+    held = sum(b.numel() * b.element_size() for b in model.buffers() if not is_lazy(b))
+    copies = max(1, getattr(launch, "workers", 1) or 1)  # each local worker holds its own replica
+    need, have = (2 * size + held) * copies, physical_memory()
+    if have is not None and need > have:
+        gib = 2 ** 30
+        count = sum(p.numel() for p in params)
+        buffers = f" and {held / gib:.1f} GiB of buffers" if held >= gib / 10 else ""
+        raise ConfigError(f"{name}: its model has {count:,} parameters ({size / gib:.1f} GiB){buffers}, "
+                          f"{need / gib:.1f} GiB with the gradients"
+                          f"{f' in {copies} workers' if copies > 1 else ''}, more than this "
+                          f"machine's {have / gib:.1f} GiB of memory: choose smaller model sizes (nothing was created)")
 
 
 def _fits(name: str, cfg: Any, train: Any, model: Any) -> bool:

@@ -93,6 +93,14 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
                 raise cause from None
             line = error_line(e)
             at = newest_checkpoint(run_dir)
+            if lifecycle.stop_requested() is not None:
+                # a stop was asked for, and the signal reached the step's own processes too (a compiler's, a
+                # data loader's): their error ends the run as the stop does, not as a failure to start again
+                record_event(run_dir, f"stopped; after the stop request the step raised: {line}")
+                (sink or console.Sink()).message(
+                    f"[raysys] stopped; after the stop request the step raised {line} "
+                    + (f"(the last checkpoint is {at})" if at is not None else "(no checkpoint yet)"))
+                return None
             if attempt >= max_failures:
                 raise
             if last == (line, at):  # the same error again from the same checkpoint: the code's, not a node's

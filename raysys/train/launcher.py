@@ -483,8 +483,10 @@ def _prepare(prepare, cfg: Any) -> Any:
         return prepare(cfg) or cfg
     except ConfigError:
         raise
-    except (ValueError, LookupError, OSError) as e:  # pyarrow's ArrowInvalid/ArrowIOError are among these
+    except (ValueError, LookupError, OSError, MemoryError) as e:  # pyarrow's ArrowInvalid/ArrowIOError are among these
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, MemoryError):  # data settings too large for this machine (numpy says how much it wanted)
+            msg = f"preparing the data ran out of memory ({msg}): ask for less data"
         raise DataError(msg) from None  # said as "data error: ..."
 
 

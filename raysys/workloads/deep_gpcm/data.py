@@ -110,8 +110,8 @@ def write_synthetic_oc(out_dir: PathLike, **kwargs) -> Path:
                 return out
         except json.JSONDecodeError:
             pass  # a damaged meta.json: regenerate
+    df, irt = generate_synthetic_oc(**args)  # before the folder: a refused or failed generation leaves none
     out.mkdir(parents=True, exist_ok=True)
-    df, irt = generate_synthetic_oc(**args)
     _atomic_write(out / SEQUENCES, lambda p: df.to_parquet(p, index=False))
 
     def save_npz(p: str) -> None:
@@ -324,15 +324,12 @@ def _source_files(path: Path) -> list[Path]:
     return sorted(splits, key=lambda f: (not f.stem.lower().endswith("_train"), f.name))
 
 
-def _longest_run(values: list[int]) -> list[int]:
-    """The longest run of consecutive integers in sorted ``values``."""
-    best: list[int] = []
-    run: list[int] = []
-    for v in values:
-        run = run + [v] if run and v == run[-1] + 1 else [v]
-        best = run if len(run) > len(best) else best
-    return best
-
+def _unseen_runs(seen: np.ndarray, n: int) -> list[tuple[int, int]]:
+    """The runs [a, b) of 0..n-1 that the sorted distinct ``seen`` values leave out: a response of 2**62 makes
+    one run, not a list (or a bincount) of 2**62 categories."""
+    starts = [0] + [int(v) + 1 for v in seen]
+    ends = [int(v) for v in seen] + [int(n)]
+    return [(a, b) for a, b in zip(starts, ends) if b > a]
 
 
 def _read_meta(path: Path) -> dict:
@@ -416,6 +413,11 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
         # the model keeps one embedding row per id up to the largest: 10^9 ids would be a 32 GB table
         raise ValueError(f"{label}: question ids are sparse ({distinct} distinct, largest {n_questions}); renumber them "
                          f"1..{distinct} (the model has one embedding row per id up to the largest)")
+    if "n_questions" not in meta and n_questions >= 1000 and n_questions > 10 * distinct:
+        # not refused (a subset of a large bank keeps its ids), but the model's size follows the largest id
+        notes.append(f"{distinct} distinct question ids, the largest {n_questions}: the model holds {n_questions} "
+                     f"embedding rows and a {n_questions}-question input layer (renumber the ids 1..{distinct} for "
+                     "a model of the questions seen)")
     n_cats = int(meta.get("n_cats", r.max() + 1))
     if q.max() > n_questions:
         raise ValueError(f"{label}: question id {q.max()} exceeds n_questions={n_questions} from {meta_path}")
@@ -426,26 +428,29 @@ def load_sequences(path: PathLike, options: Optional[ReadOptions] = None) -> Seq
     if "n_cats" not in meta:  # K is the data's, not data.n_cats (the generator's): said, so a stray value shows
         notes.append(f"{n_cats} response categories 0..{n_cats - 1}, from its largest response (a meta.json beside "
                      "it with n_cats fixes K)")
-    counts = np.bincount(r, minlength=n_cats)
-    unseen = np.flatnonzero(counts == 0).tolist()
-    hole = _longest_run(unseen)
-    if len(hole) >= 2 and "n_cats" not in meta:  # not a scale: a missing-value code, a typo, an offset
+    seen, counts = np.unique(r, return_counts=True)
+    runs = _unseen_runs(seen, n_cats)
+    hole = max(runs, key=lambda ab: ab[1] - ab[0], default=(0, 0))  # the first of the longest
+    if hole[1] - hole[0] >= 2 and "n_cats" not in meta:  # not a scale: a missing-value code, a typo, an offset
         shift = rbase  # the file's own numbers, in the message
-        lo, hi = hole[0] + shift, hole[-1] + shift
+        lo, hi = hole[0] + shift, hole[1] - 1 + shift
         if hole[0] == 0:
             raise ValueError(f"{label}: responses start at {r.min() + shift}, so categories {lo}..{hi} never appear: "
                              "number them from 0 (or 1, with data.response_base=1), or give n_cats in a meta.json "
                              "beside the data to keep the empty ones")
-        stray = np.flatnonzero(counts[hole[-1] + 1:]) + hole[-1] + 1
-        rows = int(counts[stray].sum())
+        above = seen >= hole[1]
+        stray, rows = seen[above], int(counts[above].sum())
         raise ValueError(f"{label}: response{'s' if len(stray) > 1 else ''} "
                          f"{', '.join(str(int(v) + shift) for v in stray[:5])}{', ...' if len(stray) > 5 else ''} "
                          f"({rows} of {len(r)} rows) {'lie' if rows > 1 else 'lies'} above categories {lo}..{hi}, which never appear: a "
                          "missing-value code or a typo? Remove those rows, or give n_cats in a meta.json beside the "
                          "data to keep them as categories")
-    if unseen:
-        shown = ", ".join(map(str, unseen[:8])) + (", ..." if len(unseen) > 8 else "")
-        notes.append(f"categor{'y' if len(unseen) == 1 else 'ies'} {shown} never appear{'s' if len(unseen) == 1 else ''}"
+    if runs:
+        unseen = [v for a, b in runs[:8] for v in range(a, min(b, a + 8))][:8]
+        many = sum(b - a for a, b in runs) > len(unseen)
+        shown = ", ".join(map(str, unseen)) + (", ..." if many else "")
+        one = len(unseen) == 1 and not many
+        notes.append(f"categor{'y' if one else 'ies'} {shown} never appear{'s' if one else ''}"
                      " (responses are read as 0..K-1: a scale that starts at 1 leaves 0 empty, and one stray value "
                      "adds categories)")
     lengths = np.diff(off)

@@ -184,6 +184,18 @@ class _MemoryScan(torch.autograd.Function):
         return dw.squeeze(2), neg_de.squeeze(2).neg_(), da.squeeze(2), g.x.sum(0), None, None
 
 
+# torch.compile runs this eagerly (a graph break): the loop's step count and row counts are Python
+# ints read from the batch, so a traced loop would be unrolled and specialised on them, and recompiled
+# for every batch (~1 minute each on CPU, measured with TORCH_LOGS=recompiles).
+@torch.compiler.disable
+def _loop_scan(w: torch.Tensor, erase_add: torch.Tensor, m0: torch.Tensor, inside: torch.Tensor, chunk: int,
+               threads: int | None) -> torch.Tensor:
+    """``_MemoryScan`` of rows sorted longest first; ``inside`` [T,B] marks the steps in a sequence."""
+    active = inside.sum(1).tolist()  # one host sync
+    erase, add = erase_add.chunk(2, dim=-1)
+    return _MemoryScan.apply(w, erase, add, m0, active, chunk, threads)
+
+
 class DeepGPCM(nn.Module):
     """DKVMN + GPCM head; ``forward(questions, responses)`` returns the K GPCM logits per step.
 
@@ -354,9 +366,7 @@ class DeepGPCM(nn.Module):
             reads = memory_scan(w, erase_add, m0, lengths, self.chunk)  # [T,B,Dv], 0 on padded steps
             z = self._gpcm_head(reads, q_embeds) * inside[..., None]  # padded steps: logits 0
             return z.transpose(0, 1)
-        active = inside.sum(1).tolist()  # one host sync
-        erase, add = erase_add.chunk(2, dim=-1)
-        reads = _MemoryScan.apply(w, erase, add, m0, active, self.chunk, self.recurrence_threads)
+        reads = _loop_scan(w, erase_add, m0, inside, self.chunk, self.recurrence_threads)
 
         # The head runs on steps inside a sequence only (padding is ~40% of a synthetic_OC batch);
         # its logits land straight in [B,T] order, unsorted. Padded steps get logits 0.

@@ -84,10 +84,20 @@ class DataConfig:
             raise ConfigError("data.min_len >= 2 and data.max_len > data.min_len are required")
         at_least(self, "data.", 1, "n_questions")
         at_least(self, "data.", 2, "n_cats", "n_folds")
+        at_least(self, "data.", 0, "seed")
         require(self.id_base in (None, 0, 1), f"data.id_base must be 0, 1 or null, got {self.id_base}")
         require(self.response_base in (None, 0, 1), f"data.response_base must be 0, 1 or null, got {self.response_base}")
         require(self.path is not None or self.n_students >= self.n_folds,
                 f"data.n_students ({self.n_students}) must be >= data.n_folds ({self.n_folds})")
+        if self.path is None:  # the generator's arrays: ids, lengths and 2 [n, K] float tables per response
+            from raysys.train.code_checks import physical_memory
+
+            about, have = self.n_students * (self.min_len + self.max_len - 1) // 2, physical_memory()
+            need = about * 8 * (2 * self.n_cats + 6)
+            require(have is None or need <= have,
+                    f"data.n_students={self.n_students} with lengths data.min_len={self.min_len}..data.max_len="
+                    f"{self.max_len}: about {about:,} responses to generate, ~{need / 2 ** 30:.0f} GiB, more than "
+                    f"this machine's {(have or 0) / 2 ** 30:.1f} GiB of memory")
 
 
 @dataclass
@@ -138,6 +148,11 @@ class DeepGPCMConfig:
                 or os.environ.get("TRITON_INTERPRET") == "1",
                 "model.recurrence=triton runs on a GPU: add --gpus-per-worker 1 (or set TRITON_INTERPRET=1 to run "
                 "the kernels in Triton's CPU interpreter, slowly)")
+        # Dynamo unrolls the naive path's per-step loop and specialises it on the batch's length: one
+        # compile per distinct length, 1-2 minutes each on a CPU, then eager once its recompile limit is hit
+        require(not (self.train.compile and self.model.path == "naive"),
+                "train.compile=true applies to model.path=optimized only: the naive path's per-step loop is "
+                "recompiled for every sequence length")
 
 
 # ---- presets: plain functions deriving from each other -------------------------------------------
