@@ -1167,6 +1167,8 @@ def test_a_sweep_stopped_in_its_first_seconds_is_closed_and_says_how_to_go_on(tm
     assert parent.info.status == "KILLED"
 
 
+@pytest.mark.slow  # ~2 min (its resume trains the trial's 20 epochs); by default a sweep's outage is tested by
+# test_a_sweep_waits_out_a_tracking_outage and test_a_sweep_whose_server_stays_away_says_so_and_how_to_finish
 def test_a_sweep_stopped_in_an_outage_does_not_wait_for_the_server(tmp_path):
     """A stop signal is a deadline (a batch system's SIGKILL follows within seconds), but a sweep whose
     tracking server was down waited for it, up to $RAYSYS_TRACKING_WAIT_S, before its exit and its resume

@@ -346,7 +346,8 @@ def test_additive_scores_without_tanh_are_the_tanh_scores_and_gradients(prepared
 def test_a_resume_on_other_data_is_refused_but_not_from_a_copy_elsewhere(tmp_path):
     """The checkpoint's token rows mean its corpus's tokenizer: a resume on another corpus (a file's bytes
     or the synthetic corpus's seed) is refused in one line; the same corpus copied to another folder, and
-    another number of evaluated notes, resume."""
+    another number of evaluated notes, resume, as does one with other decoding knobs (audit AQ F5: the whole
+    model section was the identity, and a resume that evaluates with another beam was refused)."""
     import shutil
 
     rows = [{"note": ex["note"], "summary": ex["summary"]} for ex in generate(60, 2)]
@@ -357,7 +358,7 @@ def test_a_resume_on_other_data_is_refused_but_not_from_a_copy_elsewhere(tmp_pat
               f"sqlite:///{tmp_path / 'mlflow.db'}", "--set", "data.path=notes.jsonl", "--set", "data.eval_examples=2"]
     assert _cli(tmp_path / "a", *common, "--set", "train.max_steps=2").returncode == 0
     assert _cli(tmp_path / "b", *common, "--resume", "--set", "train.max_steps=3", "--set",
-                "data.eval_examples=3").returncode == 0
+                "data.eval_examples=3", "--set", "model.beam=2", "--set", "model.length_penalty=0.5").returncode == 0
     _write_jsonl(tmp_path / "b" / "notes.jsonl", rows[::-1])  # other bytes under the same name
     prepared = sorted(p.parent.name for p in (tmp_path / "b").rglob("meta.json"))
     proc = _cli(tmp_path / "b", *common, "--resume", "--set", "train.max_steps=4")

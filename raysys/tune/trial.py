@@ -216,8 +216,12 @@ def run_seconds(sweep_dir: str | Path, trial_id: str, reports: Sequence[float] =
     kept out of the log."""
     from datetime import datetime
 
+    from raysys import storage
+
     try:
-        lines = (Path(sweep_dir) / "trial_events.log").read_text().splitlines()
+        log = Path(sweep_dir) / "trial_events.log"
+        storage.pull(log)  # a sweep on remote storage: the trials' processes wrote it there, not here
+        lines = log.read_text().splitlines()
     except OSError:
         return None
     sessions: list[list] = []  # [start, end or None], epoch seconds

@@ -67,9 +67,11 @@ class DataConfig:
 
 _SAID: set[str] = set()  # prepared folders whose truncation this process has reported
 
-LOCAL_KEYS = ("data.path", "data.eval_path", "data.data_dir", "data.prepared_dir", "data.eval_examples")
-"""Where the data is on this machine, and how much of it is evaluated: left out of the checkpoint's identity
-(its ``digest`` says what the files hold), so a run resumes from another folder or machine."""
+LOCAL_KEYS = ("data.path", "data.eval_path", "data.data_dir", "data.prepared_dir", "data.eval_examples",
+              "model.beam", "model.min_len", "model.max_len", "model.length_penalty", "model.block_trigrams")
+"""Where the data is on this machine, how much of it is evaluated and how its summaries are decoded: left out
+of the checkpoint's identity (its ``digest`` says what the files hold; the weights are the same whatever the
+beam), so a run resumes from another folder or machine, or evaluates with another beam."""
 
 
 def digest_of_files(cfg: PointerGeneratorConfig) -> dict:
