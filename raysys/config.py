@@ -30,15 +30,21 @@ def to_dict(cfg: Any) -> dict:
 
 
 def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    """{'a': {'b': 1}} -> {'a.b': 1}. A key written both ways ({'a.b': 1, 'a': {'b': 2}}) is a ConfigError,
+    not the last one silently."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
+        put_once(out, flatten(v, key + ".") if isinstance(v, Mapping) and v else {key: v})
     return out
+
+
+def put_once(out: dict, new: Mapping) -> None:
+    """``out.update(new)`` of flattened keys, refusing one already there (written dotted and in its section)."""
+    for key, v in new.items():
+        if key in out:
+            raise ConfigError(f"'{key}' is given twice (as a dotted key and inside its section)")
+        out[key] = v
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Tune spaces validate before anything starts; every file in tune_spaces/ is valid (no Ray)."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,9 @@ def _space(**over):
     ({"train.batch_size": {"choice": [0, 8]}}, ["train.batch_size", ">= 1"]),         # validate() hooks run too
     ({"launch.name": {"choice": ["x"]}}, ["launch.name", "set by the sweep"]),
     ({"optim.lr": [1, 2]}, ["optim.lr", "domain"]),
+    # audit AS D1: written dotted and in its section, the first domain was dropped without a word
+    ({"optim.lr": {"loguniform": [1e-4, 1e-2]}, "optim": {"lr": {"uniform": [0.5, 0.9]}}},
+     ["space: 'optim.lr' is given twice (as a dotted key and inside its section)"]),
 ])
 def test_bad_space_is_one_clear_config_error(space, words):
     with pytest.raises(ConfigError) as e:
@@ -112,6 +116,20 @@ def test_other_space_errors():
         spaces.from_dict(_space(stability={"bounds": {"train/loss": {"ceiling": 3}}}))
     with pytest.raises(ConfigError, match="not found"):
         spaces.load("no/such/space.yaml")
+    # audit AS: each of these was accepted; the first made every trial of its sweep unstable, exit 0
+    for rules, said in [({"max_loss_spikes": -1}, "max_loss_spikes must be a whole number >= 0, got -1"),
+                        ({"max_nonfinite_losses": 2.7}, "max_nonfinite_losses must be a whole number >= 0, got 2.7"),
+                        ({"bounds": {"train/loss": {"min": 5, "max": 1}}}, "bounds 'train/loss': min 5 is above max 1")]:
+        with pytest.raises(ConfigError, match=re.escape(f"s.yaml: stability: {said}")):
+            spaces.from_dict(_space(stability=rules), "s.yaml")
+    with pytest.raises(ConfigError, match=re.escape("fixed: 'train.epochs' is given twice")):
+        spaces.from_dict(_space(fixed={"train.epochs": 1, "train": {"epochs": 3}}))
+    # a --set that pins the last knob: said so (its value is checked first, and a bad one named)
+    one = _space(space={"optim.lr": {"loguniform": [1e-4, 1e-2]}})
+    with pytest.raises(ConfigError, match=re.escape("no knob left to search (--set pins optim.lr): to train")):
+        spaces.from_dict(one, "s.yaml", overrides={"optim.lr": 0.1})
+    with pytest.raises(ConfigError, match=re.escape("--set: optim.lr: expected a number, got 'abc'")):
+        spaces.from_dict(one, "s.yaml", overrides={"optim.lr": "abc"})
 
 
 def test_nested_sections_numbers_as_strings_and_pinning():
@@ -204,6 +222,12 @@ def test_cli_refuses_a_bad_space_before_anything_starts(workdir, capsys):
     assert main(["--space", str(bad), "--num-samples", "2"]) == 2
     err = capsys.readouterr().err
     assert "optim.lrr" in err and "lr" in err and err.count("\n") == 1
+    assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
+    good = workdir / "good.yaml"
+    good.write_text(yaml.safe_dump(_space()))
+    for budget in ("nan", "inf", "0"):  # audit AS D3: nan passed `<= 0` and ran a whole sweep without a budget
+        assert main(["--space", str(good), "--budget", budget]) == 2
+        assert f"--budget must be a number of minutes > 0, got {float(budget)}" in capsys.readouterr().err
     assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
 
 

@@ -114,8 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError(f"--pbt-interval must be >= 1, got {args.pbt_interval}")
         if args.vectorize < 1:
             raise ConfigError(f"--vectorize must be >= 1, got {args.vectorize}")
-        if args.budget is not None and args.budget <= 0:
-            raise ConfigError("--budget must be > 0 minutes")
+        if args.budget is not None and not 0 < args.budget < float("inf"):  # nan and inf too: no budget is no --budget
+            raise ConfigError(f"--budget must be a number of minutes > 0, got {args.budget}")
         if args.tolerance is not None and not args.tolerance >= 0:
             raise ConfigError(f"--tolerance must be >= 0 (a quality difference), got {args.tolerance}")
         from raysys.tune.runner import SweepOptions, run_sweep

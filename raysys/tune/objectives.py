@@ -65,10 +65,15 @@ class StabilityRules:
             if not isinstance(b, Mapping) or not b or set(b) - {"min", "max"}:
                 raise ValueError(f"bounds '{metric}' must be {{min: a}}, {{max: b}} or both, got {b!r}")
             rules.bounds[metric] = {k: float(v) for k, v in b.items()}
+            if b.get("min", -math.inf) > b.get("max", math.inf):  # an empty interval: every report out of it
+                raise ValueError(f"bounds '{metric}': min {b['min']:g} is above max {b['max']:g}")
         rules.collapse = {m: float(v) for m, v in rules.collapse.items()}
         if any(v <= 0 for v in rules.collapse.values()):
             raise ValueError("collapse drops must be > 0")
-        rules.max_nonfinite_losses, rules.max_loss_spikes = int(rules.max_nonfinite_losses), int(rules.max_loss_spikes)
+        for name in ("max_nonfinite_losses", "max_loss_spikes"):  # counts: -1 would make every trial unstable
+            v = getattr(rules, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
         return rules
 
     def check(self, m: Mapping[str, Any], best: Mapping[str, float]) -> Optional[str]:

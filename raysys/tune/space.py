@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional
 
 
 from raysys import workload as registry
-from raysys.config import ConfigError, apply_overrides, flatten, read_yaml
+from raysys.config import ConfigError, apply_overrides, flatten, put_once, read_yaml
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 TOP_KEYS = {"workload", "preset", "fixed", "space", "objectives", "stability", "description"}
@@ -168,16 +168,22 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
             raise ConfigError(f"{source}: '{key}' is required")
     wl = registry.get(str(data["workload"]))  # ConfigError naming the available workloads
     preset = preset or str(data.get("preset", "default"))
-    fixed = flatten(data.get("fixed") or {})
+    try:
+        fixed = flatten(data.get("fixed") or {})
+    except ConfigError as e:
+        raise ConfigError(f"{source}: fixed: {e}") from None
     space = data["space"]
     if not isinstance(space, Mapping) or not space:
         raise ConfigError(f"{source}: 'space' must map dotted config paths to domains")
-    knobs = {str(k): parse_domain(f"{source}: space '{k}'", v) for k, v in flatten_space(space).items()}
+    try:
+        flat = flatten_space(space)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: space: {e}") from None
+    knobs = {str(k): parse_domain(f"{source}: space '{k}'", v) for k, v in flat.items()}
+    pinned = [key for key in (overrides or {}) if key in knobs]
     for key, value in (overrides or {}).items():
         knobs.pop(key, None)
         fixed[key] = value
-    if not knobs:
-        raise ConfigError(f"{source}: no knob left to search")
 
     for key in [*fixed, *knobs]:
         if key in SWEEP_OWNED:
@@ -197,6 +203,10 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
         base = apply_overrides(base, dict(overrides or {}))
     except ConfigError as e:
         raise ConfigError(f"--set: {e}") from None
+    if not knobs:  # after --set's values were checked: a bad one is named, not this
+        raise ConfigError(f"{source}: no knob left to search" + (
+            f" (--set pins {', '.join(pinned)}): to train that one configuration, use python -m raysys train"
+            if pinned else ""))
     for key, d in knobs.items():
         for value in d.candidates():
             try:
@@ -260,9 +270,9 @@ def flatten_space(space: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     for k, v in space.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping) and v and all(isinstance(x, Mapping) for x in v.values()):
-            out.update(flatten_space(v, key + "."))
+            put_once(out, flatten_space(v, key + "."))
         else:
-            out[key] = v
+            put_once(out, {key: v})
     return out
 
 
