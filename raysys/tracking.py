@@ -21,7 +21,7 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 from urllib.parse import unquote, urlparse
 
 log = logging.getLogger(__name__)
@@ -489,6 +489,7 @@ class MLflowLogger:
         self._retry_at, self._backoff = 0.0, 30.0
         self._step, self._logged_at_step = None, set()
         self._recorded: Optional[dict[str, int]] = None  # each metric's last step in MLflow before this process
+        self._latest: dict[str, int] = {}  # each metric's last step this process logged
         if self.buffer is not None:
             quick_failures()
 
@@ -712,6 +713,13 @@ class MLflowLogger:
         except Exception:
             return {}
 
+    def next_step(self, keys: Sequence[str]) -> int:
+        """The step after the latest any of ``keys`` has in the run (0 for none): a summary made again (a sweep
+        resumed, or summarised with another tolerance) is a new point, not a value the first one keeps out."""
+        if self._recorded is None:
+            self._recorded = self._recorded_steps()
+        return 1 + max((max(self._recorded.get(k, -1), self._latest.get(k, -1)) for k in keys), default=-1)
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """One value per metric and step: a later value for a step already logged (e.g. the run's
         final summary after its last epoch report) is left out, so no chart jumps at one step. So is
@@ -729,6 +737,7 @@ class MLflowLogger:
         self._logged_at_step |= set(data)
         if not data:
             return
+        self._latest.update({k: max(int(step), self._latest.get(k, -1)) for k in data})
         self._call({"kind": "metrics", "data": data, "step": int(step), "ts": int(time.time() * 1000)})
 
     def log_artifact(self, path: str | Path, subdir: Optional[str] = None) -> None:

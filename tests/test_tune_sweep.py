@@ -104,6 +104,15 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
     png = client.download_artifacts(parent.info.run_id, "pareto.png", str(workdir))
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # audit AS D6: summarised again (a resume with a wide tolerance: the fastest eligible trial), the parent kept
+    # its first summary's figures (a step already logged keeps its value); each summary is a step of its own now
+    again = _sweep(workdir, "--space", str(SPACE), "--num-samples", "6", "--max-concurrent", "2", *TINY,
+                   "--tracking-uri", mlflow_server, "--name", "six", "--resume", "--tolerance", "10")
+    assert again.returncode == 0, again.stderr[-3000:]
+    parent = client.get_run(parent.info.run_id)
+    assert parent.data.metrics["sweep/recommended_throughput"] == parent.data.metrics["sweep/best_throughput"]
+    assert [m.step for m in client.get_metric_history(parent.info.run_id, "sweep/recommended_quality")] == [0, 1]
+
 
 # workers=0 (~45 s) is slow-only; by default workers=1 checks the same verdict, stop and next trial
 @pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 1])
