@@ -260,6 +260,31 @@ def test_cli_refuses_a_ray_address_nothing_answers_at_before_anything_starts(wor
     assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
 
 
+def test_a_web_server_at_the_address_is_one_line_and_creates_nothing(workdir):
+    """Audit AS D4: something listens at the address (a dashboard's port given as the GCS's, say), so the port
+    probe passed, and ray.init waited on it for minutes; the sweep's MLflow store and dataset were made first.
+    A server that does not answer HTTP/2's opening as gRPC does is told apart at once; and a cluster's join
+    (one that would refuse us) now comes before the store or the data exist."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    good = workdir / "good.yaml"
+    good.write_text(yaml.safe_dump(_space(space={"train.batch_size": {"choice": [16, 32]}})))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", str(good), "--address",
+                               f"127.0.0.1:{web.server_address[1]}"], cwd=workdir, capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        web.shutdown()
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "answers, but not as Ray" in proc.stderr and "(nothing was created)" in proc.stderr
+    assert sorted(p.name for p in workdir.iterdir()) == ["good.yaml"]
+
+
 def test_cli_help_explains_every_flag(capsys):
     from raysys.tune.__main__ import build_parser
 

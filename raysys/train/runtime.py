@@ -21,10 +21,9 @@ from raysys.config import ConfigError
 
 def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
     """One line in seconds, where ``ray.init`` would retry for minutes, when nothing listens at ``address``
-    (or $RAY_ADDRESS): a Ray cluster's GCS (``host:port``, port 6379 unless given) or Ray Client server
-    (``ray://host:port``, port 10001 unless given). ``auto``, ``local`` and no address start or find Ray
-    by themselves."""
-    import socket
+    (or $RAY_ADDRESS), or something that is not Ray does: a Ray cluster's GCS (``host:port``, port 6379 unless
+    given) or Ray Client server (``ray://host:port``, port 10001 unless given). ``auto``, ``local`` and no
+    address start or find Ray by themselves."""
     from urllib.parse import urlsplit
 
     addr = (address or os.environ.get("RAY_ADDRESS", "")).strip()
@@ -46,12 +45,37 @@ def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
     if not host:
         raise ConfigError(f"Ray address {addr!r} names no host; give host:port, ray://host:port or auto")
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        grpc = _speaks_grpc(host, port, timeout)
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise ConfigError(f"no Ray cluster answers at {addr} ({host}:{port}: {reason}); start one with "
                           "`ray start --head`, or leave out --address and $RAY_ADDRESS to run Ray in this process "
                           "(nothing was created)") from None
+    if not grpc:  # ray.init would wait on it for minutes, silent but for a warning every few seconds
+        raise ConfigError(f"{host}:{port} answers, but not as Ray: a Ray cluster's GCS and Ray Client server speak "
+                          "gRPC (a dashboard's port, 8265, serves web pages); join at host:6379, ray://host:10001 or "
+                          "with auto (nothing was created)")
+
+
+def _speaks_grpc(host: str, port: int, timeout: float) -> bool:
+    """Whether the server at host:port answers HTTP/2's opening as a gRPC server does, with its SETTINGS frame.
+    True where the connection is TLS (RAY_USE_TLS): its handshake comes first, and is Ray's to make."""
+    import socket
+
+    with socket.create_connection((host, port), timeout=timeout) as conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return True
+        try:
+            conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # + empty SETTINGS
+            head = b""
+            while len(head) < 9:  # a frame header: length (3), type (1), flags (1), stream (4)
+                chunk = conn.recv(9 - len(head))
+                if not chunk:
+                    return False
+                head += chunk
+        except OSError:  # reset, or silent past the timeout: no gRPC server
+            return False
+    return head[3] == 4
 
 
 def joins_cluster(address: Optional[str]) -> bool:

@@ -28,7 +28,7 @@ from raysys import workload as registry
 from raysys.config import ConfigError, to_dict
 from raysys.train.launcher import say_if_in_ray_package, storage_root
 from raysys.train.pbt import EXPLOITS
-from raysys.train.runtime import check_ray_address
+from raysys.train.runtime import check_ray_address, joins_cluster
 from raysys.tune import objectives as obj
 from raysys.tune import space as spaces
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord
@@ -449,6 +449,8 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                           "fix launch.workers to 0 in the space")
     pbt = _pbt_settings(opts, sp, wl)
     check_ray_address(opts.address)
+    if joins_cluster(opts.address):  # a cluster that will not have us: one line before the store or the data exist
+        _init_ray(opts.address)
     name, sweep_dir = resolve_sweep_dir(opts, wl.name)
     stored = _stored_state(sweep_dir) if opts.resume else None
     if stored:
