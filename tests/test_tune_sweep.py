@@ -114,6 +114,22 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
     assert [m.step for m in client.get_metric_history(parent.info.run_id, "sweep/recommended_quality")] == [0, 1]
 
 
+def test_a_sweep_that_ended_at_its_budget_resumes_to_its_report_not_to_an_interruption(workdir):
+    """Audit AS D10: Tune's restored time budget was spent, so a --resume of a sweep that ended at its --budget
+    ran nothing, called itself interrupted (exit 130), turned its FINISHED parent run KILLED and printed a resume
+    line that did the same for ever. However many trials the budget let start, the resume now says that nothing
+    is left to run and reports the sweep again."""
+    args = ["--space", str(SPACE), "--num-samples", "4", "--max-concurrent", "1", *TINY, "--name", "short"]
+    first = _sweep(workdir, *args, "--budget", "0.01")
+    assert first.returncode == 0 and "(time budget reached)" in first.stdout, first.stderr[-3000:]
+    again = _sweep(workdir, *args, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing left to run: this sweep ended at an earlier session's --budget" in again.stdout
+    assert "interrupted" not in again.stdout and "not started" in again.stdout
+    _, _, parent, _ = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    assert parent.info.status == "FINISHED"
+
+
 # workers=0 (~45 s) is slow-only; by default workers=1 checks the same verdict, stop and next trial
 @pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir, workers):

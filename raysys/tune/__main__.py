@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "trial's own CPU plus all its Train workers must fit at the same time)")
     p.add_argument("--budget", type=float, metavar="MINUTES",
                    help="wall-clock budget of the sweep; trials still running then are stopped and left out of "
-                        "the front (no budget by default)")
+                        "the front, and the sweep ends (a --resume of it reports it again and runs nothing more; a "
+                        "sweep stopped by a signal resumes with the --budget its resume gives). No budget by default")
     p.add_argument("--address", help="Ray cluster address (e.g. auto, ray://head:10001); default: $RAY_ADDRESS or "
                                      "a Ray instance started in this process")
     p.add_argument("--tracking-uri", help="MLflow tracking URI for the parent and trial runs; default "

@@ -24,11 +24,18 @@ MISSING_OBJECTIVE = "never reported (an objective of the space)"
 """A trial's verdict when it ended without one of the space's objectives (``ObjectiveTracker``)."""
 
 
+SESSION_BUDGET: dict[str, Optional[float]] = {"ends": None}
+"""When this command's ``--budget`` ends (``time.monotonic()``; None: no budget). A value of the process, not of
+the pickled stopper, so a resumed sweep runs for the budget its resume gives (Tune's own ``time_budget_s`` is
+restored spent, and a resume of a sweep that used it up ran nothing, for ever)."""
+
+
 class StabilityStopper(Stopper):
     """End a trial as soon as one of its reports carries the unstable verdict. An unstable trial is a
     result (recorded as such), not a failure: the sweep goes on, unless a trial ended without an
     objective of the space at all. Every trial would (the workload never logs it): the sweep stops
-    then, not after spending its whole budget on trials it cannot rank."""
+    then, not after spending its whole budget on trials it cannot rank. It also ends the session at its
+    ``--budget`` (``SESSION_BUDGET``)."""
 
     def __init__(self):
         self.missing = False
@@ -39,7 +46,9 @@ class StabilityStopper(Stopper):
         return bool(result.get(obj.UNSTABLE))
 
     def stop_all(self) -> bool:
-        return getattr(self, "missing", False)  # a sweep restored from an older raysys: none
+        ends = SESSION_BUDGET["ends"]
+        # getattr: a sweep restored from an older raysys has no `missing`
+        return getattr(self, "missing", False) or (ends is not None and time.monotonic() >= ends)
 
 
 def trial_dirname(trial) -> str:

@@ -182,9 +182,10 @@ def runs_storage(sweep_dir: Path) -> str:
 
 def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_metric: str, quality_metric: str,
               sweep_dir: Path, parent_log, budget_hit: bool = False,
-              launch: tuple = ((), JOB_ADDRESS)) -> Optional[TrialRecord]:
+              launch: tuple = ((), JOB_ADDRESS), unstarted: int = 0) -> Optional[TrialRecord]:
     """Print the front and the recommendation; write them (and the plot) as parent-run artifacts, and the
-    recommendation as the parent run's description."""
+    recommendation as the parent run's description. ``unstarted``: trials of ``--num-samples`` a budget left
+    unstarted."""
     from raysys import storage
     from raysys.tune.plot import plot
 
@@ -193,6 +194,7 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
     front_ids, rec_id = {r.trial_id for r in front}, rec.trial_id if rec else None
     counts = {s: sum(r.status == s for r in records) for s in ("ok", "unstable", "error", "incomplete")}
     head = (f"Sweep of {wl.name} ({sp.source}): {len(records)} trials — " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+            + (f", {unstarted} not started" if unstarted > 0 else "")
             + (" (time budget reached)" if budget_hit else "") + f"; Pareto front: {len(front)} trial(s)")
     tbl = table(records, throughput_metric, quality_metric, front_ids, rec_id)
     text = recommendation_text(rec, records, tolerance, sp, throughput_metric, quality_metric, launch)

@@ -434,7 +434,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     from raysys.tune import report
     from raysys.tune.population import run_population_trial
-    from raysys.tune.progress import MISSING_OBJECTIVE, OBJECTIVES_DIR, ObjectiveLog, Progress, StabilityStopper
+    from raysys.tune.progress import MISSING_OBJECTIVE, OBJECTIVES_DIR, ObjectiveLog, Progress, SESSION_BUDGET, StabilityStopper
     from raysys.tune.trial import SweepStop, TrialSetup, run_trial
     from raysys.tune.trial import trainable as winds_down
 
@@ -551,6 +551,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
               flush=True)
 
     started = time.monotonic()
+    SESSION_BUDGET["ends"] = started + 60 * opts.budget_minutes if opts.budget_minutes else None
     tune_path, tune_storage = _tune_storage(opts, sweep_dir)
     restore_fs = {k: v for k, v in tune_storage.items() if k == "storage_filesystem"}
     if opts.resume:  # the objectives every earlier session of the sweep recorded
@@ -580,6 +581,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                                                    opts.max_failures, log=log), log, *_result_loggers()],
                                failure_config=tune.FailureConfig(max_failures=opts.max_failures)))
     SAVED["fitting"] = True  # from here a signal stops the trials at a step boundary (or, sent again, at once)
+    starts_before = _starts(sweep_dir)
     with _signals_stop_like_ctrl_c(stop_actor) as signals, _watching_store(uri):
         grid = tuner.fit()
     try:  # Ray Tune's probe of the storage, left at the sweep's root; the sweep's files are raysys's
@@ -591,11 +593,21 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
         from raysys.tune.population import pool_throughput
 
         pool_throughput(records, wl.population.member_knobs)
-    budget_hit = opts.budget_minutes is not None and time.monotonic() - started >= 60 * opts.budget_minutes - 1
+    # a stop signal late in the budget is an interruption, with its resume line, not the budget's end
+    budget_hit = (opts.budget_minutes is not None and time.monotonic() - started >= 60 * opts.budget_minutes - 1
+                  and not signals.get("signum"))
     unfinished = [r for r in records if r.status == INCOMPLETE]
     # a trial without an objective of the space stops the sweep (progress.StabilityStopper): not an interruption
     missing = not signals.get("signum") and any(MISSING_OBJECTIVE in r.reason for r in records)
     interrupted = (bool(unfinished) or len(records) < opts.num_samples) and not budget_hit and not missing
+    if interrupted and opts.resume and not signals.get("signum") and _starts(sweep_dir) == starts_before:
+        # Tune had nothing to run: what is unfinished was stopped by an earlier session's --budget, and Tune
+        # does not start a stopped trial again. Its report as it stands, not an 'interruption' whose resume
+        # line would do the same for ever
+        print("[raysys.tune] note: nothing left to run: this sweep ended at an earlier session's --budget, and "
+              "Tune neither starts its stopped trials again nor starts new ones; the report below is of the trials "
+              "as they ended (for more, start a new sweep)", flush=True)
+        interrupted = False
 
     storage.push_tree(sweep_dir / OBJECTIVES_DIR)
     # a stop signal is a deadline (a batch system's SIGKILL follows it within seconds): every record is on
@@ -624,7 +636,8 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
               f"  {_resume_line(opts, sp, name, sweep_dir)}", flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", signal.SIGINT))
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
-                           budget_hit=budget_hit, launch=(flags, report.job_address(opts.address)))
+                           budget_hit=budget_hit, launch=(flags, report.job_address(opts.address)),
+                           unstarted=opts.num_samples - len(records) if opts.vectorize == 1 else 0)
     storage.push_tree(sweep_dir / "report")
     parent_log.delete_tag("raysys.error")  # a killed session's (raysys.watcher): the sweep is whole now
     tracking.end_run(uri, parent, status="FINISHED")
@@ -678,6 +691,16 @@ def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Opt
         parent = tracking.start_run(uri, experiment, name, tags={"raysys.workload": workload, "raysys.kind": "sweep",
                                                                  "raysys.sweep": name, **tags})
     return parent, tracking.MLflowLogger(uri, parent)
+
+
+def _starts(sweep_dir: Path) -> int:
+    """How many trial sessions <sweep>/trial_events.log records as started."""
+    log = sweep_dir / "trial_events.log"
+    try:
+        storage.pull(log)
+        return sum(ln.split(" ")[1:2] == ["start"] for ln in log.read_text().splitlines())
+    except OSError:
+        return 0
 
 
 def _resume_line(opts: SweepOptions, sp: spaces.SweepSpace, name: str, sweep_dir: Path) -> str:
@@ -755,7 +778,6 @@ def _tune_config(sp: spaces.SweepSpace, opts: SweepOptions, concurrent: int, wl:
 
         searcher = PopulationSearcher(searcher, opts.vectorize, opts.num_samples, wl.population.member_knobs)
     return tune.TuneConfig(search_alg=searcher, num_samples=opts.num_samples, max_concurrent_trials=concurrent,
-                           time_budget_s=60 * opts.budget_minutes if opts.budget_minutes else None,
                            reuse_actors=opts.reuse_processes, trial_dirname_creator=trial_dirname)
 
 
