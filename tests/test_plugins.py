@@ -295,6 +295,12 @@ def test_a_sweep_whose_trial_never_reports_an_objective_stops_after_it(project):
         "raysys.tune: config error: no trial reported an objective of the space: perf/nosuch never reported")
     events = (project / "raysys_runs" / "sweeps" / "s" / "trial_events.log").read_text()
     assert events.count(" start ") == 1 and "--resume" not in proc.stdout
+    from mlflow.tracking import MlflowClient  # audit AS D15: its parent run was FINISHED, like a sweep that worked
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("raysys-digits_mlp").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
+    assert parent.info.status == "FAILED" and "perf/nosuch never reported" in parent.data.tags["raysys.error"]
 
 
 SOMETIMES_BROKEN = BROKEN.replace("    def build_model(self, cfg):  # runs inside each Ray Train worker\n",

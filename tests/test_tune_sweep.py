@@ -117,13 +117,14 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
 def test_a_sweep_that_ended_at_its_budget_resumes_to_its_report_not_to_an_interruption(workdir):
     """Audit AS D10: Tune's restored time budget was spent, so a --resume of a sweep that ended at its --budget
     ran nothing, called itself interrupted (exit 130), turned its FINISHED parent run KILLED and printed a resume
-    line that did the same for ever. However many trials the budget let start, the resume now says that nothing
-    is left to run and reports the sweep again."""
+    line that did the same for ever. The resume now says that nothing is left to run and reports the sweep
+    again; a budget that no trial finished in is exit 1, both times."""
     args = ["--space", str(SPACE), "--num-samples", "4", "--max-concurrent", "1", *TINY, "--name", "short"]
-    first = _sweep(workdir, *args, "--budget", "0.01")
-    assert first.returncode == 0 and "(time budget reached)" in first.stdout, first.stderr[-3000:]
+    first = _sweep(workdir, *args, "--budget", "0.01")  # 0.6 s: no trial ends, and a script sees it (audit AS D14)
+    assert first.returncode == 1 and "(time budget reached)" in first.stdout, first.stderr[-3000:]
+    assert "raysys.tune: no trial finished within the --budget (1 stopped by it)" in first.stderr
     again = _sweep(workdir, *args, "--resume")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 1 and "no trial finished within the --budget" in again.stderr, again.stderr[-3000:]
     assert "nothing left to run: this sweep ended at an earlier session's --budget" in again.stdout
     assert "interrupted" not in again.stdout and "not started" in again.stdout
     _, _, parent, _ = _runs(f"sqlite:///{workdir / 'mlflow.db'}")

@@ -172,6 +172,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if missing and len(missing) == len(ended):  # the space names a metric no trial has
         print(f"raysys.tune: config error: no trial reported an objective of the space: {missing[0]}", file=sys.stderr)
         return 2
+    if not ended:  # a --budget that ended before any trial did: a script must see that nothing was measured
+        print(f"raysys.tune: no trial finished within the --budget ({len(outcome.records)} stopped by it): raise "
+              "--budget, or shorten the trials", file=sys.stderr)
+        return 1
     from raysys.tune.pareto import ERROR
 
     failed = [r for r in outcome.records if r.status == ERROR]

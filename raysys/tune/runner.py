@@ -640,7 +640,13 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                            unstarted=opts.num_samples - len(records) if opts.vectorize == 1 else 0)
     storage.push_tree(sweep_dir / "report")
     parent_log.delete_tag("raysys.error")  # a killed session's (raysys.watcher): the sweep is whole now
-    tracking.end_run(uri, parent, status="FINISHED")
+    done = [r for r in records if r.status != INCOMPLETE]
+    if missing and done and all(MISSING_OBJECTIVE in r.reason for r in done):
+        # the space names a metric no trial reports: the command's config error (exit 2), not a finished sweep
+        parent_log.set_tags({"raysys.error": f"no trial reported an objective of the space: {done[0].reason}"[:5000]})
+        tracking.end_run(uri, parent, status="FAILED")
+    else:
+        tracking.end_run(uri, parent, status="FINISHED")
     print(f"[raysys.tune] compare the trials in MLflow: {link}", flush=True)
     return SweepOutcome(name, sweep_dir, parent, records, rec, False)
 
