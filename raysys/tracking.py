@@ -21,7 +21,7 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol
 from urllib.parse import unquote, urlparse
 
 log = logging.getLogger(__name__)
@@ -713,12 +713,12 @@ class MLflowLogger:
         except Exception:
             return {}
 
-    def next_step(self, keys: Sequence[str]) -> int:
-        """The step after the latest any of ``keys`` has in the run (0 for none): a summary made again (a sweep
-        resumed, or summarised with another tolerance) is a new point, not a value the first one keeps out."""
+    def next_step(self, key: str) -> int:
+        """The step after the latest ``key`` has in the run (0 for none): a summary made again (a sweep resumed,
+        or summarised with another tolerance) is a new point, not a value the first one keeps out."""
         if self._recorded is None:
             self._recorded = self._recorded_steps()
-        return 1 + max((max(self._recorded.get(k, -1), self._latest.get(k, -1)) for k in keys), default=-1)
+        return 1 + max(self._recorded.get(key, -1), self._latest.get(key, -1))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """One value per metric and step: a later value for a step already logged (e.g. the run's

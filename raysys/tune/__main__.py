@@ -165,13 +165,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if outcome.interrupted:
         return 128 + outcome.signum  # 130 after Ctrl-C, 143 after SIGTERM
     from raysys.tune.pareto import INCOMPLETE
-    from raysys.tune.progress import MISSING_OBJECTIVE
+    from raysys.tune.progress import objective_never_reported
 
-    missing = [r.reason for r in outcome.records if MISSING_OBJECTIVE in r.reason]
-    ended = [r for r in outcome.records if r.status != INCOMPLETE]  # the others were cut by the stop
-    if missing and len(missing) == len(ended):  # the space names a metric no trial has
-        print(f"raysys.tune: config error: no trial reported an objective of the space: {missing[0]}", file=sys.stderr)
+    never = objective_never_reported(outcome.records)
+    if never is not None:  # the space names a metric no trial has
+        print(f"raysys.tune: config error: no trial reported an objective of the space: {never}", file=sys.stderr)
         return 2
+    ended = [r for r in outcome.records if r.status != INCOMPLETE]  # the others were cut by the stop
     if not ended:  # a --budget that ended before any trial did: a script must see that nothing was measured
         print(f"raysys.tune: no trial finished within the --budget ({len(outcome.records)} stopped by it): raise "
               "--budget, or shorten the trials", file=sys.stderr)

@@ -24,6 +24,17 @@ MISSING_OBJECTIVE = "never reported (an objective of the space)"
 """A trial's verdict when it ended without one of the space's objectives (``ObjectiveTracker``)."""
 
 
+def objective_never_reported(records) -> Optional[str]:
+    """The first trial's reason when every trial that ended did so without an objective of the space (a metric
+    the workload never reports: the command's config error, exit 2, its parent run FAILED); else None.
+    Trials a stop cut (incomplete) say nothing either way."""
+    from raysys.tune.pareto import INCOMPLETE
+
+    ended = [r for r in records if r.status != INCOMPLETE]
+    missing = [r.reason for r in ended if MISSING_OBJECTIVE in r.reason]
+    return missing[0] if ended and len(missing) == len(ended) else None
+
+
 SESSION_BUDGET: dict[str, Optional[float]] = {"ends": None}
 """When this command's ``--budget`` ends (``time.monotonic()``; None: no budget). A value of the process, not of
 the pickled stopper, so a resumed sweep runs for the budget its resume gives (Tune's own ``time_budget_s`` is

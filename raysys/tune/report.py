@@ -245,10 +245,9 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
         parent_log.set_tags({"raysys.recommended_trial": rec.trial_id, "raysys.recommended_run": rec.run_name,
                              "raysys.recommended_command": train[:5000]})
     parent_log.set_note(f"{head}\n\n{text}\n{tbl}")
-    # one step per summary: a resumed sweep's new figures are recorded, not dropped as a step already logged
-    every = [*metrics, "sweep/best_quality", "sweep/best_throughput", "sweep/recommended_throughput",
-             "sweep/recommended_quality"]
-    parent_log.log_metrics(metrics, step=parent_log.next_step(every) if hasattr(parent_log, "next_step") else 0)
+    # one step per summary (every one logs sweep/trials): a resumed sweep's new figures are recorded, not
+    # dropped as a step already logged
+    parent_log.log_metrics(metrics, step=parent_log.next_step("sweep/trials"))
     return rec
 
 

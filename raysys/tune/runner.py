@@ -434,7 +434,8 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
 
     from raysys.tune import report
     from raysys.tune.population import run_population_trial
-    from raysys.tune.progress import MISSING_OBJECTIVE, OBJECTIVES_DIR, ObjectiveLog, Progress, SESSION_BUDGET, StabilityStopper
+    from raysys.tune.progress import (MISSING_OBJECTIVE, OBJECTIVES_DIR, SESSION_BUDGET, ObjectiveLog, Progress,
+                                      StabilityStopper, objective_never_reported)
     from raysys.tune.trial import SweepStop, TrialSetup, run_trial
     from raysys.tune.trial import trainable as winds_down
 
@@ -640,10 +641,9 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
                            unstarted=opts.num_samples - len(records) if opts.vectorize == 1 else 0)
     storage.push_tree(sweep_dir / "report")
     parent_log.delete_tag("raysys.error")  # a killed session's (raysys.watcher): the sweep is whole now
-    done = [r for r in records if r.status != INCOMPLETE]
-    if missing and done and all(MISSING_OBJECTIVE in r.reason for r in done):
-        # the space names a metric no trial reports: the command's config error (exit 2), not a finished sweep
-        parent_log.set_tags({"raysys.error": f"no trial reported an objective of the space: {done[0].reason}"[:5000]})
+    never = objective_never_reported(records)
+    if never is not None:  # the command's config error (exit 2), not a finished sweep
+        parent_log.set_tags({"raysys.error": f"no trial reported an objective of the space: {never}"[:5000]})
         tracking.end_run(uri, parent, status="FAILED")
     else:
         tracking.end_run(uri, parent, status="FINISHED")
