@@ -469,6 +469,9 @@ def is_bookkeeping(key: str) -> bool:
     return leaf in ("step", "world_size") or leaf.endswith("_this_session")
 
 
+PARAMS_CHANGED_TAG = "raysys.params_changed"
+"""Params a later process of a run gave other values (MLflow keeps a param's first): 'key: first -> now' a line."""
+
 RECORD_KINDS = ("params", "metrics", "artifact", "text", "tags", "untag", "end")
 """What a tracking buffer's lines hold (``MLflowLogger._send``)."""
 
@@ -688,11 +691,21 @@ class MLflowLogger:
     def _log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        existing = self.client.get_run(self.run_id).data.params
-        # MLflow refuses to change a logged param; on resume only log what is new.
+        data = self.client.get_run(self.run_id).data
+        existing = data.params
+        # MLflow refuses to change a logged param; on resume only log what is new. A value a resume
+        # changed (a sweep's --tolerance) is said in a tag, so the params are not read as what ran last.
         new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
         for i in range(0, len(new), 100):
             self.client.log_batch(self.run_id, params=new[i:i + 100])
+        said = data.tags.get(PARAMS_CHANGED_TAG, "")
+        latest = dict(existing)  # each param's value as last said: its first, or its tag line's
+        for line in said.splitlines():
+            latest[line.partition(": ")[0]] = line.rpartition(" -> ")[2]
+        changed = [f"{k}: {existing[k]} -> {str(v)[:6000]}" for k, v in params.items()
+                   if k in existing and latest.get(k) != str(v)[:6000]]
+        if changed:
+            self.client.set_tag(self.run_id, PARAMS_CHANGED_TAG, "\n".join(filter(None, [said] + changed))[-5000:])
 
     def _log_metrics(self, metrics: Mapping[str, float], step: int, ts: Optional[int] = None) -> None:
         from mlflow.entities import Metric

@@ -296,6 +296,25 @@ def test_a_resumed_runs_logger_keeps_the_values_an_earlier_process_logged(tmp_pa
         (3, 0.5), (4, 0.9), (5, 0.9), (6, 0.9), (7, 0.9)]
 
 
+def test_a_param_a_resume_changes_is_said_in_a_tag_not_lost(tmp_path):
+    """MLflow keeps a param's first value; a resume with another value (a sweep's --tolerance) says so."""
+    from mlflow.tracking import MlflowClient
+
+    from raysys.tracking import PARAMS_CHANGED_TAG, MLflowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    MLflowLogger(uri, run_id).log_params({"sweep.tolerance": 0.02, "sweep.max_concurrent": 2})
+    MLflowLogger(uri, run_id).log_params({"sweep.tolerance": 0.02, "sweep.max_concurrent": 2})
+    assert PARAMS_CHANGED_TAG not in client.get_run(run_id).data.tags  # the same values: nothing to say
+    for tolerance in (0.05, 0.05, 0.1):
+        MLflowLogger(uri, run_id).log_params({"sweep.tolerance": tolerance, "sweep.max_concurrent": 2, "new": 1})
+    run = client.get_run(run_id).data
+    assert run.params == {"sweep.tolerance": "0.02", "sweep.max_concurrent": "2", "new": "1"}
+    assert run.tags[PARAMS_CHANGED_TAG].splitlines() == ["sweep.tolerance: 0.02 -> 0.05", "sweep.tolerance: 0.02 -> 0.1"]
+
+
 def test_buffered_artifacts_are_sent_from_the_run_folder_of_the_process_that_sends_them(tmp_path):
     """A run on remote storage works in a temporary copy of its folder, gone when its process ends; the
     records it buffered through an outage are sent by a later process from another copy. An artifact

@@ -5,7 +5,7 @@ import shlex
 
 from raysys.tune.pareto import OK, UNSTABLE, TrialRecord, pareto_front, recommend
 from raysys.tune.plot import plot
-from raysys.tune.report import commands, ordered, table, write_csv
+from raysys.tune.report import commands, fmt_value, ordered, table, write_csv
 
 
 def test_commands_are_exact_and_quoted():
@@ -59,6 +59,26 @@ def test_table_csv_and_plot_mark_front_and_recommendation_in_one_order(tmp_path)
     assert [row.split(",")[1] for row in csv[1:]] == ["t2", "t1", "t3", "t4"]  # the table's order
     assert csv[1].startswith("1,t2,True,True,ok,") and csv[2].startswith("2,t1,True,False,ok,")
     assert csv[4].startswith("4,t4,False,False,unstable,non-finite loss (nan),2000.0,2000.0,,")  # own = pooled
+
+
+def test_a_diverged_trial_does_not_set_the_plots_scale_and_prints_readably(tmp_path, monkeypatch):
+    """A loss of 1.2e20 once scaled the quality axis so that the stable trials shared one pixel row."""
+    import matplotlib.pyplot as plt
+
+    recs = [TrialRecord("a", {"optim.lr": 0.002}, OK, 31298.0, 1.376, higher_is_better=False),
+            TrialRecord("b", {"optim.lr": 0.0005}, OK, 30000.0, 1.401, higher_is_better=False),
+            TrialRecord("c", {"optim.lr": 1e6}, UNSTABLE, 29000.0, 1.206e20, higher_is_better=False,
+                        reason="train/loss = 1.206e+20 above its ceiling 20")]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its axes
+    front_ids = {r.trial_id for r in pareto_front(recs)}
+    plot(ordered(recs, front_ids), front_ids, "a", tmp_path / "p.png", "perf/tokens_per_s", "train/loss", "t")
+    low, high = sorted(figures[0].axes[0].get_ylim())
+    assert low < 1.376 and 1.401 < high < 2.0, (low, high)  # scaled to the stable trials
+    listing = figures[0].axes[1].texts[0].get_text()
+    assert "1.206e+20" in listing and "off scale" in listing
+    assert sorted(t.get_text() for t in figures[0].axes[0].texts) == ["1", "2", "3 (off scale)"]
+    assert fmt_value(1.206e20) == "1.206e+20" and fmt_value(5_540_000.0) == "5,540,000"
 
 
 def test_every_report_is_kept_on_disk_and_becomes_one_point_per_step(tmp_path):
@@ -187,3 +207,36 @@ def test_an_installed_plugins_cluster_line_says_its_package_goes_there_too(monke
                                      "cluster, e.g. add --runtime-env-json '{\"pip\": [\"pkg-mine==1.2.0\"]}' where "
                                      "an index serves it.)\n\n")
     assert _install_hint("deep_gpcm") == _install_hint("mine_module:WORKLOAD") == ""
+
+
+def test_a_progress_line_says_the_loss_once_when_the_loss_is_the_quality(capsys):
+    from types import SimpleNamespace
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.progress import Progress
+
+    trial = SimpleNamespace(trial_id="t1", config={})
+    for quality, said in (("train/loss", 1), ("eval/qwk", 2)):
+        Progress(2, "perf/tokens_per_s", quality).on_trial_result(
+            0, [], trial, {"step": 2, "train/loss": 1.39, obj.MEASURED_THROUGHPUT: 26890.0, obj.MEASURED_QUALITY: 1.39})
+        line = capsys.readouterr().out
+        assert line.count("1.39") == said and "tokens_per_s 2.689e+04" in line, line
+
+
+def test_a_sweep_summarised_again_logs_each_objective_step_once(tmp_path):
+    """An interrupted sweep records its trials' objectives; its resume records them again with the
+    steps trained since: each (key, step) is on the run once, the first value kept."""
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.report import log_objective_history
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("raysys-w")).info.run_id
+    rows = lambda pts: pd.DataFrame([{"step": s, "training_iteration": i, obj.QUALITY: q}  # noqa: E731
+                                     for i, (s, q) in enumerate(pts, 1)])
+    log_objective_history(client, run, rows([(5, 0.3), (10, 0.38)]))  # the interrupted sweep's summary
+    log_objective_history(client, run, rows([(5, 0.3), (10, 0.39), (15, 0.42)]))  # its resume's
+    history = [(m.step, m.value) for m in client.get_metric_history(run, obj.QUALITY)]
+    assert sorted(history) == [(5, 0.3), (10, 0.38), (15, 0.42)]

@@ -41,13 +41,21 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
     stable = [r for r in records if r.eligible]
     front = sorted((r for r in stable if r.trial_id in front_ids), key=lambda r: r.throughput)
     shaky = [r for r in records if r.status == UNSTABLE and r.throughput is not None and math.isfinite(r.throughput)]
-    qs = [r.quality for r in stable] or [0.0]
+    # The quality axis is scaled to the finished stable trials: one diverged trial (a loss of 1e20)
+    # would otherwise set the scale and squash the front onto one pixel row.
+    qs = ([r.quality for r in stable]
+          or [r.quality for r in shaky if r.quality is not None and math.isfinite(r.quality)] or [0.0])
     lower = bool(records) and not records[0].higher_is_better
-    margin = 0.08 * ((max(qs) - min(qs)) or 1.0)
-    floor = max(qs) + margin if lower else min(qs) - margin  # the worse side: where unstable trials without a quality sit
+    margin = 0.08 * ((max(qs) - min(qs)) or abs(max(qs)) or 1.0)
+    bottom, top = min(qs) - margin, max(qs) + margin
+    floor = top if lower else bottom  # the worse side: where unstable trials without a quality sit
 
     def y(r: TrialRecord) -> float:
-        return r.quality if r.quality is not None and math.isfinite(r.quality) else floor
+        q = r.quality
+        return min(max(q, bottom), top) if q is not None and math.isfinite(q) else floor
+
+    def off_scale(r: TrialRecord) -> bool:
+        return r.quality is not None and math.isfinite(r.quality) and y(r) != r.quality
 
     handles = [ax.scatter([r.throughput for r in stable], [r.quality for r in stable], c="#8a96a3", s=30, zorder=2,
                           label="finished trial")]
@@ -62,7 +70,8 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
         handles.append(ax.scatter([rec.throughput], [rec.quality], s=260, facecolors="none", edgecolors="#2ca02c",
                                   linewidths=2.2, zorder=4, label="recommended"))
     for r in stable + shaky:
-        ax.annotate(str(number[r.trial_id]), (r.throughput, y(r)), textcoords="offset points", xytext=(5, 5), fontsize=8,
+        label = f"{number[r.trial_id]}{' (off scale)' if off_scale(r) else ''}"
+        ax.annotate(label, (r.throughput, y(r)), textcoords="offset points", xytext=(5, 5), fontsize=8,
                     fontweight="bold" if r.trial_id in front_ids else "normal", zorder=5)
     ax.margins(x=0.12, y=0.15)  # room for the labels and the ring inside the frame
     ax.set_xlabel(axis_label(throughput_metric, "faster"), fontsize=9)
@@ -82,6 +91,8 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
     if len(records) > MAX_LISTED:
         rows.append(f"... {len(records) - MAX_LISTED} more in trials.csv")
     rows += ["", "* on the front   > recommended", f"speed: {throughput_metric}", f"quality: {quality_metric}"]
+    if any(off_scale(r) for r in shaky):
+        rows.append("off scale: drawn at the axis edge")
     listing.text(0.0, 1.0, "\n".join(rows), va="top", ha="left", family="monospace", fontsize=8,
                  transform=listing.transAxes)
     fig.savefig(path)

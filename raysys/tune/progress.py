@@ -191,7 +191,7 @@ class Progress(Callback):
             parts.append(f"loss {result['train/loss']:.4g}")
         if isinstance(result.get(obj.MEASURED_THROUGHPUT), float):
             parts.append(f"{self.tm.split('/')[-1]} {result[obj.MEASURED_THROUGHPUT]:.4g}")
-        if isinstance(result.get(obj.MEASURED_QUALITY), float):
+        if isinstance(result.get(obj.MEASURED_QUALITY), float) and self.qm != "train/loss":  # said above already
             parts.append(f"{self.qm.split('/')[-1]} {result[obj.MEASURED_QUALITY]:.4g}")
         self._print(f"trial {trial.trial_id} " + ", ".join(parts))
 

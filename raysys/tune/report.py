@@ -17,8 +17,11 @@ JOB_ADDRESS = "http://127.0.0.1:8265"
 
 
 def fmt_value(v: Optional[float], digits: int = 4) -> str:
-    """A number for tables and the plot: 4 significant digits, large ones whole with separators."""
-    if isinstance(v, float) and math.isfinite(v) and abs(v) >= 10 ** digits:
+    """A number for tables and the plot: 4 significant digits, large ones whole with separators.
+
+    Beyond 10**12 (a blown-up loss, never a real rate) separators stop helping: 1.206e+20 reads at once.
+    """
+    if isinstance(v, float) and math.isfinite(v) and 10 ** digits <= abs(v) < 1e12:
         return f"{v:,.0f}"  # 18,572 rather than 1.857e+04
     return "-" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
 
@@ -295,9 +298,7 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         tags[tracking.NOTE_TAG] = trial_note(r, setup, verdict)
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
-        points = _objective_history(histories.get(r.trial_id))
-        for i in range(0, len(points), 1000):  # MLflow takes at most 1,000 metrics a batch
-            client.log_batch(run_id, metrics=points[i:i + 1000])
+        log_objective_history(client, run_id, histories.get(r.trial_id))
         status = client.get_run(run_id).info.status
         if (end := _end_status(r, status)) != status:
             client.set_terminated(run_id, status=end)
@@ -383,6 +384,18 @@ def trial_note(r: TrialRecord, setup, verdict: Optional[Verdict]) -> str:
     if start is not None:
         lines.append(f"| PBT exploits | {r.extra.get('pbt_exploits', 0)} (rounds: tag raysys.pbt) |")
     return "\n".join(lines) + "\n"
+
+
+def log_objective_history(client, run_id: str, df) -> None:
+    """objective/* of a trial's reports on its run, each (key, step) once: a sweep summarised again
+    (after an interruption, on its resume) adds the steps that are new and keeps the ones logged."""
+    points = _objective_history(df)
+    if not points:
+        return
+    logged = {(m.key, m.step) for key in {p.key for p in points} for m in client.get_metric_history(run_id, key)}
+    points = [p for p in points if (p.key, p.step) not in logged]
+    for i in range(0, len(points), 1000):  # MLflow takes at most 1,000 metrics a batch
+        client.log_batch(run_id, metrics=points[i:i + 1000])
 
 
 def _objective_history(df) -> list:

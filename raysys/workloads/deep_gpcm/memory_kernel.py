@@ -246,7 +246,7 @@ class TritonMemoryScan(torch.autograd.Function):
     def forward(ctx, w, ea, m0, lengths, chunk: int):
         _check_device(w)
         w, ea, m0 = (x.float().contiguous() for x in (w, ea, m0))
-        (T, B, N), D = w.shape, ea.shape[-1] // 2
+        (_, B, N), D = w.shape, ea.shape[-1] // 2
         cfg = _tuned("fwd", lambda c: forward_kernel(w, ea, m0, lengths, chunk, c), w, B, N, D, chunk)
         reads, ckpt = forward_kernel(w, ea, m0, lengths, chunk, cfg)
         ctx.save_for_backward(w, ea, lengths, ckpt)
@@ -256,7 +256,7 @@ class TritonMemoryScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_reads):
         w, ea, lengths, ckpt = ctx.saved_tensors
-        (T, B, N), D = w.shape, ea.shape[-1] // 2
+        (_, B, N), D = w.shape, ea.shape[-1] // 2
         gr = grad_reads.float().contiguous()
         cfg = _tuned("bwd", lambda c: backward_kernel(w, ea, lengths, ckpt, gr, ctx.chunk, c), w, B, N, D, ctx.chunk)
         return *backward_kernel(w, ea, lengths, ckpt, gr, ctx.chunk, cfg), None, None
