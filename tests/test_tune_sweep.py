@@ -225,6 +225,40 @@ def test_a_killed_sweep_driver_leaves_its_runs_killed_and_resumes_whole(workdir)
     assert sorted(c.info.status for c in children) == ["FINISHED", "FINISHED"]
 
 
+@pytest.mark.slow  # ~1 min
+def test_a_sweep_stopped_at_once_closes_its_training_trials_run_and_prints_its_resume(workdir):
+    """A second stop signal (stop at once): the trial that was training dies with the driver, before it could close
+    its MLflow run; the driver closes it KILLED as it does the parent, and prints the exact resume line
+    (the sweep's name was generated)."""
+    import signal
+    import time
+
+    args = ["--space", str(SPACE), "--num-samples", "2", "--max-concurrent", "1", *TINY, "--set", "train.epochs=30",
+            "--set", "train.checkpoint_every_steps=3"]
+    driver = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 400
+    try:
+        while not list(workdir.glob("raysys_runs/sweeps/*/runs/*/checkpoints/step_*/meta.json")):
+            assert driver.poll() is None and time.time() < deadline
+            time.sleep(0.3)
+        driver.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        driver.send_signal(signal.SIGINT)  # another signal (the same one within 1 s is taken as its echo)
+        _, err = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130 and "stopped at once" in err, err[-3000:]
+    (name,) = [p.name for p in (workdir / "raysys_runs" / "sweeps").iterdir()]
+    assert f"python -m raysys.tune --space {SPACE} --name {name} " in err and " --resume" in err
+    _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    assert parent.info.status == "KILLED" and [c.info.status for c in children] == ["KILLED"]
+    resumed = _sweep(workdir, *args, "--name", name, "--resume")
+    assert resumed.returncode == 0 and "Recommended: trial" in resumed.stdout
+    _, _, parent, children = _runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    assert parent.info.status == "FINISHED" and all(c.info.status == "FINISHED" for c in children), children
+
+
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGUSR2", "SIGTERM"])
 def test_every_stop_signal_takes_tunes_clean_stop_and_names_itself(sig):
     """What fit does first (Tune's own ``_setup_signal_catching`` installs its SIGUSR1 stop), then the

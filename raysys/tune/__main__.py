@@ -159,8 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"raysys.tune: stopped before its trials started (MLflow: KILLED); continue it with:\n  "
                   f"{SAVED['parent'][2]}", file=sys.stderr)
             return 130
-        print("raysys.tune: stopped at once; the sweep keeps its saved state and its trials' checkpoints "
-              "(continue it with the same command and --resume)", file=sys.stderr)
+        print("raysys.tune: stopped at once (MLflow: KILLED); the sweep keeps its saved state and its trials' "
+              f"checkpoints; continue it with:\n  {SAVED['parent'][2]}", file=sys.stderr)
         return 130
     if outcome.interrupted:
         return 128 + outcome.signum  # 130 after Ctrl-C, 143 after SIGTERM

@@ -328,6 +328,20 @@ def _close_abandoned(client, experiment: str, parent_run_id: str, known: set) ->
             client.set_terminated(run.info.run_id, status="KILLED")
 
 
+def close_running_children(uri: str, parent_run_id: str) -> None:
+    """A sweep stopped at once (a signal sent again) took its trials' processes with it, before
+    they could close their runs: each still RUNNING is closed KILLED, as its parent is. A resume
+    that continues the trial opens its run again."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    parent = client.get_run(parent_run_id)
+    for run in client.search_runs([parent.info.experiment_id], filter_string=(
+            f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'")):
+        client.set_tag(run.info.run_id, "raysys.trial_status", INCOMPLETE)
+        client.set_terminated(run.info.run_id, status="KILLED")
+
+
 def _end_status(r: TrialRecord, status: str) -> str:
     """The MLflow status a trial's run ends with, the same however the trial ran (its own process,
     a Ray Train run, a member of a vectorized program): an error FAILED; a trial that was stopped,

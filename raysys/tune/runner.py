@@ -419,6 +419,10 @@ def run_sweep(opts: SweepOptions) -> SweepOutcome:
             with contextlib.suppress(Exception):
                 tracking.MLflowLogger(uri, run_id).set_tags({"raysys.error": f"{how}; continue it with: {line}"[:5000]})
                 tracking.end_run(uri, run_id, "KILLED")
+            with contextlib.suppress(Exception):
+                from raysys.tune.report import close_running_children
+
+                close_running_children(uri, run_id)
         raise
     finally:
         while _LOCKED:
