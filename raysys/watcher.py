@@ -57,8 +57,12 @@ def watch(uri: str, run_id: str, run_dir: Optional[Path] = None, lock: Optional[
     here = str(Path(__file__).resolve().parents[1])  # this raysys, wherever the command found it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     r, w = os.pipe()  # not inheritable: no process this command starts holds the pipe open after it
+    # the command's stderr, for the one line that says what happened when the command could not: the
+    # watcher's own output (an import's warning) goes nowhere
+    say = os.dup(2) if _is_open(2) else None
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "raysys.watcher", json.dumps(spec), str(r)], pass_fds=(r,),
+        proc = subprocess.Popen([sys.executable, "-m", "raysys.watcher", json.dumps(spec), str(r), str(say or -1)],
+                                pass_fds=tuple(fd for fd in (r, say) if fd is not None),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=env, start_new_session=True)  # a signal to the command's group leaves it be
     except OSError:
@@ -66,17 +70,28 @@ def watch(uri: str, run_id: str, run_dir: Optional[Path] = None, lock: Optional[
         return None
     finally:
         os.close(r)
+        if say is not None:
+            os.close(say)
     return Watcher(w, proc)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 WHY = ("the process ended without closing its run: killed (SIGKILL, out of memory) or ended by Ray when its "
        "raylet or GCS died")
 
 
-def _close(spec: dict) -> None:
+def _close(spec: dict) -> bool:
+    """Close the dead command's run and its RUNNING children KILLED; whether it did."""
     buffer = spec.get("buffer")
     if buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
-        return  # records wait to be sent in order: the run's --resume sends them and ends it
+        return False  # records wait to be sent in order: the run's --resume sends them and ends it
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a store that is away: leave it to --resume
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
@@ -84,7 +99,7 @@ def _close(spec: dict) -> None:
     client = MlflowClient(tracking_uri=spec["uri"])
     run = client.get_run(spec["run_id"])
     if run.info.status != "RUNNING":
-        return
+        return False
     fd = None
     if spec.get("lock"):
         import fcntl
@@ -94,14 +109,14 @@ def _close(spec: dict) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            return  # a --resume holds the run: it is RUNNING again, rightly
+            return False  # a --resume holds the run: it is RUNNING again, rightly
         os.ftruncate(fd, 0)
         from raysys.lifecycle import WATCHER_HOLDER
 
         os.pwrite(fd, f"{WATCHER_HOLDER} (process {os.getpid()}, for a moment)\n".encode(), 0)
     try:
         if client.get_run(spec["run_id"]).info.status != "RUNNING":
-            return
+            return False
         why = WHY + (f"; resume it with: {spec['resume']}" if spec.get("resume") else "")
         children = client.search_runs([run.info.experiment_id], filter_string=(
             f"tags.`mlflow.parentRunId` = '{spec['run_id']}' and attributes.status = 'RUNNING'"))
@@ -115,13 +130,27 @@ def _close(spec: dict) -> None:
             with open(spec["events"], "a") as f:
                 f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} the run's watcher closed its MLflow run KILLED"
                         f"{f' (and {len(children)} children)' if children else ''}: {WHY}\n")
+        return True
     finally:
         if fd is not None:
             os.close(fd)
 
 
+def _say(fd: int, spec: dict) -> None:
+    """One line on the dead command's stderr (a terminal, a job's log): nothing else could say it."""
+    if fd < 0:
+        return
+    line = (f"raysys: {WHY}; its MLflow run is closed KILLED"
+            + (f"; resume it with:\n  {spec['resume']}" if spec.get("resume") else "") + "\n")
+    try:
+        os.write(fd, line.encode())
+    except OSError:  # the terminal is gone
+        pass
+
+
 def main(argv: list[str]) -> int:
     spec, fd = json.loads(argv[0]), int(argv[1])
+    say = int(argv[2]) if len(argv) > 2 else -1
     said = b""
     try:
         while chunk := os.read(fd, 16):  # blocks until the command says done or its end of the pipe closes
@@ -138,7 +167,8 @@ def main(argv: list[str]) -> int:
     deadline, delay = time.monotonic() + wait_s, 2.0
     while True:
         try:
-            _close(spec)
+            if _close(spec):
+                _say(say, spec)
             return 0
         except Exception:  # past the wait, nowhere to say it: the run stays RUNNING until a --resume
             if time.monotonic() + delay > deadline:

@@ -438,12 +438,14 @@ def test_a_killed_sessions_workers_write_nothing_into_the_run_a_resume_holds(tmp
 def test_a_killed_commands_mlflow_run_is_closed_by_its_watcher(tmp_path):
     """SIGKILL (or the OOM killer, or Ray's core worker after its raylet died) ends a run that can close
     nothing: its MLflow run showed RUNNING until a --resume. The command's watcher closes it KILLED, says
-    why and how to resume; the resume then ends it FINISHED, the error tag gone."""
+    why and how to resume (in the run's tag, and on the command's stderr); the resume then ends it FINISHED, the error tag gone."""
     args = [*QUICK, "--name", "wk", "--set", "train.epochs=50", "--set", "train.checkpoint_every_steps=3"]
     run = _start(tmp_path, *args)
     _wait_for(tmp_path / "raysys_runs" / "wk" / "checkpoints", run, 3)
     run.kill()
-    run.wait()
+    _, err = run.communicate(timeout=120)  # the watcher holds the command's stderr until it has said its line
+    assert err.rstrip().endswith("its MLflow run is closed KILLED; resume it with:\n"
+                                 f"  cd {tmp_path} && python -m raysys train deep_gpcm --name wk --resume"), err[-2000:]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     deadline = time.time() + 120
     while (r := _mlflow_runs(uri, "raysys-deep_gpcm")[0]).info.status == "RUNNING":
@@ -1060,7 +1062,8 @@ def test_a_sweep_whose_server_stays_away_says_so_and_how_to_finish(tmp_path):
                                text=True, timeout=900)
         print(again.stdout[-3000:], again.stderr[-3000:], sep="\n")
         assert again.returncode == 0
-        assert "[raysys.tune] 1 trial failed while the MLflow server did not answer: it runs again" in again.stdout
+        assert ("[raysys.tune] of this sweep's trials, 1 failed while the MLflow server did not answer: they run again "
+                "from their checkpoints") in again.stdout
         assert "training code" not in out + again.stdout
         exp = _client(server.url).get_experiment_by_name("raysys-deep_gpcm")
         found = _client(server.url).search_runs([exp.experiment_id])

@@ -259,6 +259,63 @@ def test_a_sweep_stopped_at_once_closes_its_training_trials_run_and_prints_its_r
     assert parent.info.status == "FINISHED" and all(c.info.status == "FINISHED" for c in children), children
 
 
+def test_a_trial_ray_lost_is_no_error_of_its_code():
+    """What Tune records when a trial's process or node died (restarts spent) runs again on --resume;
+    an error of the code, or Ray's out-of-memory kill, does not."""
+    import ray.exceptions as rex
+    from ray.tune.error import TuneError
+
+    from raysys.tune.trial import lost_to_ray
+
+    lost = [rex.ActorDiedError(), rex.WorkerCrashedError(), rex.NodeDiedError("node 10.0.0.7 died"),
+            rex.LocalRayletDiedError()]
+    assert all(lost_to_ray(e) for e in lost)
+    wrapped = TuneError("trial failed")
+    wrapped.__cause__ = rex.ActorDiedError()
+    assert lost_to_ray(wrapped)
+    assert not any(lost_to_ray(e) for e in (ValueError("bad"), rex.OutOfMemoryError("killed"), TuneError("x")))
+
+
+@pytest.mark.slow  # ~1.5 min
+def test_a_trial_whose_process_died_runs_again_on_resume(workdir):
+    """A trial whose Ray process was killed (the OOM killer, a lost node) once its restarts are spent is
+    failed in Tune's state, and Tune's restore does not run a failed trial: the resume said there was
+    nothing left. It is no error of its code: the resume continues it from its checkpoint."""
+    import os
+    import signal
+    import time
+
+    args = ["--space", str(SPACE), "--num-samples", "1", *TINY, "--set", "train.epochs=30",
+            "--set", "train.checkpoint_every_steps=3", "--max-failures", "0", "--name", "died"]
+    sweep_dir = workdir / "raysys_runs" / "sweeps" / "died"
+    driver = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 400
+    try:
+        while not list(sweep_dir.glob("runs/*/checkpoints/step_*/meta.json")):
+            assert driver.poll() is None and time.time() < deadline
+            time.sleep(0.3)
+        import psutil
+
+        trials = [p for p in psutil.Process(driver.pid).children(recursive=True)  # its Ray's, not another's
+                  if "ray::ResourceTrainable" in " ".join(p.cmdline())]
+        assert trials, "no trial process"
+        for p in trials:
+            os.kill(p.pid, signal.SIGKILL)
+        out, _ = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    print(out[-3000:])
+    assert "a --resume of the sweep runs them again from their checkpoints" in out
+    resumed = _sweep(workdir, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "1 lost with its Ray process or node: they run again from their checkpoints" in resumed.stdout
+    (row,) = csv.DictReader(open(sweep_dir / "report" / "trials.csv"))
+    assert row["status"] == "ok"
+    (run_dir,) = [p for p in (sweep_dir / "runs").iterdir() if p.is_dir()]
+    assert "resumed step=" in (run_dir / "events.log").read_text()  # from its checkpoint, not from scratch
+
+
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGUSR2", "SIGTERM"])
 def test_every_stop_signal_takes_tunes_clean_stop_and_names_itself(sig):
     """What fit does first (Tune's own ``_setup_signal_catching`` installs its SIGUSR1 stop), then the

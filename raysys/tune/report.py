@@ -214,8 +214,12 @@ def summarise(sp, wl, records: list[TrialRecord], tolerance: float, throughput_m
                  f"--name {rec.run_name} --resume\n")
     if stuck := [r for r in records if r.extra.get("resumable")]:
         runs = shlex.quote(runs_storage(sweep_dir))
+        again = sum(1 for r in records if r.extra.get("rerun_on_resume"))
+        resume = (f"{again} of the failed trials lost their Ray process or node (or waited out a tracking outage): a "
+                  "--resume of the sweep runs them again from their checkpoints, and with them every failed trial"
+                  if again else "a --resume of the sweep keeps them failed")
         text += (f"\n{len(stuck)} failed trial(s) kept checkpoints: their restarts (--max-failures) were used up, "
-                 "and a --resume of the sweep keeps them failed. Each run goes on alone from its last checkpoint:\n\n"
+                 f"and {resume}. Each run goes on alone from its last checkpoint:\n\n"
                  + "".join(f"    cd {shlex.quote(os.getcwd())} && python -m raysys train {shlex.quote(sp.workload)} --storage-path {runs} "
                            f"--name {r.run_name} --resume\n" for r in stuck[:5])
                  + (f"    (and {len(stuck) - 5} more: trials.csv)\n" if len(stuck) > 5 else ""))

@@ -140,16 +140,19 @@ def _resolve_remote(opts: SweepOptions, workload: str) -> tuple[str, Path]:
     return name, sweep_dir
 
 
-def _lost_to_outage(tuner: Any) -> int:
-    """The trials of a restored sweep that failed because its tracking server did not answer for the whole wait
-    (``tracking.TrackingOutageError``): what an outage took, which a --resume gives back."""
+def _lost_not_failed(tuner: Any) -> tuple[int, int]:
+    """The trials of a restored sweep that Tune ended as failed for no error of theirs, which a --resume gives
+    back: (those whose tracking server did not answer for the whole wait, ``tracking.TrackingOutageError``;
+    those whose process or node Ray lost once their restarts were spent, ``trial.lost_to_ray``)."""
     try:
         grid = tuner.get_results()
     except Exception:  # nothing recorded yet
-        return 0
-    from raysys.tune.trial import tracking_outage
+        return 0, 0
+    from raysys.tune.trial import lost_to_ray, tracking_outage
 
-    return sum(1 for r in grid if r.error is not None and tracking_outage(r.error))
+    errors = [r.error for r in grid if r.error is not None]
+    outage = sum(1 for e in errors if tracking_outage(e))
+    return outage, sum(1 for e in errors if not tracking_outage(e) and lost_to_ray(e))
 
 
 def _tune_storage(opts: SweepOptions, sweep_dir: Path) -> tuple[str, dict]:
@@ -570,11 +573,12 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
               flush=True)
         tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=False,
                                    **restore_fs)
-        lost = _lost_to_outage(tuner)
-        if lost:  # they failed waiting for the server, not of their code: they run again, from their checkpoints
-            print(f"[raysys.tune] {lost} trial{'s' if lost > 1 else ''} failed while the MLflow server did not answer: "
-                  f"{'they run' if lost > 1 else 'it runs'} again (other failed trials too: Tune resumes them all)",
-                  flush=True)
+        outage, lost = _lost_not_failed(tuner)
+        if outage or lost:  # no error of their code: they run again, from their checkpoints
+            said = [f"{outage} failed while the MLflow server did not answer"] if outage else []
+            said += [f"{lost} lost with {'their' if lost > 1 else 'its'} Ray process or node"] if lost else []
+            print(f"[raysys.tune] of this sweep's trials, {' and '.join(said)}: they run again from their checkpoints "
+                  "(other failed trials too: Tune resumes them all)", flush=True)
             tuner = tune.Tuner.restore(tune_path, trainable=trainable, resume_unfinished=True, resume_errored=True,
                                        **restore_fs)
     else:
@@ -824,9 +828,13 @@ def _record(trial_id: str, knobs: dict, m: dict, error, setup, start: Optional[d
         rec.extra["pbt_start"], rec.extra["pbt_exploits"] = start, int(_float(m.get(EXPLOITS)) or 0)
     if error is not None:
         rec.status, rec.reason = ERROR, error_summary(error)
-        # out of restarts (a kill, an OOM): --resume keeps it failed, but its run goes on from its checkpoint
+        # out of restarts (a kill, an OOM): its run goes on from its checkpoint, and a --resume of the sweep
+        # runs it again where no error of its code failed it (_lost_not_failed)
         with contextlib.suppress(Exception):  # a storage that fails now costs the hint only
             rec.extra["resumable"] = bool(setup.latest_checkpoint(trial_id))
+        from raysys.tune.trial import lost_to_ray, tracking_outage
+
+        rec.extra["rerun_on_resume"] = tracking_outage(error) or lost_to_ray(error)
     elif m.get(obj.FAILED):  # ended at once: an error no restart can fix
         rec.status, rec.reason = ERROR, str(m[obj.FAILED])
     elif m.get(obj.UNSTABLE):

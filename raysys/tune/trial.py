@@ -333,10 +333,22 @@ def tracking_outage(e: BaseException) -> bool:
             or f"{TrackingOutageError.__name__}: " in str(e))
 
 
+def lost_to_ray(e: BaseException) -> bool:
+    """``e`` is the loss of the trial's process or its node (killed, crashed, a raylet or a node that died),
+    as Tune records it once its restarts are spent: no error of the trial's code, so a --resume runs it again.
+    Ray's out-of-memory kill is not among them: the same trial would be killed again."""
+    import ray.exceptions as rex
+
+    from raysys.train.failures import find_cause
+
+    return find_cause(e, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError, rex.LocalRayletDiedError,
+                          rex.OwnerDiedError)) is not None
+
+
 def fail_permanently(setup: TrialSetup, trial_id: str, e: BaseException, report, runs: Optional[list] = None) -> bool:
     """If ``e`` is permanent, or repeats the trial's last failure (``repeated_failure``): log it and send
     the trial's last report (``report(reason)``); else False. A tracking outage is neither: Tune retries the
-    trial, and one it ends as failed runs again on the sweep's --resume (``runner._lost_to_outage``)."""
+    trial, and one it ends as failed runs again on the sweep's --resume (``runner._lost_not_failed``)."""
     if tracking_outage(e):
         log_event(setup.sweep_dir, f"outage {trial_id} {error_summary(e)}")
         return False
