@@ -4,6 +4,7 @@ processes (``python -m raysys``) against real files, a real MLflow store and a r
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -1471,7 +1472,8 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, exp
     (tmp_path / "pg_stopper.py").write_text(PG_STOPPER)
     (tmp_path / "ddp_stopper.py").write_text(DDP_STOPPER)
     common = [workload, "--workers", "0", *sets, "--set", "train.log_every_steps=1"]
-    assert _train(tmp_path, *common, "--name", "whole").returncode == 0
+    whole_run = _train(tmp_path, *common, "--name", "whole")
+    assert whole_run.returncode == 0
     if stop_at:
         first = _train(tmp_path, *common, "--name", "cut", env=_env(STOP_AT=str(stop_at)))
         assert first.returncode == 130
@@ -1488,6 +1490,9 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, exp
     ids = {r.info.run_name: r.info.run_id for r in _mlflow_runs(uri, f"raysys-{experiment}")}
     whole, cut = _losses(uri, ids["whole"]), _losses(uri, ids["cut"])
     assert len(whole) > 20 and whole == cut  # step for step, to the last bit
+    if stop_at:  # an epoch's mean loss on the console is the whole epoch's, not the steps since the resume
+        means = lambda out: re.findall(r"epoch \d+/\d+ done, mean loss \S+", out)  # noqa: E731
+        assert means(whole_run.stdout) and means(whole_run.stdout) == means(first.stdout + again.stdout)
 
 
 def test_a_run_trained_further_and_stopped_goes_on_with_its_new_length(tmp_path):

@@ -250,7 +250,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
                         "rng": rngs[0], "rng_ranks": rngs, "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
                         "epoch_samples": min(per_worker, start + (micro_done - micro_at_start) * tc.batch_size) * world,
-                        "loss": loss_val, "total_steps": total_steps},
+                        "loss": loss_val, "total_steps": total_steps, "epoch_loss": [float(epoch_loss[0]), epoch_loss[1]]},
                        step, {"epoch": epoch})
 
     def evaluate() -> dict[str, float]:
@@ -275,6 +275,8 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     last_ckpt_time = time.monotonic()
     step_at_start = step
     epoch_loss = (0.0, 0)  # (sum, count) of this epoch's finite step losses, for its progress line
+    if state is not None and state.get("micro_in_epoch") and "epoch_loss" in state:  # resumed mid-epoch: its
+        epoch_loss = (float(state["epoch_loss"][0]), int(state["epoch_loss"][1]))  # mean covers the whole epoch
     last_eval: dict[str, float] = {}
     eval_step = -1  # the step last_eval measured
     diverged = stopped = False
