@@ -182,6 +182,20 @@ def test_stability_rules_and_tracker():
     t.update({"charts/return": 2.0})
     assert t.update({"charts/return": 1.6})[UNSTABLE] == 0.0
     assert "collapsed" in t.update({"charts/return": 1.4})[REASON]
+    # a collapse of a metric where lower is better is a rise above its lowest: the sweep's quality where
+    # quality_mode is min, a loss, or a metric given a mode; an MSE that falls is learning, not collapsing
+    mins = StabilityRules.from_dict({"collapse": {"eval/mse": 0.1, "losses/value_loss": 1.0,
+                                                  "charts/steps_to_goal": {"drop": 5, "mode": "min"}}})
+    for metric, path, bad in [("eval/mse", [0.3, 0.09, 0.15], 0.25), ("losses/value_loss", [3.0, 1.0], 2.5),
+                              ("charts/steps_to_goal", [40.0, 20.0, 24.0], 30.0)]:
+        t = ObjectiveTracker("x", "eval/mse", mins, quality_mode="min")
+        assert all(t.update({metric: v})[UNSTABLE] == 0.0 for v in path), metric
+        assert "rose to" in t.update({metric: bad})[REASON], metric
+    t = ObjectiveTracker("x", "eval/qwk", StabilityRules.from_dict({"collapse": {"eval/qwk": 0.1}}))
+    assert t.update({"eval/qwk": 0.5})[UNSTABLE] == 0.0 and "collapsed" in t.update({"eval/qwk": 0.3})[REASON]
+    for bad in ({"eval/mse": {"drop": 1, "mode": "lowest"}}, {"eval/mse": {"mode": "min"}}, {"eval/mse": 0}):
+        with pytest.raises(ValueError, match="collapse"):
+            StabilityRules.from_dict({"collapse": bad})
 
     t = ObjectiveTracker("x", "eval/qwk", rules)
     assert "no finite quality" in t.update({"x": 1.0, "eval/qwk": float("nan"), "done": 1})[REASON]

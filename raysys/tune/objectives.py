@@ -52,9 +52,13 @@ class StabilityRules:
     bounds: dict[str, dict[str, float]] = field(default_factory=dict)
     """metric -> {min: a, max: b}: a reported value outside [a, b] -> unstable (e.g. train/loss max,
     charts/entropy min for a collapsed RL policy)."""
-    collapse: dict[str, float] = field(default_factory=dict)
-    """metric -> drop: the metric falling more than ``drop`` below its best so far -> unstable
-    (e.g. an RL episode return that collapses after learning)."""
+    collapse: dict[str, Any] = field(default_factory=dict)
+    """metric -> drop (or {drop: d, mode: max|min}): the metric getting worse than its best so far by more
+    than ``drop`` -> unstable (e.g. an RL episode return that collapses after learning). Its best is its
+    highest, or its lowest where lower is better: ``mode``, else the sweep's quality_mode for its quality
+    metric, else 'min' for a loss and 'max' for the rest."""
+    collapse_mode: dict[str, str] = field(default_factory=dict)
+    """Set by ``from_dict``: the modes given in ``collapse``."""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StabilityRules":
@@ -67,8 +71,17 @@ class StabilityRules:
             rules.bounds[metric] = {k: float(v) for k, v in b.items()}
             if b.get("min", -math.inf) > b.get("max", math.inf):  # an empty interval: every report out of it
                 raise ValueError(f"bounds '{metric}': min {b['min']:g} is above max {b['max']:g}")
-        rules.collapse = {m: float(v) for m, v in rules.collapse.items()}
-        if any(v <= 0 for v in rules.collapse.values()):
+        drops = {}
+        for metric, v in rules.collapse.items():
+            if isinstance(v, Mapping):
+                if set(v) - {"drop", "mode"} or "drop" not in v or v.get("mode", "max") not in ("max", "min"):
+                    raise ValueError(f"collapse '{metric}' must be a drop or {{drop: d, mode: max|min}}, got {v!r}")
+                if "mode" in v:
+                    rules.collapse_mode[metric] = v["mode"]
+                v = v["drop"]
+            drops[metric] = float(v)
+        rules.collapse = drops
+        if any(not v > 0 for v in rules.collapse.values()):
             raise ValueError("collapse drops must be > 0")
         for name in ("max_nonfinite_losses", "max_loss_spikes"):  # counts: -1 would make every trial unstable
             v = getattr(rules, name)
@@ -76,8 +89,9 @@ class StabilityRules:
                 raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
         return rules
 
-    def check(self, m: Mapping[str, Any], best: Mapping[str, float]) -> Optional[str]:
-        """The reason this report makes the trial unstable, or None."""
+    def check(self, m: Mapping[str, Any], best: Mapping[str, float], lower: frozenset = frozenset()) -> Optional[str]:
+        """The reason this report makes the trial unstable, or None. ``lower``: the collapse metrics whose
+        best is their lowest."""
         for key, loss in m.items():
             if is_loss(key) and _num(loss) and not math.isfinite(loss):
                 return f"non-finite loss ({loss})" if key == "train/loss" else f"non-finite loss ({key} = {loss})"
@@ -101,9 +115,25 @@ class StabilityRules:
                 return f"{metric} = {v:.4g} above its ceiling {b['max']:.4g}"
         for metric, drop in self.collapse.items():
             v = m.get(metric)
-            if _num(v) and metric in best and v < best[metric] - drop:
+            if not (_num(v) and metric in best):
+                continue
+            if metric in lower and v > best[metric] + drop:
+                return f"{metric} rose to {v:.4g} from its best (lowest) {best[metric]:.4g} (allowed rise {drop:.4g})"
+            if metric not in lower and v < best[metric] - drop:
                 return f"{metric} collapsed to {v:.4g} from its best {best[metric]:.4g} (allowed drop {drop:.4g})"
         return None
+
+    def lower_is_better(self, quality_metric: str, quality_mode: str) -> frozenset:
+        """The collapse metrics whose best is their lowest (see ``collapse``)."""
+        def mode(metric: str) -> str:
+            given = getattr(self, "collapse_mode", {})  # rules pickled before modes existed have none
+            if metric in given:
+                return given[metric]
+            if metric in (quality_metric, "eval/quality"):
+                return quality_mode
+            return "min" if is_loss(metric) else "max"
+
+        return frozenset(m for m in self.collapse if mode(m) == "min")
 
 
 def _num(v: Any) -> bool:
@@ -125,6 +155,7 @@ class ObjectiveTracker:
         self.best: dict[str, float] = {}
         self.reason: Optional[str] = None
         self.seen: set[str] = set()  # every metric the run reported: named when an objective never came
+        self.lower = self.rules.lower_is_better(quality_metric, quality_mode)
 
     @property
     def unstable(self) -> bool:
@@ -139,7 +170,7 @@ class ObjectiveTracker:
         if _num(metrics.get(self.quality_metric)):
             self.quality = float(metrics[self.quality_metric])
         if self.reason is None:
-            self.reason = self.rules.check(metrics, self.best)
+            self.reason = self.rules.check(metrics, self.best, self._lower())
         self.seen.update(k for k, v in metrics.items() if _num(v) and k != "done")
         if self.reason is None and final:
             missing = [m for m, v in ((self.throughput_metric, self.throughput), (self.quality_metric, self.quality))
@@ -151,7 +182,7 @@ class ObjectiveTracker:
         for metric in self.rules.collapse:
             v = metrics.get(metric)
             if _num(v) and math.isfinite(v):
-                self.best[metric] = max(self.best.get(metric, v), v)
+                self.best[metric] = (min if metric in self._lower() else max)(self.best.get(metric, v), v)
 
         if self.throughput is not None:
             out[MEASURED_THROUGHPUT] = self.throughput
@@ -170,6 +201,11 @@ class ObjectiveTracker:
         if final:
             out[FINAL] = 1.0
         return out
+
+    def _lower(self) -> frozenset:
+        if not hasattr(self, "lower"):  # a tracker pickled (a population's state) before it had one
+            self.lower = self.rules.lower_is_better(self.quality_metric, "max" if self.sign > 0 else "min")
+        return self.lower
 
     def _reported(self, missing: list[str]) -> str:
         """The run's metrics nearest the missing ones (same prefix), a few: what the space may have meant."""
