@@ -240,3 +240,18 @@ def test_a_sweep_summarised_again_logs_each_objective_step_once(tmp_path):
     log_objective_history(client, run, rows([(5, 0.3), (10, 0.39), (15, 0.42)]))  # its resume's
     history = [(m.step, m.value) for m in client.get_metric_history(run, obj.QUALITY)]
     assert sorted(history) == [(5, 0.3), (10, 0.38), (15, 0.42)]
+
+
+def test_a_stability_rule_that_checks_nothing_is_said_once(capsys):
+    from types import SimpleNamespace
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.progress import Progress
+
+    progress = Progress(2, "perf/tokens_per_s", "eval/qwk")
+    for tid in ("t1", "t2"):
+        result = {obj.FINAL: 1.0, obj.UNWATCHED: "train/los: never reported; this run reports train/loss"}
+        trial = SimpleNamespace(trial_id=tid, config={}, last_result=result, status="TERMINATED")
+        progress.on_trial_complete(0, [trial], trial)
+    out = capsys.readouterr().out
+    assert out.count("note: a stability rule of the space checks nothing: train/los: never reported") == 1

@@ -10,7 +10,7 @@ import yaml
 from raysys import workload as registry
 from raysys.config import ConfigError
 from raysys.tune import space as spaces
-from raysys.tune.objectives import (FINAL, QUALITY, REASON, RUN_SECONDS, THROUGHPUT, UNSTABLE, ObjectiveTracker,
+from raysys.tune.objectives import (FINAL, QUALITY, REASON, RUN_SECONDS, THROUGHPUT, UNSTABLE, UNWATCHED, ObjectiveTracker,
                                     StabilityRules)
 from raysys.tune.resources import footprint, max_concurrent
 
@@ -193,6 +193,12 @@ def test_stability_rules_and_tracker():
         assert "rose to" in t.update({metric: bad})[REASON], metric
     t = ObjectiveTracker("x", "eval/qwk", StabilityRules.from_dict({"collapse": {"eval/qwk": 0.1}}))
     assert t.update({"eval/qwk": 0.5})[UNSTABLE] == 0.0 and "collapsed" in t.update({"eval/qwk": 0.3})[REASON]
+    # a rule on a metric the run never reports (a typo) checks nothing: its final report says so
+    typo = StabilityRules.from_dict({"bounds": {"train/los": {"max": 10}}, "collapse": {"eval/qwk": 0.1}})
+    t = ObjectiveTracker("x", "eval/qwk", typo)
+    t.update({"x": 1.0, "train/loss": 0.5, "eval/qwk": 0.4})
+    assert UNWATCHED not in t.update({"train/loss": 0.4})
+    assert t.update({"done": 1})[UNWATCHED] == "train/los: never reported; this run reports train/loss"
     for bad in ({"eval/mse": {"drop": 1, "mode": "lowest"}}, {"eval/mse": {"mode": "min"}}, {"eval/mse": 0}):
         with pytest.raises(ValueError, match="collapse"):
             StabilityRules.from_dict({"collapse": bad})

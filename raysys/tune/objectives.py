@@ -34,6 +34,8 @@ UNSTABLE = "stability/unstable"
 REASON = "stability/reason"
 FINAL = "sweep/final"
 FAILED = "sweep/failed"
+UNWATCHED = "stability/unwatched"
+"""On a run's final report: the space's bounds/collapse metrics it never reported (a typo checks nothing)."""
 RUN_SECONDS = "sweep/run_seconds"
 """A reused run's own wall time (``trial.reused_final``), in place of Tune's clock, which only saw the reuse."""
 DEFAULT_TOLERANCE = 0.02
@@ -200,6 +202,9 @@ class ObjectiveTracker:
         out[UNSTABLE] = float(self.unstable)
         if final:
             out[FINAL] = 1.0
+            unwatched = [m for m in (*self.rules.bounds, *self.rules.collapse) if m not in self.seen]
+            if unwatched:
+                out[UNWATCHED] = f"{', '.join(unwatched)}: never reported; {self._reported(unwatched)}"
         return out
 
     def _lower(self) -> frozenset:

@@ -30,7 +30,7 @@ POPULATION = "population"
 """The config key of a vectorized trial: the list of its members' knobs."""
 PREFIX = "members"
 KEPT = (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY, obj.UNSTABLE, obj.REASON,
-        obj.FINAL, obj.FAILED, "step", obj.RUN_SECONDS)
+        obj.FINAL, obj.FAILED, "step", obj.RUN_SECONDS, obj.UNWATCHED)
 
 
 def member_ids(trial_id: str, k: int) -> list[str]:

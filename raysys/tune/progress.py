@@ -198,15 +198,25 @@ class Progress(Callback):
     def on_trial_complete(self, iteration, trials, trial, **info):
         r = trial.last_result or {}
         if POPULATION in trial.config:
-            for mid, _, m in member_results(r, trial.config, trial.trial_id):
+            members = member_results(r, trial.config, trial.trial_id)
+            for mid, _, m in members:
                 self._print(_failed(mid, m) if m.get(obj.FAILED) else
                             f"trial {mid} done in {self._seconds(mid, trial.trial_id, r):.0f}s (one program): "
                             f"{self._verdict(m)}")
+            self._unwatched(next((m for _, _, m in members if m.get(obj.UNWATCHED)), {}))
             return
         self._print((_failed(trial.trial_id, r) if r.get(obj.FAILED) else
                      f"trial {trial.trial_id} done in {self._seconds(trial.trial_id, trial.trial_id, r):.0f}s: "
                      f"{self._verdict(r)}")
                     + f" [{_done(trials, trial)}/{self.total} done]")
+        self._unwatched(r)
+
+    def _unwatched(self, r: dict) -> None:
+        """A stability rule on a metric the run never reported, said once a sweep (every trial is alike)."""
+        if r.get(obj.UNWATCHED) and not getattr(self, "unwatched_said", False):
+            self.unwatched_said = True
+            self._print(f"note: a stability rule of the space checks nothing: {r[obj.UNWATCHED]} (a typo in "
+                        "`stability:`?)")
 
     def _seconds(self, trial_id: str, tune_trial_id: str, r: dict) -> float:
         """The trial's run time: Tune's clock, or, for a trial resumed with the sweep, every session's (Tune's
