@@ -398,16 +398,32 @@ def command_line(argv: Optional[list[str]] = None, module: str = "raysys") -> st
     return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
+DIGEST_WHOLE_BYTES = 256 * 2**20
+"""Data up to this size is digested whole; beyond it, each file's size and its first and last MiB."""
+
+
 def dir_digest(path: str | Path) -> str:
-    """A short fingerprint of a data file or folder (names, sizes, times), for MLflow's dataset digest."""
+    """A short fingerprint of a data file or folder's content, for MLflow's dataset digest: the same data
+    copied or restored elsewhere has the same digest, and data edited in place another. A folder over
+    ``DIGEST_WHOLE_BYTES`` is read in part (each file's names, size and first and last MiB): a run's start
+    does not read gigabytes for a label."""
     import hashlib
 
     path = Path(path)
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    sizes = [f.stat().st_size for f in files]
+    whole = sum(sizes) <= DIGEST_WHOLE_BYTES
     h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}:{int(st.st_mtime)}\n".encode())
+    for f, size in zip(files, sizes):
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{size}\n".encode())
+        with open(f, "rb") as fh:
+            if whole:
+                while chunk := fh.read(2**20):
+                    h.update(chunk)
+            else:
+                h.update(fh.read(2**20))
+                fh.seek(max(size - 2**20, 0))
+                h.update(fh.read(2**20))
     return h.hexdigest()[:8]
 
 
@@ -417,7 +433,12 @@ def log_dataset(uri: str, run_id: str, name: str, source: str, context: str = "t
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
     is_uri = "://" in source
-    ds = Dataset(name=name, digest=digest or (dir_digest(source) if not is_uri and Path(source).exists() else "-"),
+    if not digest and not is_uri:
+        try:
+            digest = dir_digest(source) if Path(source).exists() else None
+        except OSError:  # a file it may not read: the record goes without a digest, never the run
+            digest = None
+    ds = Dataset(name=name, digest=digest or "-",
                  source_type=source.split("://", 1)[0] if is_uri else "local",
                  source=json.dumps({"uri": source}), profile=json.dumps(dict(profile or {}), default=str))
     # Concurrent runs (sweep trials) logging one new dataset race to create its row, and the loser's

@@ -191,8 +191,9 @@ class Workload:
     """Dotted config key choosing the slow ('naive') or fast ('optimized') path, where the workload has
     both (e.g. 'model.path'); the generic bench then measures both and their ratio."""
     dataset: Optional[Callable[[Any], Optional[Mapping[str, Any]]]] = None
-    """dataset(prepared cfg) -> {'name', 'source' (a path or URI), 'profile': {...}} or None: the data a
-    run trains on, recorded as its MLflow input (the runs table's Dataset column). Optional."""
+    """dataset(prepared cfg) -> {'name', 'source' (a path or URI), 'profile': {...}, 'digest' (optional:
+    by default a digest of the content at source)} or None: the data a run trains on, recorded as its
+    MLflow input (the runs table's Dataset column). Optional; called before the run exists."""
     population: Optional[Population] = None
     """Optional, for a ``train_fn`` workload: K configurations as one program (sweeps' ``--vectorize``)."""
     extra: Mapping[str, Any] = field(default_factory=dict)

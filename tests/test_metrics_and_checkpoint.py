@@ -472,3 +472,30 @@ def test_a_run_whose_final_quality_is_not_finite_failed():
     assert o.failure == ""
     o.check({"step": 10}, quality="eval/mse")
     assert o.failure.startswith("no quality: ")
+
+
+def test_a_datasets_digest_is_of_its_content(tmp_path, monkeypatch):
+    """MLflow's dataset digest: the same data restored from a copy (a new mtime) is the same dataset; an edit
+    that keeps the size is another. Past DIGEST_WHOLE_BYTES a folder is read in part, its ends and sizes."""
+    import os
+    import shutil
+
+    from raysys import tracking
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.csv").write_text("x,y\n1,2\n" * 1000)
+    first = tracking.dir_digest(data)
+    shutil.copy(data / "a.csv", tmp_path / "a.bak")
+    (data / "a.csv").write_text("x,y\n1,3\n" * 1000)  # the same size
+    edited = tracking.dir_digest(data)
+    shutil.copy(tmp_path / "a.bak", data / "a.csv")
+    os.utime(data / "a.csv", (1, 1))
+    assert edited != first and tracking.dir_digest(data) == first
+    monkeypatch.setattr(tracking, "DIGEST_WHOLE_BYTES", 100)
+    (data / "b.bin").write_bytes(bytes(3 * 2**20))
+    big = tracking.dir_digest(data)
+    with open(data / "b.bin", "r+b") as f:
+        f.seek(3 * 2**20 - 1)
+        f.write(b"\x01")  # its last MiB: read
+    assert tracking.dir_digest(data) != big

@@ -696,6 +696,23 @@ class StuckTask(digits_mlp.DigitsTask):  # its optimized path computes the loss,
                 else loss), stats
 
 
+class SkewedTask(digits_mlp.DigitsTask):  # its optimized path computes another function: logits x 1.1
+    def loss(self, model, batch):
+        if model.path == "optimized":
+            import torch.nn.functional as F
+
+            return F.cross_entropy(model(batch["x"]) * 1.1, batch["y"]), {"samples": len(batch["y"])}
+        return super().loss(model, batch)
+
+
+class NoisyTask(digits_mlp.DigitsTask):  # a loss that draws noise even in eval mode: the paths cannot be compared
+    def loss(self, model, batch):
+        import torch
+
+        loss, stats = super().loss(model, batch)
+        return loss + 1e-2 * torch.rand(()), stats
+
+
 class NanTask(digits_mlp.DigitsTask):
     def loss(self, model, batch):
         loss, stats = super().loss(model, batch)
@@ -723,11 +740,17 @@ class BrokenData(digits_mlp.DigitsTask):
 
 
 W = digits_mlp.WORKLOAD
+RECORD = dataclasses.replace(W, name="record", dataset=lambda cfg: {"name": "digits", "source": "sklearn",
+                                                                    "profile": cfg.data.seedd})
+SHAPE = dataclasses.replace(W, name="shape", dataset=lambda cfg: {"name": "digits", "source": "sklearn",
+                                                                  "profile": "split 0.25"})
 BUILD = dataclasses.replace(W, name="build", task=BrokenBuild())
 DATA = dataclasses.replace(W, name="data", task=BrokenData())
 EMPTY = dataclasses.replace(W, name="empty", task=EmptyTask())
 NAN = dataclasses.replace(W, name="nan", task=NanTask())
 STUCK = dataclasses.replace(W, name="stuck", task=StuckTask())
+SKEWED = dataclasses.replace(W, name="skewed", task=SkewedTask())
+NOISY = dataclasses.replace(W, name="noisy", task=NoisyTask())
 NODEFAULT = dataclasses.replace(W, name="nodefault", config_cls=NoDefaultConfig, presets={"default": NoDefaultConfig})
 NET = dataclasses.replace(W, name="net", extra={"identity_sections": ("data",)})  # its model section unchecked
 '''
@@ -771,11 +794,21 @@ def test_a_users_mistakes_are_said_plainly(project):
     # the same loss on the same weights, but the optimized path learns nothing: the bench says so, exit 1
     proc = _run(["python", "-m", "raysys.bench", "mistakes:STUCK", "--quick"], project)
     assert proc.returncode == 1 and "raysys.bench: optimized: its loss on the same batches did not fall as the other path's" in proc.stderr
+    # both learn, but the optimized path computes another function (its logits 10% larger): exit 1, said
+    proc = _run(["python", "-m", "raysys.bench", "mistakes:SKEWED", "--quick"], project)
+    assert proc.returncode == 1 and "raysys.bench: the paths compute different functions: on the same weights" in proc.stderr
+    # a loss with noise of its own in eval mode: the comparison is not judged, and said so
+    proc = _run(["python", "-m", "raysys.bench", "mistakes:NOISY", "--quick"], project)
+    assert proc.returncode == 0 and "not judged: the loss differs between two evaluations" in proc.stdout
 
 
 @pytest.mark.parametrize("attr, line", [
     ("BUILD", "build: its Task.build_model raised ValueError: no model of width 128 here (mistakes.py:"),
-    ("DATA", "data: its Task.datasets raised KeyError: 'train' (mistakes.py:")])
+    ("DATA", "data: its Task.datasets raised KeyError: 'train' (mistakes.py:"),
+    # the dataset record's hook ran after the run existed: a traceback, the run RUNNING, its name taken
+    ("RECORD", "record: its Workload.dataset raised AttributeError: 'DataConfig' object has no attribute 'seedd' "
+               "(mistakes.py:"),
+    ("SHAPE", "shape: its Workload.dataset's profile is a str, not a mapping of names to values")])
 def test_an_error_in_the_workloads_code_is_one_line_before_anything_exists(project, attr, line):
     """datasets and build_model run on the driver first: an error of the code itself is said at once (not
     the workers' traceback, restarted max_failures times), and no run folder or MLflow store is made."""

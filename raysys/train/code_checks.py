@@ -320,6 +320,38 @@ def _fits(name: str, cfg: Any, train: Any, model: Any) -> bool:
     return True
 
 
+def dataset_of(wl: registry.Workload, cfg: Any) -> Optional[dict]:
+    """What ``Workload.dataset`` says of the run's data (None where it has no hook or says nothing), checked
+    before the run exists: an error it raises, or a record MLflow cannot take, is one line naming the hook."""
+    if wl.dataset is None:
+        return None
+    try:
+        info = wl.dataset(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
+                 or frames)[-1]
+        detail = (str(e).strip().splitlines() or [""])[0][:300]
+        raise WorkloadCodeError(f"{wl.name}: its Workload.dataset raised {type(e).__name__}"
+                                + (f": {detail}" if detail else "")
+                                + f" ({Path(where.filename).name}:{where.lineno}; nothing was created)") from None
+    if not info:
+        return None
+    shape = ('{"name": str, "source": a path or URI, "profile": {...} (optional), "digest": str (optional), '
+             '"context": str (optional)}')
+    if not isinstance(info, Mapping) or not {"name", "source"} <= set(info) or set(info) - {
+            "name", "source", "profile", "digest", "context"}:
+        got = sorted(info) if isinstance(info, Mapping) else type(info).__name__
+        raise WorkloadCodeError(f"{wl.name}: its Workload.dataset returned {got}, not {shape} (nothing was created)")
+    if info.get("profile") is not None and not isinstance(info["profile"], Mapping):
+        raise WorkloadCodeError(f"{wl.name}: its Workload.dataset's profile is a {type(info['profile']).__name__}, "
+                                "not a mapping of names to values (nothing was created)")
+    return {k: (str(v) if k in ("name", "source", "digest", "context") and v is not None else v)
+            for k, v in info.items()}
+
+
 def code_works(wl: registry.Workload, say: bool = True) -> Callable[[Any], None]:
     """``open_run``'s check of a TorchTask workload: its model builds (``built``; ``say``: its errors are the
     command's, before the run exists; a sweep's trial or a fold leaves them to its run, which records them

@@ -524,6 +524,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
     cfg = _prepare(prepare, cfg)  # data made/validated once here; paths made absolute for workers
     if check is not None:
         check(cfg)
+    dataset = code_checks.dataset_of(wl, cfg)  # the workload's hook: its mistake is one line before anything exists
     identity = identity_of(wl, cfg)
     store = CheckpointStore(run_dir, wl.name, identity, local_keys=wl.extra.get("local_keys", ()))
     resumed_from = None  # the checkpoint a resume goes on from
@@ -619,7 +620,8 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
                       | {"launch.workers": launch.workers, "launch.gpus_per_worker": launch.gpus_per_worker})
     if not launch.resume:  # a resume's snapshot goes to MLflow when its session ends, if it trained (finish)
         logger.log_artifact(cfg_file)
-    _log_dataset(wl, cfg, uri, run_id)
+    if dataset:
+        tracking.log_dataset(uri, run_id, **dataset)
     if new_mlflow_run and "raysys.command" in (tags or {}) and tracking.NOTE_TAG not in (tags or {}):
         logger.set_note(f"{wl.name}, preset `{tags.get('raysys.preset', 'default')}`.\n\n"
                         f"Run again: `{_run_again(tags['raysys.command'])}`\n\nResume if interrupted: "
@@ -657,13 +659,6 @@ def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
               "of this job's working_dir, which a job with edited source does not see again (--resume finds nothing) "
               "and Ray may delete: pass --storage-path (a shared folder or s3://...) and --tracking-uri (an MLflow "
               "server)", flush=True)
-
-
-def _log_dataset(wl: registry.Workload, cfg: Any, uri: str, run_id: str) -> None:
-    """The workload's data as the run's MLflow input, where it names one (``Workload.dataset``)."""
-    info = wl.dataset(cfg) if wl.dataset is not None else None
-    if info:
-        tracking.log_dataset(uri, run_id, **info)
 
 
 def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, parent_run_id: Optional[str] = None,
