@@ -559,6 +559,39 @@ def _note_local(mod) -> None:
     root = _file_root(getattr(top, "__file__", path) or path)
     if not any(part in ("site-packages", "dist-packages") for part in root.parts):
         _LOCAL_ROOTS.add(str(root))
+        if root.is_file():  # the modules beside it that it imports travel with it
+            _LOCAL_ROOTS.update(str(p) for p in _siblings(root))
+
+
+def _siblings(root: Path) -> list[Path]:
+    """The modules and packages beside a one-file plug-in that it imports, anywhere in its code (an import
+    inside ``build_model`` too), and those they import in turn: a model in ``model.py`` next to the workload
+    file is part of the workload's code, compared on a resume and carried to a cluster's nodes."""
+    import ast
+
+    found: list[Path] = []
+    seen, todo = {root}, [root]
+    while todo:
+        try:
+            tree = ast.parse(todo.pop().read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        for name in sorted(names):
+            for cand in (root.parent / f"{name}.py", root.parent / name):
+                if cand in seen or not (cand.is_file() or (cand / "__init__.py").is_file()):
+                    continue
+                seen.add(cand)
+                found.append(cand)
+                if cand.is_file():
+                    todo.append(cand)
+                break
+    return found
 
 
 def _code_root(module: str) -> Optional[Path]:
@@ -602,6 +635,7 @@ def code_digest(wl: Workload) -> dict[str, str]:
                for o in objs if o is not None}
     modules.add(_defined_in(wl))  # the module that made the Workload (its extra, presets), maybe of others' parts
     roots = {r for r in (_code_root(m) for m in modules if m) if r is not None}
+    roots |= {sib for r in list(roots) if r.is_file() for sib in _siblings(r)}
     out: dict[str, str] = {}
     for root in sorted(roots):
         files = [root] if root.is_file() else sorted(

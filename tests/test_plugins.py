@@ -946,6 +946,25 @@ def test_a_resume_after_the_workloads_code_changed_says_so(project):
     assert proc.returncode == 0 and "code changed" not in proc.stdout, proc.stdout[-2000:]
 
 
+def test_a_module_beside_a_one_file_workload_is_its_code_too(project):
+    """A workload file that imports its model from a module beside it (here lazily, in build_model): an edit
+    of that module was not seen on a resume (only the workload's own file was digested, and carried to a
+    cluster's nodes); it is said like an edit of the workload file."""
+    (project / "split_model.py").write_text("def make(model):\n    return model  # v1\n")
+    (project / "split_wl.py").write_text(
+        "import dataclasses\n\nimport digits_mlp\n\n\nclass SplitTask(digits_mlp.DigitsTask):\n"
+        "    def build_model(self, cfg):\n        import split_model\n\n"
+        "        return split_model.make(super().build_model(cfg))\n\n\n"
+        "WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name='split', task=SplitTask())\n")
+    args = ["python", "-m", "raysys", "train", "split_wl:WORKLOAD", "--preset", "quick", "--workers", "0", "--name", "s"]
+    assert _run([*args, "--set", "train.max_steps=3"], project).returncode == 0
+    code = json.loads((project / "raysys_runs" / "s" / "code.json").read_text())
+    assert {"split_wl.py", "split_model.py", "digits_mlp.py"} <= set(code), code
+    (project / "split_model.py").write_text("def make(model):\n    return model  # v2\n")
+    proc = _run([*args, "--resume", "--set", "train.max_steps=5"], project)
+    assert proc.returncode == 0 and "code changed since this run's last session: split_model.py (changed)" in proc.stdout
+
+
 # slow (~60 s). It once hung in CI: the trial's own failure report met a report of Train's still in Ray's
 # second queue, and each waited on the other (fixed: trial.QueueReports, one route for every report)
 @pytest.mark.slow
