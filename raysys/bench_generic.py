@@ -60,6 +60,9 @@ def top_ops(step, device: torch.device, steps: int = 3, top: int = 8) -> list[di
     ``step()`` after one warm-up. What a bench prints next to a step time that misses its target.
     On CUDA the same trace also gives the ``top`` operators by self time on the host (rows marked
     ``host``), which is what bounds a GPU step made of many small kernels."""
+    import os
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch's Kineto prints two lines per trace otherwise
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"

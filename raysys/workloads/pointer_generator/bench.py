@@ -41,6 +41,9 @@ def peak_memory(phases, device: torch.device) -> int:
             fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
+    import os
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch's Kineto prints two lines per trace otherwise
     from torch.profiler import ProfilerActivity, profile
 
     live = peak = 0
