@@ -120,7 +120,13 @@ class StabilityMonitor:
     count since the start: rare outliers of a run that learns well (a small batch with a few mistakes
     near convergence has several times the median loss) made that count grow with the run's length,
     so every long run ended up "unstable"; a run that oscillates or blows up has its spikes close
-    together. The count since the start is ``stability/loss_spikes_total``."""
+    together. The count since the start is ``stability/loss_spikes_total``.
+
+    A spike must also rise above the median by ``NOISE`` x the run's starting loss (the median of its
+    first ``window`` losses): a classifier converged to a loss of 0.03 has batches at 0.12 (4x) that
+    are noise, not a blow-up, which takes the loss back toward where it started."""
+
+    NOISE = 0.25
 
     def __init__(self, spike_factor: float = 4.0, window: int = 50):
         self.spike_factor = spike_factor
@@ -131,6 +137,7 @@ class StabilityMonitor:
         self.spikes = 0
         self.burst = 0
         self.grad_norms: deque[float] = deque(maxlen=200)  # the statistics are of the latest 200
+        self.start: Optional[float] = None  # the median of the first `window` losses, once there are as many
 
     def observe(self, loss: float, grad_norm: Optional[float]) -> None:
         if not math.isfinite(loss):
@@ -139,11 +146,14 @@ class StabilityMonitor:
             spike = False
             if len(self.recent) >= 10:
                 med = sorted(self.recent)[len(self.recent) // 2]
-                spike = loss > self.spike_factor * max(med, 1e-8)
+                start = med if self.start is None else self.start
+                spike = loss > self.spike_factor * max(med, 1e-8) and loss - med > self.NOISE * abs(start)
             self.spikes += spike
             self.flags.append(spike)
             self.burst = max(self.burst, sum(self.flags))
             self.recent.append(loss)
+            if self.start is None and len(self.recent) == self.recent.maxlen:
+                self.start = sorted(self.recent)[len(self.recent) // 2]
         if grad_norm is not None:
             self.observe_grad_norms((grad_norm,))
 
@@ -176,7 +186,7 @@ class StabilityMonitor:
     def state_dict(self) -> dict:
         return {"recent": list(self.recent), "flags": list(self.flags), "nonfinite_loss": self.nonfinite_loss,
                 "nonfinite_grad": self.nonfinite_grad, "spikes": self.spikes, "burst": self.burst,
-                "grad_norms": list(self.grad_norms)}
+                "grad_norms": list(self.grad_norms), "start": self.start}
 
     def load_state_dict(self, d: dict) -> None:
         self.recent.extend(d["recent"])
@@ -185,6 +195,9 @@ class StabilityMonitor:
         self.spikes = d["spikes"]
         self.grad_norms.extend(d["grad_norms"])
         self.burst = d.get("burst", sum(self.flags))
+        self.start = d.get("start")  # a checkpoint from before it: the window's median, once it is full
+        if self.start is None and len(self.recent) == self.recent.maxlen:
+            self.start = sorted(self.recent)[len(self.recent) // 2]
 
 
 class Throughput:

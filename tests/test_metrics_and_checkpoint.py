@@ -77,6 +77,18 @@ def test_loss_spikes_are_counted_within_a_window_not_since_the_start():
     for i in range(60):
         burst.observe(10.0 if i >= 30 and i % 4 == 0 else 1.0, 1.0)
     assert burst.metrics()["stability/loss_spikes"] >= 4
+    # A classifier converged from 0.69 to ~0.03: batches at 0.12-0.14 are 4x its median but noise; a loss
+    # back near where it started is a blow-up.
+    import random
+
+    rng = random.Random(0)
+    converged = StabilityMonitor()
+    for i in range(300):
+        converged.observe(0.69 if i < 60 else (rng.choice([0.12, 0.116, 0.142]) if i % 5 == 0 else 0.02), 1.0)
+    assert converged.metrics()["stability/loss_spikes"] == 0
+    for _ in range(4):
+        converged.observe(0.6, 1.0)
+    assert converged.metrics()["stability/loss_spikes"] == 4
     # A resumed run counts on from where it stopped.
     again = StabilityMonitor()
     again.load_state_dict(burst.state_dict())

@@ -119,7 +119,8 @@ class TrainConfig:
     breakdown_every_steps: int = 1
     """Time the phases of every k-th step (on CUDA each timed phase costs a device sync)."""
     spike_factor: float = 4.0
-    """A loss above this multiple of the running median counts as a spike."""
+    """A loss above this multiple of the running median counts as a spike (if it also rises above the median
+    by a quarter of the run's starting loss: ``metrics.StabilityMonitor``)."""
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "log_every_steps", "eval_every_epochs", "keep_checkpoints",
