@@ -72,6 +72,8 @@ def check_result(res: Any, name: str) -> dict:
                               f"{', '.join(map(str, row)) or 'none'}); add it, in the unit 'throughput_unit' names")
     if "speedup" in res and not isinstance(res["speedup"], (int, float)):
         raise ConfigError(f"{where} a 'speedup' that is not a number ({res['speedup']!r})")
+    if "speedup" not in res and set(paths) == {"naive", "optimized"} and res["naive"]["throughput"] > 0:
+        res["speedup"] = res["optimized"]["throughput"] / res["naive"]["throughput"]  # as --help promises
     return res
 
 

@@ -569,6 +569,9 @@ def test_a_workloads_functions_are_checked_when_it_loads(monkeypatch):
         check_result({"naive": {"env_steps_per_s": 1.0}, "optimized": {"throughput": 2.0}}, "mine")
     with pytest.raises(ConfigError, match="mine's bench returned no 'optimized' row"):
         check_result({"naive": {"throughput": 1.0}}, "mine")
+    # without a speedup of its own, the two rows' ratio (the JSON always has one); its own is kept
+    assert check_result({"naive": {"throughput": 100.0}, "optimized": {"throughput": 300.0}}, "mine")["speedup"] == 3.0
+    assert check_result({"naive": {"throughput": 1.0}, "optimized": {"throughput": 3.0}, "speedup": 2.5}, "m")["speedup"] == 2.5
     # a loss that returns the bare tensor: its contract named, not 'iteration over a 0-d tensor'
     with pytest.raises(ConfigError, match=r"mine: its Task.loss returned a Tensor, not \(a scalar loss tensor"):
         checked_loss(type("T", (), {"loss": lambda self, m, b: torch.tensor(1.0)})(), None, None, "mine")
@@ -739,7 +742,20 @@ class BrokenData(digits_mlp.DigitsTask):
         return {}["train"], None
 
 
+@dataclasses.dataclass
+class FoldData(digits_mlp.DataConfig):
+    n_folds: int = 1  # 1: a plain split, as a workload may default
+    fold: int = 0
+
+
+@dataclasses.dataclass
+class FoldConfig(digits_mlp.DigitsConfig):
+    data: FoldData = dataclasses.field(default_factory=FoldData)
+
+
 W = digits_mlp.WORKLOAD
+ONEFOLD = dataclasses.replace(W, name="onefold", config_cls=FoldConfig, presets={"default": FoldConfig},
+                              extra={"folds": ("data.n_folds", "data.fold")})
 RECORD = dataclasses.replace(W, name="record", dataset=lambda cfg: {"name": "digits", "source": "sklearn",
                                                                     "profile": cfg.data.seedd})
 SHAPE = dataclasses.replace(W, name="shape", dataset=lambda cfg: {"name": "digits", "source": "sklearn",
@@ -817,6 +833,15 @@ def test_an_error_in_the_workloads_code_is_one_line_before_anything_exists(proje
                  "--name", "x"], project)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
     assert proc.stderr.startswith(f"raysys: error in the workload's code: {line}") and "nothing was created" in proc.stderr
+    assert not (project / "raysys_runs").exists() and not (project / "mlflow.db").exists()
+
+
+def test_a_cross_validation_of_one_fold_is_refused(project):
+    """--cv with k = 1 ran a '1-fold cross-validation' whose spread was 0.0000, as if measured."""
+    (project / "mistakes.py").write_text(MISTAKES)
+    proc = _run(["python", "-m", "raysys", "train", "mistakes:ONEFOLD", "--workers", "0", "--cv"], project)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "raysys: config error: --cv needs data.n_folds >= 2 folds, got 1 (--set data.n_folds=5, say)"], proc.stderr
     assert not (project / "raysys_runs").exists() and not (project / "mlflow.db").exists()
 
 

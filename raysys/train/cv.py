@@ -31,6 +31,8 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
                           "Workload(extra={'folds': (<key of k>, <key of the held-out fold>)}), docs/your-workload.md)")
     k_key, fold_key = wl.extra["folds"]
     k = flatten(to_dict(cfg))[k_key]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2:  # one fold has no spread: no cross-validation
+        raise ConfigError(f"--cv needs {k_key} >= 2 folds, got {k!r} (--set {k_key}=5, say)")
     uri = tracking.resolve_tracking_uri(cfg.launch.tracking_uri)
     if not cfg.launch.resume:  # bad input is one line before anything exists: the store, then the data
         from raysys.train.launcher import _prepare, prepare_of
