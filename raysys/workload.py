@@ -432,7 +432,8 @@ def origin(wl: Workload) -> Optional[str]:
     eps = _entry_points().get(key, [])
     if len(eps) == 1:
         return f"{_package(eps[0])} (entry point {key} = {eps[0].value})"
-    module = getattr(wl.config_cls, "__module__", "") or ""
+    # the module that made the Workload (a wrapper's file, whose config may be another's), else its config's
+    module = _defined_in(wl) or getattr(wl.config_cls, "__module__", "") or ""
     dists = metadata.packages_distributions().get(module.split(".")[0], [])
     if dists:
         with contextlib.suppress(metadata.PackageNotFoundError):
