@@ -480,3 +480,17 @@ def test_a_resumed_sweep_whose_space_changed_is_refused_naming_each_change(tmp_p
     said = str(e.value)
     assert "optim.lr" in said and "0.0003" in said and "0.0001" in said, said
     assert "loader.num_workers" in said and "removed" in said and "train.spike_factor" in said and "added" in said
+
+
+def test_a_resume_of_a_folder_without_its_sweep_state_says_so(tmp_path):
+    """A folder of the name exists but its raysys_sweep.json does not (a storage that lost it, another
+    command's folder): 'no sweep called x' alone read as a typo in --name."""
+    from raysys.tune.runner import STATE_FILE, SweepOptions, resolve_sweep_dir
+
+    (tmp_path / "k1").mkdir()
+    (tmp_path / "k1" / "experiment_state-2026.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"no sweep called 'k1' under {tmp_path} \\({tmp_path}/k1 exists, without "
+                                          f"its {STATE_FILE}"):
+        resolve_sweep_dir(SweepOptions(space="s.yaml", name="k1", resume=True, storage_path=str(tmp_path)), "w")
+    with pytest.raises(ConfigError, match="no sweep called 'k2' under [^(]*$"):
+        resolve_sweep_dir(SweepOptions(space="s.yaml", name="k2", resume=True, storage_path=str(tmp_path)), "w")

@@ -113,7 +113,9 @@ def resolve_sweep_dir(opts: SweepOptions, workload: str) -> tuple[str, Path]:
     name = name or f"{workload}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = root / name
     if opts.resume and not (sweep_dir / STATE_FILE).is_file():
-        raise ConfigError(f"--resume: no sweep called '{name}' under {root}")
+        raise ConfigError(f"--resume: no sweep called '{name}' under {root}" + (
+            f" ({sweep_dir} exists, without its {STATE_FILE}: not a sweep's folder, or its state was lost)"
+            if sweep_dir.is_dir() and any(sweep_dir.iterdir()) else ""))
     if not opts.resume and sweep_dir.exists() and any(sweep_dir.iterdir()):
         raise ConfigError(f"a sweep called '{name}' already exists at {sweep_dir}; pass --resume to continue it "
                           "or choose another --name (nothing was changed)")
@@ -133,7 +135,9 @@ def _resolve_remote(opts: SweepOptions, workload: str) -> tuple[str, Path]:
     name = name or f"{workload}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = storage.working_copy(remote, name)
     if opts.resume and not storage.pull(sweep_dir / STATE_FILE):
-        raise ConfigError(f"--resume: no sweep called '{name}' under {remote.display}")
+        raise ConfigError(f"--resume: no sweep called '{name}' under {remote.display}" + (
+            f" ({remote.display}/{name} exists, without its {STATE_FILE}: not a sweep's folder, or its state was lost)"
+            if remote.listdir(name) else ""))
     if not opts.resume and remote.listdir(name):
         raise ConfigError(f"a sweep called '{name}' already exists at {remote.display}/{name}; pass --resume to "
                           "continue it or choose another --name (nothing was changed)")
