@@ -166,6 +166,8 @@ def test_a_worker_that_died_is_one_short_line_on_a_quiet_console(monkeypatch, ca
     from raysys.train.runtime import one_line_cluster_errors
 
     monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # put back after the test
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "")  # recorded: whatever the wrapper sets goes after the test
+    monkeypatch.delenv("RAY_COLOR_PREFIX")
     one_line_cluster_errors()
     one_line_cluster_errors()  # once wrapped is enough: a second run's init does not wrap it again
     ray_worker.print_to_stdstream({"lines": [DIED], "pid": "raylet", "is_err": False}, ignore_prefix=False)
@@ -176,3 +178,4 @@ def test_a_worker_that_died_is_one_short_line_on_a_quiet_console(monkeypatch, ca
         "A worker died or was killed while executing a task by an unexpected system error (pid 6085, Worker "
         "unexpectedly exits with a connection error code 2. End of file.); Ray's session logs hold the rest")
     assert out.splitlines()[1].endswith("One sentence alone.") and len(out.splitlines()) == 2
+    assert out.startswith("(raylet) A worker died") and "\x1b[" not in out  # not a terminal: no colour codes

@@ -494,3 +494,7 @@ def test_a_resume_of_a_folder_without_its_sweep_state_says_so(tmp_path):
         resolve_sweep_dir(SweepOptions(space="s.yaml", name="k1", resume=True, storage_path=str(tmp_path)), "w")
     with pytest.raises(ConfigError, match="no sweep called 'k2' under [^(]*$"):
         resolve_sweep_dir(SweepOptions(space="s.yaml", name="k2", resume=True, storage_path=str(tmp_path)), "w")
+    # a bare --resume takes the newest default-named sweep, and says that is what it looked for
+    with pytest.raises(ConfigError, match=r"no earlier w sweep named by default \(w-sweep-<date>-<time>\) under .*; "
+                                          "continue a sweep of another name with --name"):
+        resolve_sweep_dir(SweepOptions(space="s.yaml", resume=True, storage_path=str(tmp_path)), "w")

@@ -243,6 +243,8 @@ def one_line_cluster_errors() -> None:
     original = ray_worker.print_to_stdstream
     if getattr(original, "raysys_one_line", False):
         return
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a file or a job's log: no terminal escapes in it
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
     def short(line: str) -> str:
         pid = re.search(r"Worker PID: (\d+)", line)

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", help="MLflow tracking URI for the parent and trial runs; default "
                                           "$RAYSYS_TRACKING_URI, else $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db")
     p.add_argument("--resume", action="store_true",
-                   help="continue the sweep --name (or the newest sweep of this workload): finished trials are "
+                   help="continue the sweep --name (or, without it, this workload's newest sweep named by default): finished trials are "
                         "kept, unfinished ones continue from their own checkpoints, the rest are run")
     p.add_argument("--name", type=console.name_arg, help="sweep name: its folder under --storage-path and its MLflow parent run name "
                                   "(default: <workload>-sweep-<time>)")

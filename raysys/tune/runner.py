@@ -108,7 +108,8 @@ def resolve_sweep_dir(opts: SweepOptions, workload: str) -> tuple[str, Path]:
         found = sorted((p for p in root.glob(f"{workload}-sweep-*") if (p / STATE_FILE).is_file()),
                        key=lambda p: p.stat().st_mtime)
         if not found:
-            raise ConfigError(f"--resume: no earlier {workload} sweep under {root}")
+            raise ConfigError(f"--resume: no earlier {workload} sweep named by default ({workload}-sweep-<date>-<time>) "
+                              f"under {root}; continue a sweep of another name with --name")
         name = found[-1].name
     name = name or f"{workload}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = root / name
@@ -130,7 +131,8 @@ def _resolve_remote(opts: SweepOptions, workload: str) -> tuple[str, Path]:
     if opts.resume and not name:  # <workload>-sweep-<time> names sort by time
         found = [n for n in remote.listdir() if n.startswith(f"{workload}-sweep-") and remote.kind(n, STATE_FILE)]
         if not found:
-            raise ConfigError(f"--resume: no earlier {workload} sweep under {remote.display}")
+            raise ConfigError(f"--resume: no earlier {workload} sweep named by default ({workload}-sweep-<date>-<time>) "
+                              f"under {remote.display}; continue a sweep of another name with --name")
         name = found[-1]
     name = name or f"{workload}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = storage.working_copy(remote, name)
