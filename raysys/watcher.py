@@ -136,16 +136,20 @@ def _close(spec: dict) -> bool:
             os.close(fd)
 
 
-def _say(fd: int, spec: dict) -> None:
-    """One line on the dead command's stderr (a terminal, a job's log): nothing else could say it."""
+def _say(fd: int, spec: dict, closed: bool = True) -> None:
+    """One line on the dead command's stderr (a terminal, a job's log): nothing else could say it. Then the
+    watcher lets go of that stderr: a pipe from the command (``| tee``) ends, whatever the store does."""
     if fd < 0:
         return
-    line = (f"raysys: {WHY}; its MLflow run is closed KILLED"
+    line = (f"raysys: {WHY}; " + ("its MLflow run is closed KILLED" if closed else
+                                  "its MLflow run could not be closed now (the tracking server does not answer); "
+                                  "this watcher goes on trying, and a --resume closes it")
             + (f"; resume it with:\n  {spec['resume']}" if spec.get("resume") else "") + "\n")
     try:
         os.write(fd, line.encode())
     except OSError:  # the terminal is gone
         pass
+    os.close(fd)
 
 
 def main(argv: list[str]) -> int:
@@ -167,10 +171,13 @@ def main(argv: list[str]) -> int:
     deadline, delay = time.monotonic() + wait_s, 2.0
     while True:
         try:
-            if _close(spec):
+            if _close(spec) and say >= 0:
                 _say(say, spec)
             return 0
-        except Exception:  # past the wait, nowhere to say it: the run stays RUNNING until a --resume
+        except Exception:  # past the wait: the run stays RUNNING until a --resume
+            if say >= 0:  # said once, at the first try: the command's stderr is not held for the whole wait
+                _say(say, spec, closed=False)
+                say = -1
             if time.monotonic() + delay > deadline:
                 return 1
         time.sleep(delay)

@@ -472,10 +472,22 @@ def test_a_watcher_waits_out_a_tracking_outage(tmp_path):
         parent = tracking.start_run(server.url, "w", "p")
         child = tracking.start_run(server.url, "w", "c", parent_run_id=parent)
         server.stop()
-        w = watcher.watch(server.url, parent, tmp_path, tmp_path / "lock", "resume me")
+        said = tmp_path / "stderr.txt"
+        saved, out = os.dup(2), os.open(said, os.O_WRONLY | os.O_CREAT)
+        os.dup2(out, 2)  # the command's stderr, as the watcher takes a copy of it
+        try:
+            w = watcher.watch(server.url, parent, tmp_path, tmp_path / "lock", "resume me")
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(out)
         os.close(w.fd)  # the command died in the outage
         with pytest.raises(subprocess.TimeoutExpired):
             w.proc.wait(timeout=5)  # still waiting for the server (it would wait 600 s)
+        # said at its first try, and the command's stderr let go of (a `| tee` of the command ends)
+        assert "its MLflow run could not be closed now (the tracking server does not answer)" in said.read_text()
+        assert not any(os.path.realpath(f"/proc/{w.proc.pid}/fd/{fd}") == str(said)
+                       for fd in os.listdir(f"/proc/{w.proc.pid}/fd"))
         server.start()
         assert w.proc.wait(timeout=120) == 0
         c = _client(server.url)
