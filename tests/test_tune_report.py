@@ -255,3 +255,31 @@ def test_a_stability_rule_that_checks_nothing_is_said_once(capsys):
         progress.on_trial_complete(0, [trial], trial)
     out = capsys.readouterr().out
     assert out.count("note: a stability rule of the space checks nothing: train/los: never reported") == 1
+
+
+def test_a_trials_own_training_restart_is_said_on_the_sweeps_console(tmp_path, capsys):
+    """A trial whose Ray Train worker was lost restarts its training from its checkpoint (launch.max_failures):
+    its run's events.log said so, the sweep's console did not."""
+    from types import SimpleNamespace
+
+    from raysys.tune.progress import ObjectiveLog, Progress
+
+    sweep = tmp_path / "g2"
+    events = sweep / "runs" / "g2-53ad796b" / "events.log"
+    events.parent.mkdir(parents=True)
+    events.write_text("2026-11-29T12:30:40 started\n")
+    progress = Progress(2, "perf/tokens_per_s", "eval/qwk", log=ObjectiveLog(str(sweep / "objectives")))
+    trial = SimpleNamespace(trial_id="53ad796b", config={})
+    progress.on_trial_result(0, [], trial, {"step": 10})
+    with open(events, "a") as f:
+        f.write("2026-11-29T12:30:53 restart 1/2 after: WorkerHealthCheckFailedError: A worker health check failed.\n"
+                "2026-11-29T12:31:00 resumed step=15 epoch=5 from=step_000000015\n")
+    for step in (16, 18):
+        progress.on_trial_result(0, [], trial, {"step": step})
+    out = capsys.readouterr().out
+    assert out.count("trial 53ad796b: its training failed (WorkerHealthCheckFailedError: A worker health check "
+                     "failed.); restarting from its last checkpoint (restart 1 of 2, launch.max_failures)") == 1, out
+    # a resumed sweep's console does not say an earlier session's restarts again
+    again = Progress(2, "perf/tokens_per_s", "eval/qwk", log=ObjectiveLog(str(sweep / "objectives")))
+    again.on_trial_result(0, [], trial, {"step": 20})
+    assert "restarting" not in capsys.readouterr().out

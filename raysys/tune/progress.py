@@ -136,6 +136,17 @@ def objective_history(folder, trial_id: str):
     return pd.DataFrame(rows) if rows else None
 
 
+_SESSION_START = time.time()
+
+
+def _logged_at(line: str) -> float:
+    """The time of an events.log line (``2026-11-29T12:30:53 ...``, local time); 0 if it has none."""
+    try:
+        return time.mktime(time.strptime(line.split(" ", 1)[0], "%Y-%m-%dT%H:%M:%S"))
+    except (ValueError, OverflowError):
+        return 0.0
+
+
 class Progress(Callback):
     """One line when a trial starts or ends, and a short one per running trial every ~20 s."""
 
@@ -162,10 +173,34 @@ class Progress(Callback):
         for mid, knobs in zip(member_ids(trial.trial_id, len(members)), members):
             self._print(f"  trial {mid}: {format_knobs(knobs)}")
 
+    def _restarts(self, trial_id: str) -> None:
+        """The restarts of a trial's own training (``launch.max_failures``: a Ray Train worker lost), which its
+        run's events.log records in the trial's process: said here, once each (a local sweep's folder only)."""
+        log = getattr(self, "log", None)
+        if log is None:
+            return
+        sweep = Path(log.folder).parent
+        try:
+            lines = (sweep / "runs" / f"{sweep.name}-{trial_id}" / "events.log").read_text().splitlines()
+        except OSError:
+            return
+        restarts = [ln for ln in lines if " restart " in ln and " after: " in ln]
+        said = self.__dict__.setdefault("restarts_said", {})
+        if trial_id not in said:  # an earlier session of the sweep (a --resume) said those before it
+            said[trial_id] = sum(1 for ln in restarts if _logged_at(ln) < _SESSION_START)
+        for line in restarts[said.get(trial_id, 0):]:
+            count, cause = line.split(" restart ", 1)[1].split(" after: ", 1)
+            n, _, of = count.partition("/")
+            self._print(f"trial {trial_id}: its training failed ({cause.strip()[:200]}); restarting from its last "
+                        f"checkpoint (restart {n} of {of}, launch.max_failures)")
+        said[trial_id] = len(restarts)
+
     def on_trial_result(self, iteration, trials, trial, result, **info):
         now = time.monotonic()
         if result.get(obj.FAILED):  # on_trial_complete says it
             return
+        if POPULATION not in trial.config:
+            self._restarts(trial.trial_id)
         if result.get(obj.UNSTABLE):
             reason = str(result.get(obj.REASON))
             hint = ""
