@@ -112,6 +112,12 @@ def divergence(final: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+def _median(values: Iterable[float]) -> float:
+    """The upper median: one of the values, as the spike rule has always taken it."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 class StabilityMonitor:
     """Non-finite loss/grad counts, loss spikes, grad-norm statistics.
 
@@ -145,7 +151,7 @@ class StabilityMonitor:
         else:
             spike = False
             if len(self.recent) >= 10:
-                med = sorted(self.recent)[len(self.recent) // 2]
+                med = _median(self.recent)
                 start = med if self.start is None else self.start
                 spike = loss > self.spike_factor * max(med, 1e-8) and loss - med > self.NOISE * abs(start)
             self.spikes += spike
@@ -153,7 +159,7 @@ class StabilityMonitor:
             self.burst = max(self.burst, sum(self.flags))
             self.recent.append(loss)
             if self.start is None and len(self.recent) == self.recent.maxlen:
-                self.start = sorted(self.recent)[len(self.recent) // 2]
+                self.start = _median(self.recent)
         if grad_norm is not None:
             self.observe_grad_norms((grad_norm,))
 
@@ -197,7 +203,7 @@ class StabilityMonitor:
         self.burst = d.get("burst", sum(self.flags))
         self.start = d.get("start")  # a checkpoint from before it: the window's median, once it is full
         if self.start is None and len(self.recent) == self.recent.maxlen:
-            self.start = sorted(self.recent)[len(self.recent) // 2]
+            self.start = _median(self.recent)
 
 
 class Throughput:

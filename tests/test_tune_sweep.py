@@ -191,6 +191,22 @@ def _events(sweep_dir: Path) -> list[list[str]]:
     return [line.split()[1:] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _checkpointed_sweep(workdir: Path, args: list, **popen: object) -> subprocess.Popen:
+    """``python -m raysys.tune *args`` started, once a trial of it has saved a checkpoint (killed if none comes)."""
+    import time
+
+    driver = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir, **popen)
+    deadline = time.time() + 400
+    try:
+        while not list(workdir.glob("raysys_runs/sweeps/*/runs/*/checkpoints/step_*/meta.json")):
+            assert driver.poll() is None and time.time() < deadline
+            time.sleep(0.3)
+    except BaseException:
+        driver.kill()
+        raise
+    return driver
+
+
 @pytest.mark.slow  # ~1.5 min; by default test_faults checks a killed train run's watcher and one's children
 def test_a_killed_sweep_driver_leaves_its_runs_killed_and_resumes_whole(workdir):
     """SIGKILL of the sweep's driver (or the OOM killer): nothing in it can close its MLflow runs. Its
@@ -200,17 +216,10 @@ def test_a_killed_sweep_driver_leaves_its_runs_killed_and_resumes_whole(workdir)
 
     args = ["--space", str(SPACE), "--num-samples", "2", "--max-concurrent", "1", *TINY, "--set", "train.epochs=30",
             "--set", "train.checkpoint_every_steps=3", "--name", "kil"]
-    sweep_dir = workdir / "raysys_runs" / "sweeps" / "kil"
-    driver = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    driver = _checkpointed_sweep(workdir, args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver.kill()
+    driver.wait()
     deadline = time.time() + 400
-    try:
-        while not list(sweep_dir.glob("runs/*/checkpoints/step_*/meta.json")):
-            assert driver.poll() is None and time.time() < deadline
-            time.sleep(0.3)
-    finally:
-        driver.kill()
-        driver.wait()
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     while (parent := _runs(uri)[2]).info.status == "RUNNING":
         assert time.time() < deadline, "the killed sweep's parent stayed RUNNING"
@@ -235,13 +244,8 @@ def test_a_sweep_stopped_at_once_closes_its_training_trials_run_and_prints_its_r
 
     args = ["--space", str(SPACE), "--num-samples", "2", "--max-concurrent", "1", *TINY, "--set", "train.epochs=30",
             "--set", "train.checkpoint_every_steps=3"]
-    driver = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 400
+    driver = _checkpointed_sweep(workdir, args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        while not list(workdir.glob("raysys_runs/sweeps/*/runs/*/checkpoints/step_*/meta.json")):
-            assert driver.poll() is None and time.time() < deadline
-            time.sleep(0.3)
         driver.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         driver.send_signal(signal.SIGINT)  # another signal (the same one within 1 s is taken as its echo)
@@ -283,18 +287,12 @@ def test_a_trial_whose_process_died_runs_again_on_resume(workdir):
     nothing left. It is no error of its code: the resume continues it from its checkpoint."""
     import os
     import signal
-    import time
 
     args = ["--space", str(SPACE), "--num-samples", "1", *TINY, "--set", "train.epochs=30",
             "--set", "train.checkpoint_every_steps=3", "--max-failures", "0", "--name", "died"]
     sweep_dir = workdir / "raysys_runs" / "sweeps" / "died"
-    driver = subprocess.Popen([sys.executable, "-m", "raysys.tune", *args], cwd=workdir, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 400
+    driver = _checkpointed_sweep(workdir, args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        while not list(sweep_dir.glob("runs/*/checkpoints/step_*/meta.json")):
-            assert driver.poll() is None and time.time() < deadline
-            time.sleep(0.3)
         import psutil
 
         trials = [p for p in psutil.Process(driver.pid).children(recursive=True)  # its Ray's, not another's

@@ -225,6 +225,17 @@ def _on_meta_only(e: Exception) -> bool:
     return "meta" in str(e)
 
 
+def _raised(name: str, hook: str, e: BaseException) -> str:
+    """One line for an error a workload's hook raised: the hook, the error, and where in the workload's own code
+    (not inside torch or another library) it was raised."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
+             or frames)[-1]
+    detail = (str(e).strip().splitlines() or [""])[0][:300]
+    return (f"{name}: its {hook} raised {type(e).__name__}" + (f": {detail}" if detail else "")
+            + f" ({Path(where.filename).name}:{where.lineno}; nothing was created)")
+
+
 def built(task: Any, name: str, cfg: Any, say: bool = True, before_loss: Optional[Callable[[Any], None]] = None) -> Any:
     """The model a worker will build (Task.datasets, then Task.build_model on torch's meta device: shapes, no
     memory), before the run exists; None where it cannot be built here. An error of the code itself
@@ -249,14 +260,8 @@ def built(task: Any, name: str, cfg: Any, say: bool = True, before_loss: Optiona
         except CODE_ERRORS as e:
             if not say or _on_meta_only(e):  # a model built with numpy, say: the workers build it on a real device
                 return None
-            frames = traceback.extract_tb(e.__traceback__)  # where in the workload's code, not inside torch
-            where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
-                     or frames)[-1]
             what = DataError if hook == "datasets" and isinstance(e, ValueError) else WorkloadCodeError
-            detail = (str(e).strip().splitlines() or [""])[0][:300]
-            raise what(f"{name}: its Task.{hook} raised {type(e).__name__}"
-                       + (f": {detail}" if detail else "") + f" ({Path(where.filename).name}:{where.lineno}; "
-                       "nothing was created)") from None
+            raise what(_raised(name, f"Task.{hook}", e)) from None
         except Exception:  # what may fail here alone: the workers build it, and meet any error there
             return None
         if hook == "datasets" and say:
@@ -330,13 +335,7 @@ def dataset_of(wl: registry.Workload, cfg: Any) -> Optional[dict]:
     except ConfigError:
         raise
     except Exception as e:
-        frames = traceback.extract_tb(e.__traceback__)
-        where = ([f for f in frames if "site-packages" not in f.filename and "/lib/python" not in f.filename]
-                 or frames)[-1]
-        detail = (str(e).strip().splitlines() or [""])[0][:300]
-        raise WorkloadCodeError(f"{wl.name}: its Workload.dataset raised {type(e).__name__}"
-                                + (f": {detail}" if detail else "")
-                                + f" ({Path(where.filename).name}:{where.lineno}; nothing was created)") from None
+        raise WorkloadCodeError(_raised(wl.name, "Workload.dataset", e)) from None
     if not info:
         return None
     shape = ('{"name": str, "source": a path or URI, "profile": {...} (optional), "digest": str (optional), '

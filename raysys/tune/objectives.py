@@ -157,7 +157,6 @@ class ObjectiveTracker:
         self.best: dict[str, float] = {}
         self.reason: Optional[str] = None
         self.seen: set[str] = set()  # every metric the run reported: named when an objective never came
-        self.lower = self.rules.lower_is_better(quality_metric, quality_mode)
 
     @property
     def unstable(self) -> bool:
@@ -208,7 +207,8 @@ class ObjectiveTracker:
         return out
 
     def _lower(self) -> frozenset:
-        if not hasattr(self, "lower"):  # a tracker pickled (a population's state) before it had one
+        """The collapse metrics whose best is their lowest, found once (also for a tracker pickled before it)."""
+        if not hasattr(self, "lower"):
             self.lower = self.rules.lower_is_better(self.quality_metric, "max" if self.sign > 0 else "min")
         return self.lower
 
