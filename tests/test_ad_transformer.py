@@ -182,7 +182,7 @@ def test_a_missing_histories_folder_is_one_line_and_creates_nothing(tmp_path):
 @pytest.mark.parametrize("case, needle", [
     ("corrupt", "shard_000.npz is not a readable numpy .npz shard"),
     ("short", "its streams are 30 steps long: no full region of data.region=40 steps"),
-    ("few_goals", "has no histories of goals [9, 10,"),
+    ("few_goals", "has no histories of goals [16, 19,"),
     ("bad_actions", "shard_000.npz: actions must lie in 0..4 (a 9x9 Darkroom with 5 actions), found 0..7"),
     ("bad_states", "shard_000.npz: states must lie in 0..8"),
     ("truncated", "shard_000.npz is not a readable numpy .npz shard (BadZipFile)"),
@@ -214,9 +214,11 @@ def test_histories_a_run_cannot_use_are_one_line_and_create_nothing(tmp_path, da
         if case == "twice":
             m["shards"].append(m["shards"][0])
         elif case == "renamed":  # the manifest's lists agree with each other, not with the shard's file
-            from raysys.envs.darkroom import goal_split
+            from raysys.workloads.ad_transformer.workload import DistillationTask, quick
 
-            trained = set(goal_split()[0][:20].tolist())  # a goal the run does not ask for: it loaded another
+            cfg = quick()
+            cfg.data.train_goals = 20
+            trained = set(DistillationTask().goals(cfg)[0].tolist())  # a goal the run does not ask for: it loaded another
             shard, g = next((s, g) for s in m["shards"] for g in s["goals"] if g not in trained)
             m["goals"][m["goals"].index(g)] = 99
             shard["goals"][shard["goals"].index(g)] = 99
@@ -430,3 +432,19 @@ def test_asking_for_more_goals_or_streams_than_exist_is_refused():
         apply_overrides(quick(), {"data.train_goals": n + 1})
     with pytest.raises(ConfigError, match="data.streams \\(11\\) must be <= source.streams \\(10\\)"):
         apply_overrides(quick(), {"data.streams": 11})
+
+
+def test_a_subset_of_training_goals_is_drawn_from_the_whole_grid():
+    """The first k cells by number are the grid's top rows: a model trained on them never sees a goal below."""
+    from raysys.envs.darkroom import SIZE, goal_split
+    from raysys.workloads.ad_transformer.workload import DistillationTask, quick
+
+    task, cfg = DistillationTask(), quick()
+    train, held_out = task.goals(cfg)
+    assert len(train) == cfg.data.train_goals == 8 and set(train) <= set(goal_split()[0])
+    assert len(set((train // SIZE).tolist())) >= 4  # rows: 8 drawn of 73 lie in at least 4 of the 9
+    assert (task.goals(cfg)[0] == train).all()  # the same subset every time: a resume trains on the same goals
+    cfg.data.split_seed = 1
+    assert set(task.goals(cfg)[0]) != set(train)
+    cfg.data.train_goals = None
+    assert (task.goals(cfg)[0] == goal_split(seed=1)[0]).all()

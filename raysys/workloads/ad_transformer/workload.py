@@ -41,7 +41,8 @@ class DataConfig:
     region: int = 80
     """Steps per region (the original: 80). A sample sees the previous region and the current prefix."""
     train_goals: Optional[int] = None
-    """Train on the first k of the 73 training goals (None: all)."""
+    """Train on k of the 73 training goals, drawn with ``split_seed`` (None: all). Drawn, not the first k:
+    goals are numbered row by row, so the first 8 would all lie in the grid's top row."""
     streams: Optional[int] = None
     """Streams (learning histories) per goal used for training (None: all of them)."""
     split_seed: int = 0
@@ -272,7 +273,9 @@ class DistillationTask:
         from raysys.envs import darkroom as dr
 
         train, held_out = dr.goal_split(seed=cfg.data.split_seed)
-        return train[: cfg.data.train_goals], held_out
+        if cfg.data.train_goals is not None:  # a spread-out subset: in-context RL needs goals all over the grid
+            train = np.sort(np.random.default_rng(cfg.data.split_seed).permutation(train)[: cfg.data.train_goals])
+        return train, held_out
 
     def datasets(self, cfg: ADConfig):
         from raysys.workloads.ad_transformer import histories
