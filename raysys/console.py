@@ -199,11 +199,19 @@ def _one_line_storage_error(record: logging.LogRecord) -> bool:
         lines.append(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}")
     if len(lines) < 2:
         return True
-    head, now = lines[0].rstrip(":"), time.monotonic()
-    if now - _said_at.get(head, -1e9) < 60:
+    from raysys.storage import unreachable
+
+    head, cause, now = lines[0].rstrip(":"), lines[-1][:300], time.monotonic()
+    outage = unreachable(Exception(cause))
+    # an outage fails a sync and a directory's creation alike: one line a minute for all of them, which says
+    # what happens next (Ray tries again at its next sync; the trials go on and checkpoint when it answers)
+    key = "outage" if outage else head
+    if now - _said_at.get(key, -1e9) < 60:
         return False
-    _said_at[head] = now
-    record.msg, record.args, record.exc_info, record.exc_text = f"{head}: {lines[-1][:300]}", (), None, None
+    _said_at[key] = now
+    msg = (f"[raysys] the storage does not answer ({cause}); Ray tries again at its next sync, and the run goes "
+           "on (said at most once a minute)" if outage else f"{head}: {cause}")
+    record.msg, record.args, record.exc_info, record.exc_text = msg, (), None, None
     return True
 
 

@@ -116,7 +116,7 @@ def test_an_empty_name_is_refused_not_replaced_by_the_default():
             console.name_arg(empty)
 
 
-def test_a_workers_warnings_reach_the_drivers_console_and_rays_storage_tracebacks_are_one_line(caplog):
+def test_a_workers_warnings_reach_the_drivers_console_and_rays_storage_tracebacks_are_one_line(caplog, monkeypatch):
     """A Ray worker's logging goes to Ray's log files only: a storage outage it waited out was a silent stall
     in the progress. Its raysys warnings now travel the queue its progress does. Ray Tune's syncer printed a
     whole traceback per failed sync during an outage; it is one line naming the cause, once a minute."""
@@ -137,17 +137,32 @@ def test_a_workers_warnings_reach_the_drivers_console_and_rays_storage_traceback
                                                  "trying again"}]
 
     syncer = logging.getLogger("ray.train._internal.syncer")
+    monkeypatch.setattr(console, "_said_at", {})  # what an earlier test in this process said this minute
     try:
         raise OSError("When uploading 'x': AWS Error NETWORK_CONNECTION during PutObject: Could not connect")
     except OSError:
         failed = f"Last sync command failed with the following error:\n{traceback.format_exc()}"
-    keep = [console._one_line_storage_error(logging.LogRecord(syncer.name, logging.WARNING, __file__, 1, failed,
-                                                              (), None)) for _ in range(2)]
-    assert keep == [True, False]  # the same failure again within the minute: said once
-    one = logging.LogRecord(syncer.name, logging.WARNING, __file__, 1, failed.replace("Last", "Previous"), (), None)
-    assert console._one_line_storage_error(one) and "\n" not in one.getMessage()
-    assert one.getMessage() == ("Previous sync command failed with the following error: OSError: When uploading 'x': "
-                                "AWS Error NETWORK_CONNECTION during PutObject: Could not connect")
+    records = [logging.LogRecord(syncer.name, logging.WARNING, __file__, 1, failed, (), None) for _ in range(2)]
+    # an outage fails the directory's creation too: within the minute, the same outage
+    records.append(logging.LogRecord("ray.train._internal.storage", logging.ERROR, __file__, 1,
+                                     failed.replace("Last sync command failed", "Caught exception when creating "
+                                                    "directory at (s3fs, bkt/runs/k2)"), (), None))
+    assert [console._one_line_storage_error(r) for r in records] == [True, False, False]  # said once
+    assert records[0].getMessage() == (
+        "[raysys] the storage does not answer (OSError: When uploading 'x': AWS Error NETWORK_CONNECTION during "
+        "PutObject: Could not connect); Ray tries again at its next sync, and the run goes on (said at most once a "
+        "minute)")
+    # what the storage answered (not an outage): Ray's first line and the cause, once a minute for each first line
+    try:
+        raise OSError("When uploading 'x': AWS Error ACCESS_DENIED during PutObject: Access Denied")
+    except OSError:
+        denied = f"Last sync command failed with the following error:\n{traceback.format_exc()}"
+    one, two = (logging.LogRecord(syncer.name, logging.WARNING, __file__, 1, denied.replace("Last", word), (), None)
+                for word in ("Last", "Previous"))
+    assert console._one_line_storage_error(one) and console._one_line_storage_error(two)
+    assert "\n" not in two.getMessage()
+    assert two.getMessage() == ("Previous sync command failed with the following error: OSError: When uploading 'x': "
+                                "AWS Error ACCESS_DENIED during PutObject: Access Denied")
 
 
 DIED = ("A worker died or was killed while executing a task by an unexpected system error. To troubleshoot the "
