@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -166,7 +167,8 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 # ---- stopping at a step boundary -------------------------------------------------------------------
 
 _stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor": None, "job": None, "worker_watch": False,
-                        "event": threading.Event(), "armed": None, "complete": False, "late": None}
+                        "event": threading.Event(), "armed": None, "complete": False, "late": None,
+                        "uncut": None}
 
 
 def arm(resume: str = "", saved: Optional[Callable[[], bool]] = None) -> None:
@@ -282,6 +284,15 @@ def _handler(signum, frame) -> None:
     if _stop["signum"] is not None:
         if is_echo(signum):
             return
+        if _stop["uncut"] is not None:  # asked again during a compiled program: said, not raised (see uncut)
+            from raysys import console
+
+            left = _stop["uncut"] - time.monotonic()
+            eta = f", in about {max(1, round(left))} s" if _stop["uncut"] and left > 0 else ""
+            console.Sink().message(f"[raysys] {signal.Signals(signum).name}: the step running now is one compiled "
+                                   f"program, which cannot be cut short: the run stops when it ends{eta}, with a "
+                                   "checkpoint")
+            return
         raise KeyboardInterrupt  # asked again: stop now (the CLI exits 128 + the first signal)
     request_stop(signum)
     if _stop["armed"] is None:
@@ -290,6 +301,19 @@ def _handler(signum, frame) -> None:
 
     console.Sink().message(f"[raysys] {signal.Signals(signum).name}: stopping at the next step boundary with a "
                            "checkpoint (send it again to stop at once)")
+
+
+@contextlib.contextmanager
+def uncut(seconds: Optional[float] = None):
+    """A stretch no signal can cut short: one compiled program (a JAX chunk) that runs to its end whatever
+    Python does; even the process's exit waits for it. A second stop signal meanwhile is answered with when
+    the run stops (``seconds``: how long the stretch is expected to take), not with a stop "at once" that
+    would drop the chunk and still wait it out. Its wait must let handlers run: ``jax_host.wait``."""
+    _stop["uncut"] = time.monotonic() + seconds if seconds else 0.0
+    try:
+        yield
+    finally:
+        _stop["uncut"] = None
 
 
 def install_signal_handlers() -> None:
@@ -325,7 +349,7 @@ def reinstall_if_active() -> None:
 def reset() -> None:
     """Forget a stop request (tests, and a process that runs several runs)."""
     _stop["signum"], _stop["actor"], _stop["armed"] = None, None, None
-    _stop["complete"], _stop["late"] = False, None
+    _stop["complete"], _stop["late"], _stop["uncut"] = False, None, None
     _stop["event"].set()  # a waiting relay sees no actor of its own and ends
     _stop["event"] = threading.Event()
 

@@ -1621,6 +1621,59 @@ def test_one_signal_sent_to_the_process_and_then_its_group_is_one_request():
         lifecycle.reset()
 
 
+def test_signals_during_a_compiled_jax_chunk_are_answered_at_once_and_its_stop_waits_for_it():
+    """A JAX chunk is one compiled program: while the driver waited inside XLA for it, Python ran no signal
+    handler, so a Ctrl-C said nothing for the whole chunk (a minute on a CPU), and a second one, meant to stop
+    at once, could not. Now the wait lets handlers run: the first signal is answered at once, and a second
+    says the run stops when the chunk ends, with a checkpoint, and does not raise. The "chunk" here never
+    ends: the script ends itself (os._exit) once both signals were answered, or after 60 s without."""
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, signal, threading, time
+        import jax, jax.numpy as jnp
+        from raysys import console, lifecycle
+        from raysys.train.jax_host import to_host
+
+        said, answered = [], threading.Event()
+        def message(self, text):
+            said.append(text)
+            answered.set()
+        console.Sink.message = message
+        # a program that never ends (tanh stays below 2): only a handler that runs during it can answer. (A matrix
+        # product in it: XLA's CPU client runs a program without one inline, in the call, not in its threads)
+        chunk = jax.jit(lambda x: jax.lax.while_loop(lambda a: a[0, 0] < 2.0, lambda a: jnp.tanh(a @ a), x))
+        lifecycle.install_signal_handlers()
+        lifecycle.arm("resume me")
+
+        def signals():
+            for _ in range(2):
+                answered.clear()
+                time.sleep(lifecycle.ECHO_S + 0.2)  # the second is not an echo of the first: a person asking again
+                os.kill(os.getpid(), signal.SIGINT)
+                if not answered.wait(60):
+                    break
+            print("stop", lifecycle.stop_requested(), flush=True)
+            for text in said:
+                print(text, flush=True)
+            os._exit(0)
+
+        out = chunk(jnp.ones((8, 8)) / 8)
+        threading.Thread(target=signals, daemon=True).start()
+        with lifecycle.uncut(30.0):
+            to_host(out)
+        print("the chunk ended first", flush=True)
+        os._exit(1)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    stop, first, second = proc.stdout.splitlines()
+    assert stop == f"stop {int(signal.SIGINT)}"
+    assert first == "[raysys] SIGINT: stopping at the next step boundary with a checkpoint (send it again to stop at once)"
+    assert re.fullmatch(r"\[raysys\] SIGINT: the step running now is one compiled program, which cannot be cut short: "
+                        r"the run stops when it ends, in about \d+ s, with a checkpoint", second), second
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_timeouts_double_delivery_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, sig):
     """As `timeout` sends it: the signal to the driver, then at once to its whole group."""

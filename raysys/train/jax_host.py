@@ -18,9 +18,37 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def wait(tree):
+    """``jax.block_until_ready(tree)`` in a helper thread that the main thread joins: a wait inside XLA defers
+    Python's signal handlers to its end (a Ctrl-C said nothing for a whole chunk); a join lets them run at
+    once. Errors of the computation are raised here. Returns ``tree``."""
+    import threading
+
+    import jax
+
+    if threading.current_thread() is not threading.main_thread():  # no handlers run here anyway
+        return jax.block_until_ready(tree)
+    failed: list[BaseException] = []
+
+    def block():
+        try:
+            jax.block_until_ready(tree)
+        except BaseException as e:  # an XLA runtime error (out of memory): the caller's to raise
+            failed.append(e)
+
+    helper = threading.Thread(target=block, name="raysys-jax-wait", daemon=True)
+    helper.start()
+    helper.join()
+    if failed:
+        raise failed[0]
+    return tree
+
+
 def to_host(tree):
-    """Replicated (possibly multi-process) arrays -> numpy, via this process's own copy."""
+    """Replicated (possibly multi-process) arrays -> numpy, via this process's own copy (waited for with
+    :func:`wait`)."""
     import jax
     import numpy as np
 
+    wait(tree)
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x), tree)

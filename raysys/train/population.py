@@ -170,12 +170,16 @@ class Batched:
         self.states, self.run, self.compile_s, self.alone = states, run, compile_s, alone
         self.alone_note = f"; one member alone: {alone:.0f}"
         self._retune = retune
+        self._last: Optional[float] = None  # the last chunk's seconds: when a signal's stop will come
 
     def step(self, todo: np.ndarray) -> dict[int, tuple[Any, float]]:
         """Members with a true ``todo`` entry advance one chunk -> {member: (host output, seconds)}."""
+        from raysys import lifecycle
+
         t = time.perf_counter()
-        self.states, out = self.run(self.states, todo)
-        dt = time.perf_counter() - t
+        with lifecycle.uncut(self._last):  # one program: a second signal waits for it (lifecycle.uncut)
+            self.states, out = self.run(self.states, todo)
+        dt = self._last = time.perf_counter() - t
         return {i: (o, dt) for i, o in out.items()}
 
     def rate(self, steps: float, seconds: float) -> float:
@@ -207,13 +211,18 @@ class InTurn:
         check_shapes(states)  # the lone program compiled for member 0's shapes runs every member
         self.states, self.run, self.compile_s = list(states), run, compile_s
         self._retune = retune
+        self._last: Optional[float] = None  # the last member's chunk seconds: when a signal's stop will come
 
     def step(self, todo: np.ndarray) -> dict[int, tuple[Any, float]]:
+        from raysys import lifecycle
+
         out = {}
         for i in np.flatnonzero(todo):
             t = time.perf_counter()
-            self.states[i], o = self.run(i, self.states[i], todo[i])  # o on the host: the member's sync
+            with lifecycle.uncut(self._last):  # one program: a second signal waits for it (lifecycle.uncut)
+                self.states[i], o = self.run(i, self.states[i], todo[i])  # o on the host: the member's sync
             out[i] = (o, time.perf_counter() - t)
+            self._last = out[i][1]
         return out
 
     def rate(self, steps: float, seconds: float) -> float:
