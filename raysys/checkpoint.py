@@ -226,6 +226,10 @@ class CheckpointStore:
         return done[-1] if done else None
 
     def save(self, state: dict, step: int, extra_meta: Optional[dict] = None) -> Path:
+        if self.remote is not None:  # another process took the run over (this one was paused): nothing written
+            from raysys import storage
+
+            storage.check_lease(self.run_dir)
         if self.holder is not None:
             from raysys.lifecycle import holder_of
 
@@ -309,6 +313,10 @@ class CheckpointStore:
 
     def mark_ended(self, path: Path) -> None:
         """Mark checkpoint ``path`` as the model the run ended with (``record_final``)."""
+        if self.remote is not None:
+            from raysys import storage
+
+            storage.check_lease(self.run_dir)
         path.mkdir(parents=True, exist_ok=True)  # a remote run's checkpoint may have no local copy
         (path / ENDED_MARK).write_text("the model this run ended with: pruning keeps it\n")
         if self.remote is not None:

@@ -360,9 +360,14 @@ def _main(argv: Optional[list[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1
     except Exception as e:
+        from raysys import storage
         from raysys.checkpoint import CheckpointError
         from raysys.train.failures import environment_line, find_cause
 
+        lost = find_cause(e, (storage.LeaseLost,))
+        if lost is not None:  # another process trains the run now: nothing to resume here
+            print(f"raysys: {lost}", file=sys.stderr)
+            return 1
         root = find_cause(e, (CheckpointError, ConfigError))
         if root is not None:
             print(f"raysys: {type(root).__name__}: {root}", file=sys.stderr)

@@ -304,7 +304,9 @@ def _local_of(storage: Remote, name: str) -> Path:
 def payload(run_dir: Path) -> dict[str, Any]:
     """What a Ray worker needs to find the run: its storage URI and name when remote."""
     owner = remote_of(run_dir)
-    return {"storage_uri": owner[0].uri, "run_name": owner[1]} if owner else {}
+    if owner is None:
+        return {}
+    return {"storage_uri": owner[0].uri, "run_name": owner[1], "lease_token": _tokens.get((owner[0].uri, owner[1]))}
 
 
 @contextlib.contextmanager
@@ -319,6 +321,8 @@ def worker_run_dir(p: dict) -> Iterator[Path]:
     remote = Remote(p["storage_uri"])
     made = _copy_of(remote, p["run_name"]) is None
     root = working_copy(remote, p["run_name"])
+    if p.get("lease_token"):  # the session's lease: a worker's writes are fenced by it too (check_lease)
+        _tokens.setdefault((remote.uri, p["run_name"]), p["lease_token"])
     try:
         yield root
     finally:
@@ -431,6 +435,52 @@ LEASES = ".raysys-leases"
 or digit, so no run is called this)."""
 
 
+class LeaseLost(RuntimeError):
+    """Another process holds this session's remote run now: this one was paused or cut off from the storage
+    past its lease's watch (a stopped process, a suspended machine), and a newcomer took the run over. It
+    writes nothing more to the run (no checkpoint, no metric, no end in MLflow): the run goes on there."""
+
+
+_tokens: dict[tuple[str, str], str] = {}  # (storage, run) -> the token of the lease this session trains under
+_lost: dict[tuple[str, str], str] = {}  # (storage, run) -> why, once this process's lease was found taken
+_checked: dict[tuple[str, str], float] = {}  # (storage, run) -> when check_lease last read the lease
+
+
+def check_lease(run_dir: Path, every_s: float = 0.0) -> None:
+    """Raise :class:`LeaseLost` where ``run_dir``'s remote run is leased to another process than the session
+    this process trains for (its lease's token differs, or the lease is gone). ``every_s``: read the lease at
+    most that often (a metric's record), else only what this process's own lease found. A storage that does not
+    answer says nothing here: its writes wait for it and say so."""
+    owner = remote_of(Path(run_dir))
+    if owner is None:
+        return
+    key = (owner[0].uri, owner[1])
+    if key in _lost:
+        raise LeaseLost(_lost[key])
+    token = _tokens.get(key)
+    if token is None or time.monotonic() - _checked.get(key, -1e9) < every_s:
+        return
+    _checked[key] = time.monotonic()
+    lease = Lease(*owner)
+    try:
+        now = lease._read()
+    except Exception:
+        return
+    if now is None or now.get("token") != token:
+        _lost[key] = lease.taken_line(now)
+        raise LeaseLost(_lost[key])
+
+
+def lease_fence(run_dir: Path):
+    """For a remote run's MLflow logger: a call that raises :class:`LeaseLost` once another process holds the run
+    (reading the lease at most once a beat); None for a local run (its lock is the machine's)."""
+    import functools
+
+    if remote_of(Path(run_dir)) is None:
+        return None
+    return functools.partial(check_lease, Path(run_dir), every_s=beat_s())
+
+
 def beat_s() -> float:
     """Seconds between a lease's renewals (``RAYSYS_LEASE_BEAT_S``, default 5). A holder is taken for
     gone once its lease went unrenewed for 4 beats."""
@@ -508,21 +558,39 @@ class Lease:
         self._renew()
         return self
 
+    def taken_line(self, now: Optional[dict]) -> str:
+        who = (now or {}).get("holder") or "another process (its lease is gone)"
+        return (f"run '{self.name}' on {self.storage.display} was taken over by {who}: this process did not renew "
+                f"its lease for {4 * beat_s():.0f} s (stopped, suspended or cut off from the storage), so it stops and "
+                "writes nothing more to the run, which goes on there")
+
     def _renew(self) -> None:
         import atexit
         import threading
 
         self._stop, self._writing = threading.Event(), threading.Lock()
+        key = (self.storage.uri, self.name)
+        _tokens[key] = self.token
 
         def beat():
             while not self._stop.wait(beat_s()):
                 with self._writing:
                     if self._stop.is_set():
                         return
+                    # read before renewing: after a pause (SIGSTOP, a suspended machine) a newcomer may hold the
+                    # run, and a blind renewal would make two processes train it, each deleting the other's files
+                    try:
+                        now, known = self._read(), True
+                    except Exception:  # storage away for a while: the run's own pushes say so; keep beating
+                        now, known = None, False
+                    if known and (now is None or now.get("token") != self.token):
+                        _lost[key] = self.taken_line(now)
+                        self._stop.set()
+                        return
                     self.beats += 1
                     try:
                         self._write()
-                    except Exception:  # storage away for a while: the run's own pushes say so; keep beating
+                    except Exception:
                         pass
 
         threading.Thread(target=beat, name=f"raysys-lease-{self.name}", daemon=True).start()

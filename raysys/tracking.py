@@ -506,8 +506,11 @@ class MLflowLogger:
     ``--resume``. Without one, errors propagate.
     """
 
-    def __init__(self, uri: str, run_id: str, buffer: Optional[str | Path] = None):
-        self.uri, self.run_id = uri, run_id
+    def __init__(self, uri: str, run_id: str, buffer: Optional[str | Path] = None,
+                 fence: Optional[Callable[[], None]] = None):
+        """``fence``: called before each record, raising where this process may no longer write to the run
+        (``storage.lease_fence``: a remote run another process took over)."""
+        self.uri, self.run_id, self.fence = uri, run_id, fence
         self.client = _client(uri)
         self.buffer = Path(buffer) if buffer is not None else None
         self._retry_at, self._backoff = 0.0, 30.0
@@ -591,6 +594,8 @@ class MLflowLogger:
         storage.push(self.buffer)
 
     def _call(self, rec: dict) -> None:
+        if self.fence is not None:
+            self.fence()
         if self.buffer is None:
             return self._send(rec)
         now = time.monotonic()

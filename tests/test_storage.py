@@ -271,6 +271,67 @@ def test_two_machines_never_train_one_remote_run_and_a_killed_holder_is_taken_ov
     assert not [k for k in _keys(client, "runs/.raysys-leases/") if not k.endswith("/")]  # released at the end
 
 
+def test_a_holder_paused_past_its_lease_writes_nothing_more_to_the_run_taken_over(tmp_path, s3):
+    """A holder stopped (SIGSTOP, a suspended machine) past its lease's watch loses the run to a resume from
+    another machine. It used to renew the lease blindly when it came back: both trained the run, each
+    deleting the other's checkpoints, and the one MLflow run got every step twice. Now it finds the lease
+    taken, says so in one line, exits 1 and writes nothing more: no metric, no checkpoint, no end."""
+    import signal
+
+    import mlflow
+
+    uri, client = s3
+    args = [*QUICK, "--storage-path", uri, "--name", "paused", "--set", "train.epochs=1000"]
+    env = {**_env(), "RAYSYS_LEASE_BEAT_S": "1"}
+    (tmp_path / "A").mkdir(), (tmp_path / "B").mkdir()
+
+    def start(machine: str, *more: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "raysys", "train", *args, *more], cwd=tmp_path,
+                                env={**env, "TMPDIR": str(tmp_path / machine)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def text(key: str) -> str:
+        return _text(client, key) if key in _keys(client, key) else ""
+
+    def wait_for(what, proc: subprocess.Popen) -> None:
+        deadline = time.time() + 300
+        while not what():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.5)
+
+    a = start("A")
+    b = None
+    try:
+        wait_for(lambda: [k for k in _keys(client, "runs/paused/checkpoints/") if k.endswith("/meta.json")], a)
+        os.killpg(a.pid, signal.SIGSTOP)
+        b = start("B", "--resume")
+        wait_for(lambda: f"process {b.pid} on" in text("runs/.raysys-leases/paused"), b)
+        wait_for(lambda: "resumed step=" in text("runs/paused/events.log"), b)
+        os.killpg(a.pid, signal.SIGCONT)
+        out, err = a.communicate(timeout=300)
+        print(out[-3000:], err[-3000:], sep="\n")
+        assert a.returncode == 1 and "Traceback" not in err, err[-3000:]
+        (line,) = [x for x in err.splitlines() if x.startswith("raysys:")]
+        assert line.startswith(f"raysys: run 'paused' on s3://{BUCKET}/runs was taken over by process {b.pid} on ")
+        assert f"process {b.pid} on" in _text(client, "runs/.raysys-leases/paused")  # the lease left to B
+        assert b.poll() is None  # B trains on, its checkpoints untouched (A deleted them as its own older ones)
+        events = _text(client, "runs/paused/events.log")
+        assert "failed" not in events and events.count("resumed step=") == 1, events
+        mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+        assert run.info.status == "RUNNING"  # B's: A did not close it FAILED, nor did its watcher KILLED
+        b.send_signal(signal.SIGINT)
+        b.communicate(timeout=300)
+        assert b.returncode == 130
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/loss")]
+    assert steps and len(steps) == len(set(steps)), steps  # one writer: every step once
+
+
 @pytest.mark.slow  # ~1 min: two JAX compiles; test_a_run_lives_on_s3_and_resumes_from_it covers S3 resume by default
 def test_a_jax_run_on_s3_resumes_from_its_numpy_checkpoint(tmp_path, s3):
     """A JAX workload's checkpoint is state.npz (written without torch): it is uploaded, a new process pulls

@@ -41,7 +41,7 @@ def worker_session(payload: dict, rank: int, world_size: int, run_dir: Path) -> 
     wl = registry.get(payload["workload"])
     cfg = from_dict(wl.config_cls, payload["config"])
     logger = (tracking.MLflowLogger(payload["tracking_uri"], payload["run_id"],
-                                    buffer=run_dir / tracking.BUFFER_FILE)
+                                    buffer=run_dir / tracking.BUFFER_FILE, fence=storage.lease_fence(run_dir))
               if rank == 0 else tracking.NullLogger())
     run = OpenRun(wl, cfg, payload["config"], payload["name"], run_dir, payload["identity"],
                   payload["tracking_uri"], payload["run_id"], logger, holder=payload.get("holder"))

@@ -13,8 +13,9 @@ from raysys.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteE
 from raysys.config import ConfigError
 
 
-PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError)
-"""Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint, a full disk)."""
+PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError, storage.LeaseLost)
+"""Errors a restart cannot fix (a config, an unknown workload, bad data, a foreign checkpoint, a full disk, a
+run another process took over)."""
 
 
 def find_cause(e: BaseException, types: tuple, where: Optional[Callable[[BaseException], bool]] = None

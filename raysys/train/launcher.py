@@ -308,6 +308,8 @@ class OpenRun:
     def tracked(self):
         """Close the MLflow run as FINISHED, KILLED (a signal, Ctrl-C) or FAILED, however the block ends.
         The block may set ``.failure`` (a run that diverged): FAILED, recorded."""
+        from raysys.train.failures import find_cause
+
         status, outcome = "FAILED", _Outcome()
         try:
             yield outcome
@@ -323,6 +325,9 @@ class OpenRun:
             status = "KILLED"
             raise
         except Exception as e:
+            if find_cause(e, (storage.LeaseLost,)) is not None:  # the run is another process's now: not a word
+                status = None                                    # more to it (its MLflow run, events.log)
+                raise
             if (isinstance(e, CheckpointError) and not isinstance(e, Superseded) and self.cfg.launch.resume
                     and self.snapshot is not None):
                 # a resume its checkpoint refused trained nothing: its snapshot must not become the config
@@ -331,7 +336,17 @@ class OpenRun:
             self.record_failure(e)
             raise
         finally:
-            self.finish(status)
+            if status is None:
+                self.let_go()
+            else:
+                self.finish(status)
+
+    def let_go(self) -> None:
+        """Leave the run as it is, to the process that took it over (``storage.LeaseLost``): this one's lock
+        released, its watcher told not to close the MLflow run, nothing written."""
+        lifecycle.RunLock.release_dir(self.run_dir)
+        if self.watcher is not None:
+            self.watcher.done()
 
 
 @dataclass
@@ -603,7 +618,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
             lifecycle.RunLock.release_dir(run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    logger = tracking.MLflowLogger(uri, run_id, buffer=run_dir / tracking.BUFFER_FILE)
+    logger = tracking.MLflowLogger(uri, run_id, buffer=run_dir / tracking.BUFFER_FILE, fence=storage.lease_fence(run_dir))
     waiting = logger.pending if launch.resume else 0  # counted before the first call below sends them
     if launch.resume and (tags or {}).get("raysys.resume_changes"):  # the run's params keep their first values
         # each resume's changes, after the earlier ones': "resume-1: ... | resume-2: ..." (its config snapshot's name)

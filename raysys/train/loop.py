@@ -231,7 +231,8 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
 
     if rank == 0 and world > 1:  # where rank 0 runs, for audits of restarts after a lost node
         record_event(run_dir, f"worker group of {world} started; rank 0 on node {ray.get_runtime_context().get_node_id()}")
-    logger = (MLflowLogger(payload["tracking_uri"], payload["run_id"], buffer=run_dir / BUFFER_FILE)
+    logger = (MLflowLogger(payload["tracking_uri"], payload["run_id"], buffer=run_dir / BUFFER_FILE,
+                           fence=storage.lease_fence(run_dir))
               if rank == 0 and payload.get("run_id") else NullLogger())
     hooks = hooks_used(task)
     if rank == 0 and hooks:  # the optim.* params describe the config's optimizer, not this one
