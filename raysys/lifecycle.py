@@ -168,7 +168,7 @@ def create_run_dir(run_dir: Path, name: str, lock_dir: Optional[Path] = None) ->
 
 _stop: dict[str, Any] = {"signum": None, "at": 0.0, "installed": False, "actor": None, "job": None, "worker_watch": False,
                         "event": threading.Event(), "armed": None, "complete": False, "late": None,
-                        "uncut": None}
+                        "uncut": None, "waiting": False}
 
 
 def arm(resume: str = "", saved: Optional[Callable[[], bool]] = None) -> None:
@@ -297,10 +297,18 @@ def _handler(signum, frame) -> None:
     request_stop(signum)
     if _stop["armed"] is None:
         raise KeyboardInterrupt  # no run yet: nothing to save, nothing to wait for
+    if _stop["waiting"]:  # no worker runs (the cluster cannot place them): no step boundary will come
+        raise KeyboardInterrupt
     from raysys import console
 
     console.Sink().message(f"[raysys] {signal.Signals(signum).name}: stopping at the next step boundary with a "
                            "checkpoint (send it again to stop at once)")
+
+
+def set_waiting(waiting: bool) -> None:
+    """Whether the run waits for workers the cluster cannot place now (``runtime.WaitingForWorkers``): a stop
+    signal then stops at once, keeping the last checkpoint, since no step boundary comes while none runs."""
+    _stop["waiting"] = bool(waiting)
 
 
 @contextlib.contextmanager
@@ -349,7 +357,7 @@ def reinstall_if_active() -> None:
 def reset() -> None:
     """Forget a stop request (tests, and a process that runs several runs)."""
     _stop["signum"], _stop["actor"], _stop["armed"] = None, None, None
-    _stop["complete"], _stop["late"], _stop["uncut"] = False, None, None
+    _stop["complete"], _stop["late"], _stop["uncut"], _stop["waiting"] = False, None, None, False
     _stop["event"].set()  # a waiting relay sees no actor of its own and ends
     _stop["event"] = threading.Event()
 

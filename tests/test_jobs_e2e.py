@@ -130,6 +130,41 @@ def test_submit_a_plugin_workload_from_its_own_folder(head, tmp_path):
 
 
 @pytest.mark.slow  # ~25 s: Ray retries the refused handshake
+def test_workers_a_cluster_cannot_place_are_said_and_a_signal_stops_the_wait(head, tmp_path):
+    """Three workers on a 2-CPU cluster: Ray Train waits, silently and for ever, for a node to join (an
+    autoscaler's, or a lost node's return), and a SIGTERM (`timeout`, a scheduler) waited for a step boundary
+    that could not come. Now the wait is said once, with what the cluster has, and the signal stops at once."""
+    from mlflow.tracking import MlflowClient
+
+    _, env, tmp = head
+    proc = subprocess.Popen([sys.executable, "-m", "raysys", "train", "deep_gpcm", "--preset", "quick", "--workers",
+                             "3", "--address", (tmp / "gcs_address").read_text(), "--name", "three"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    import threading
+
+    never = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))  # a silent wait ends the output
+    never.start()
+    try:
+        for line in proc.stdout:  # until the wait is said
+            lines.append(line)
+            if "Ray Train waits for the cluster" in line:
+                break
+        never.cancel()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = [x for x in lines if "Ray Train waits for the cluster" in x]
+    assert len(said) == 1 and "to place 3 worker(s) of {CPU 1" in said[0] and "CPU 2 (" in said[0], "".join(lines)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "raysys: interrupted; the run had no checkpoint yet" in err and "Traceback" not in err, err[-3000:]
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(["1"])
+    assert run.info.status == "KILLED"
+
+
 def test_joining_a_token_cluster_without_its_token_is_one_line_and_creates_nothing(head, tmp_path):
     """Before: a traceback after Ray's retries, exit 1, and a half-made run (its folder blocking the name,
     its MLflow run RUNNING for ever)."""

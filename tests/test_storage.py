@@ -271,17 +271,19 @@ def test_two_machines_never_train_one_remote_run_and_a_killed_holder_is_taken_ov
     assert not [k for k in _keys(client, "runs/.raysys-leases/") if not k.endswith("/")]  # released at the end
 
 
-def test_a_holder_paused_past_its_lease_writes_nothing_more_to_the_run_taken_over(tmp_path, s3):
+def test_a_holder_paused_past_its_lease_writes_nothing_more_to_the_run_taken_over(tmp_path, s3, mlflow_server):
     """A holder stopped (SIGSTOP, a suspended machine) past its lease's watch loses the run to a resume from
     another machine. It used to renew the lease blindly when it came back: both trained the run, each
     deleting the other's checkpoints, and the one MLflow run got every step twice. Now it finds the lease
-    taken, says so in one line, exits 1 and writes nothing more: no metric, no checkpoint, no end."""
+    taken, says so in one line, exits 1 and writes nothing more: no metric, no checkpoint, no end. (Two
+    machines share a tracking server, not a sqlite file: a process stopped in a write would lock that.)"""
     import signal
 
     import mlflow
 
     uri, client = s3
-    args = [*QUICK, "--storage-path", uri, "--name", "paused", "--set", "train.epochs=1000"]
+    args = [*QUICK, "--storage-path", uri, "--name", "paused", "--set", "train.epochs=1000",
+            "--tracking-uri", mlflow_server]
     env = {**_env(), "RAYSYS_LEASE_BEAT_S": "1"}
     (tmp_path / "A").mkdir(), (tmp_path / "B").mkdir()
 
@@ -317,7 +319,7 @@ def test_a_holder_paused_past_its_lease_writes_nothing_more_to_the_run_taken_ove
         assert b.poll() is None  # B trains on, its checkpoints untouched (A deleted them as its own older ones)
         events = _text(client, "runs/paused/events.log")
         assert "failed" not in events and events.count("resumed step=") == 1, events
-        mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        mlflow.set_tracking_uri(mlflow_server)
         (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
         assert run.info.status == "RUNNING"  # B's: A did not close it FAILED, nor did its watcher KILLED
         b.send_signal(signal.SIGINT)

@@ -3,6 +3,7 @@ from the last checkpoint, and the run's ``events.log`` (resumes, restarts, failu
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, Callable, Optional
 from raysys import console, lifecycle, storage
 from raysys.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError
 from raysys.config import ConfigError
+from raysys.train import runtime
 
 
 PERMANENT = (ConfigError, CheckpointError, CheckpointWriteError, ImportError, storage.LeaseLost)
@@ -87,7 +89,10 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
                 # Train V2's fit() replaces the SIGINT handler with one that aborts the controller (the
                 # workers die mid-step); ours lets them checkpoint at the next step boundary instead.
                 trainer._register_sigint_handler = lambda controller: None
-            return trainer.fit()
+            # the driver a person stops: a worker group the cluster cannot place is said, and a signal stops it
+            watch = runtime.WaitingForWorkers((sink or console.Sink()).message) if lifecycle.handles_signals() else None
+            with watch or contextlib.nullcontext():
+                return trainer.fit()
         except Exception as e:
             cause = permanent_cause(e)
             if cause is not None:

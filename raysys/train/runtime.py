@@ -12,7 +12,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 from raysys import console, lifecycle
 from raysys import workload as registry
@@ -126,6 +127,70 @@ def check_local_resources(launch: Any) -> None:
         raise ConfigError(f"--workers {launch.workers} x launch.cpus_per_worker {launch.cpus_per_worker:g} needs "
                           f"{need_cpu:g} CPUs; this machine has {cpus}, and the Ray started here has no more. Use "
                           "fewer, or --address of a bigger cluster (nothing was created)")
+
+
+class WaitingForWorkers:
+    """Ray Train waits, silently and for ever, for a worker group the cluster cannot place now: more workers
+    than it has CPUs or GPUs, a node lost, an autoscaler still adding one. While it does, a thread finds the
+    group's placement group pending (one made after this began; checked every ``every_s``), says so once per
+    group with what it needs and what the cluster has, and marks the run as waiting (``lifecycle.set_waiting``):
+    a stop signal then stops at once, not at a step boundary that cannot come."""
+
+    def __init__(self, say: Callable[[str], None], every_s: float = 5.0):
+        self.say, self.every_s = say, every_s
+        self._done = threading.Event()
+        self._before: set = set()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "WaitingForWorkers":
+        import ray
+
+        if ray.is_initialized():
+            self._before = set(_placement_groups())
+            self._thread = threading.Thread(target=self._watch, name="raysys-waiting-for-workers", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.every_s + 5)
+        lifecycle.set_waiting(False)
+
+    def _watch(self) -> None:
+        seen, said = set(), set()
+        while not self._done.wait(self.every_s):
+            try:
+                table = _placement_groups()
+                pending = {k: v for k, v in table.items() if k not in self._before
+                           and v.get("state") in ("PENDING", "RESCHEDULING")}
+                if pending and (seen & set(pending)) and not (set(pending) <= said):
+                    self.say(_waiting_line(next(iter(pending.values()))))
+                    said |= set(pending)
+                lifecycle.set_waiting(bool(seen & set(pending)))  # pending at two looks: not a group being placed
+                seen = set(pending)
+            except Exception:  # Ray's state going away at the run's end: nothing to say
+                return
+
+
+def _placement_groups() -> dict:
+    from ray.util import placement_group_table
+
+    return placement_group_table() or {}
+
+
+def _waiting_line(group: dict) -> str:
+    import ray
+
+    bundles = list((group.get("bundles") or {}).values())
+    need = ", ".join(f"{k} {v:g}" for k, v in sorted((bundles[0] if bundles else {}).items()))
+    total, free = ray.cluster_resources(), ray.available_resources()
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    has = "; ".join(f"{k} {total.get(k, 0):g} ({free.get(k, 0):g} free)" for k in ("CPU", "GPU")
+                    if k in total or any(k in b for b in bundles))
+    return (f"[raysys] Ray Train waits for the cluster to place {len(bundles)} worker(s) of {{{need}}} each; it has "
+            f"{nodes} node(s): {has}. It goes on once nodes join (an autoscaler's, or yours); a stop signal (Ctrl-C) "
+            "now stops at once, and --resume continues the run, with fewer --workers too")
 
 
 @contextlib.contextmanager
