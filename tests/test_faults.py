@@ -1760,6 +1760,22 @@ def test_cross_validation_stopped_in_a_fold_ends_killed_and_resumes_the_rest(tmp
     assert parent.info.status == "KILLED" and not parent.data.metrics
     resume = out.strip().splitlines()[-1].strip()
     assert resume.startswith("cd ") and resume.endswith(" --resume") and "--cv" in resume and "--name cv" in resume, out[-2000:]
+    # a fold another process trains now (its lock held here): a resume is refused before it touches the parent
+    # (it marked the live parent FAILED, and reopened the finished folds, before the refusal at the busy fold)
+    from raysys import lifecycle
+
+    held = lifecycle.RunLock.acquire(tmp_path / "raysys_runs" / "cv-fold1", "cv-fold1")
+    try:
+        busy = subprocess.run(shlex.split(resume.split(" && ", 1)[1]), cwd=tmp_path, env=_env(), capture_output=True,
+                              text=True, timeout=600)
+    finally:
+        held.release()
+    assert busy.returncode == 2 and "cross-validation 'cv' is being trained by another process now" in busy.stderr
+    assert _client(uri).get_run(parent.info.run_id).info.status == "KILLED"
+    # the name again without --resume: refused before a second parent of that name exists (it was left FAILED)
+    twice = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert twice.returncode == 2 and "a cross-validation called 'cv' already exists" in twice.stderr, twice.stderr
+    assert len([r for r in _mlflow_runs(uri, "raysys-deep_gpcm") if r.data.tags.get("raysys.kind") == "cross_validation"]) == 1
     again = subprocess.run(shlex.split(resume.split(" && ", 1)[1]), cwd=tmp_path, env=_env(), capture_output=True,
                            text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

@@ -40,6 +40,7 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
         tracking.check_store(uri)
         _prepare(prepare_of(wl), cfg)  # (each fold's run prepares it again: made once, then checked)
     base = _resumed(wl, cfg.launch) if cfg.launch.resume else cfg.launch.name or _claim_base(wl, cfg.launch)
+    _check_folds_free(wl, cfg.launch, base, k)
     experiment = cfg.launch.experiment or f"raysys-{wl.name}"
     parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation",
                                                             **plugin_tag(wl), **(tags or {})},
@@ -173,6 +174,27 @@ def _claim_base(wl, launch: Any) -> str:
         return candidate
 
     return lifecycle.claim_first(f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}", False, claim)
+
+
+def _check_folds_free(wl, launch: Any, base: str, k: int) -> None:
+    """Before the parent run is opened (or reopened FAILED by a refusal): a new cross-validation's name is
+    free, and no fold of one resumed is being trained by another process now."""
+    from raysys import storage
+
+    if not launch.resume:
+        if launch.name and _exists(wl, dataclasses.replace(launch, name=f"{base}-fold0", resume=True)):
+            raise ConfigError(f"a cross-validation called '{base}' already exists (its first fold's run, {base}-fold0); "
+                              "pass --resume to continue it, or choose another --name (nothing was changed)")
+        return
+    if storage.is_remote(launch.storage_path):  # a remote fold's holder is refused by its lease, at the fold
+        return
+    from raysys.train.launcher import storage_root
+
+    for fold in range(k):
+        folder = storage_root(launch.storage_path) / f"{base}-fold{fold}"
+        if lifecycle.RunLock.in_use(folder):
+            raise ConfigError(f"cross-validation '{base}' is being trained by another process now (its fold "
+                              f"{base}-fold{fold} is in use); wait for it to finish (nothing was changed)")
 
 
 def _exists(wl, launch: Any) -> bool:
