@@ -189,6 +189,7 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     # audit AR: a traceback of numpy's MemoryError; a run made, then failed twice; no key named; a compile per length
     (["--set", "data.max_len=100000000"], "responses to generate, ~626 GiB, more than this machine's"),
     (["--set", "data.seed=-1"], "data.seed must be >= 0, got -1"),
+    (["--cv", "--set", "data.n_folds=0"], "data.n_folds must be >= 2, got 0"),  # was "data.fold must be in 0..-1"
     (["--set", "train.compile=true", "--set", "model.path=naive"], "train.compile=true applies to model.path=optimized"),
 ])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):

@@ -78,6 +78,7 @@ class DataConfig:
     checkpoint records it, so a resume refuses other data wherever it is; Ray workers check their copy."""
 
     def validate(self) -> None:
+        at_least(self, "data.", 2, "n_folds")  # first: a fold's range is of k's
         if not 0 <= self.fold < self.n_folds:
             raise ConfigError(f"data.fold must be in 0..{self.n_folds - 1}, got {self.fold}")
         if self.min_len < 2 or self.max_len <= self.min_len:
