@@ -156,6 +156,11 @@ def setup_logging() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO" if verbose() else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not verbose():
+        # raysys's own warnings (a storage outage waited out) in the console's voice, as a worker's reach it
+        # (``forwarding``), not as logging records with a date, a level and a logger's name
+        for handler in logging.getLogger().handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.setFormatter(_OwnVoice(handler.formatter))
         # Tune's own output engine draws an experiment table, TensorBoard hints and, on Ctrl+C, a
         # Tuner.restore line: raysys draws its progress and prints its own resume command
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
@@ -185,6 +190,19 @@ def setup_logging() -> None:
         for name in ("ray.train._internal.syncer", "ray.train._internal.storage",
                      "ray.train.v2._internal.execution.storage"):
             logging.getLogger(name).addFilter(_one_line_storage_error)
+
+
+class _OwnVoice(logging.Formatter):
+    """raysys's records as ``[raysys] <message>``; other libraries' as ``base`` formats them."""
+
+    def __init__(self, base: Optional[logging.Formatter]):
+        super().__init__()
+        self.base = base or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "raysys" or record.name.startswith("raysys."):
+            return f"[raysys] {record.getMessage()}"
+        return self.base.format(record)
 
 
 _said_at: dict[str, float] = {}

@@ -169,16 +169,26 @@ class Remote:
         """``once()``, tried again while the storage cannot be reached (an endpoint restarting, a network
         blip), for up to ``$RAYSYS_STORAGE_RETRY_S`` (60 s): an outage that short costs a checkpoint no run.
         Anything else the service answers (denied, no such bucket) is raised at once."""
-        deadline, delay, said = time.monotonic() + float(os.environ.get(RETRY_ENV, RETRY_S)), 0.5, False
+        start = time.monotonic()
+        deadline, delay, said = start + float(os.environ.get(RETRY_ENV, RETRY_S)), 0.5, False
+        waited = threading.Event()  # a wait was said: its end is said too (the progress alone goes on silently)
+
+        def stalled():
+            waited.set()
+            log.warning("storage %s has not answered the %s for %d s; waiting for it", self.display, what, SLOW_S)
+
         # an endpoint that stalls without failing (a paused server, a congested link) holds a call until the
         # filesystem's own retries give up or it answers: a first attempt taking SLOW_S is said
-        slow = threading.Timer(SLOW_S, lambda: log.warning("storage %s has not answered the %s for %d s; waiting "
-                                                           "for it", self.display, what, SLOW_S))
+        slow = threading.Timer(SLOW_S, stalled)
         slow.daemon = True
         slow.start()
         while True:
             try:
-                return once()
+                done = once()
+                if said or waited.is_set():
+                    log.warning("storage %s answers again: the %s went through after %.0f s", self.display, what,
+                                time.monotonic() - start)
+                return done
             except OSError as e:
                 if not unreachable(e) or time.monotonic() + delay > deadline:
                     raise

@@ -194,3 +194,19 @@ def test_a_worker_that_died_is_one_short_line_on_a_quiet_console(monkeypatch, ca
         "unexpectedly exits with a connection error code 2. End of file.); Ray's session logs hold the rest")
     assert out.splitlines()[1].endswith("One sentence alone.") and len(out.splitlines()) == 2
     assert out.startswith("(raylet) A worker died") and "\x1b[" not in out  # not a terminal: no colour codes
+
+
+def test_raysys_warnings_speak_in_the_consoles_voice():
+    """A storage outage waited out in the driver's own process printed `2026-11-29 14:43:14,212 WARNING
+    raysys.storage: ...` between the progress lines, where a worker's came as `[raysys] ...`; now both alike.
+    Other libraries' records keep their form; -v keeps logging's for all."""
+    script = ("import logging; from raysys import console; console.setup_logging(); "
+              "logging.getLogger('raysys.storage').warning('storage %s answers again', 's3://b'); "
+              "logging.getLogger('other.lib').warning('its own')")
+    env = {k: v for k, v in os.environ.items() if k != "RAYSYS_VERBOSE"}
+    quiet = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    lines = quiet.stderr.strip().splitlines()
+    assert lines[0] == "[raysys] storage s3://b answers again" and lines[1].endswith("WARNING other.lib: its own"), lines
+    loud = subprocess.run([sys.executable, "-c", script], env={**env, "RAYSYS_VERBOSE": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert "WARNING raysys.storage: storage s3://b answers again" in loud.stderr, loud.stderr

@@ -75,6 +75,7 @@ def test_an_upload_waits_out_a_storage_endpoint_that_restarts(s3, tmp_path, monk
         reopen.join()
     assert _keys(client, "runs/r/") == ["runs/r/checkpoints/step_1/state.pt"]
     assert "unreachable" in caplog.text and "trying the upload r/checkpoints/step_1/state.pt again" in caplog.text
+    assert "answers again: the upload r/checkpoints/step_1/state.pt went through after" in caplog.text  # its end too
     caplog.clear()
     with pytest.raises(OSError, match="NO_SUCH_BUCKET"):
         Remote(uri.replace(f"s3://{BUCKET}/", "s3://no-such-bucket/")).put(tmp_path / "state.pt", "x")
@@ -569,6 +570,8 @@ def test_a_storage_call_that_stalls_is_said_while_it_waits(tmp_path, monkeypatch
                 said.set()
 
     heard = Heard()
+    lines = []
+    heard.emit = lambda record, emit=heard.emit: (lines.append(record.getMessage()), emit(record))
     logging.getLogger("raysys.storage").addHandler(heard)
     try:
         remote = storage.Remote(f"file://{tmp_path}")
@@ -576,3 +579,6 @@ def test_a_storage_call_that_stalls_is_said_while_it_waits(tmp_path, monkeypatch
         assert remote._retrying(lambda: "fast", "upload y") == "fast"
     finally:
         logging.getLogger("raysys.storage").removeHandler(heard)
+    # the wait said, its end is said too (once); a call that answered at once says nothing
+    assert len(lines) == 2 and lines[1].startswith(f"storage file://{tmp_path} answers again: the upload x/state.pt went "
+                                                   "through after"), lines
