@@ -1733,6 +1733,18 @@ def test_a_bare_cross_validation_resume_takes_the_newest_that_has_not_ended(tmp_
     assert _resumed(registry.get("deep_gpcm"), launch) == "deep_gpcm-cv-20261128-090000"  # its third fold is left
     fold("deep_gpcm-cv-20261128-090000", 2, True)
     assert _resumed(registry.get("deep_gpcm"), launch) == "deep_gpcm-cv-20261128-110000"  # all ended: the newest
+    # audit AW F8: a cv stopped as it began left its claimed first fold's folder (only its lock), which a bare
+    # resume then took as the newest and refused ("no run called ...-fold0") until it was removed by hand
+    from raysys.train.cv import _unclaim
+
+    claimed = runs / "deep_gpcm-cv-20261128-120000-fold0"
+    claimed.mkdir()
+    (claimed / ".raysys.lock").write_text("")
+    assert _resumed(registry.get("deep_gpcm"), launch) == "deep_gpcm-cv-20261128-110000"
+    _unclaim(registry.get("deep_gpcm"), launch, "deep_gpcm-cv-20261128-120000")  # what the stopped cv does now
+    assert not claimed.exists()
+    _unclaim(registry.get("deep_gpcm"), launch, "deep_gpcm-cv-20261128-110000")  # a run's folder is never removed
+    assert (runs / "deep_gpcm-cv-20261128-110000-fold0" / "config.yaml").is_file()
 
 
 @pytest.mark.slow  # ~2 min: 3 folds, one of them twice

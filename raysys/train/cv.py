@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import shutil
 import statistics
 import tempfile
 import time
@@ -39,7 +40,17 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
 
         tracking.check_store(uri)
         _prepare(prepare_of(wl), cfg)  # (each fold's run prepares it again: made once, then checked)
+    claimed = not cfg.launch.resume and not cfg.launch.name
     base = _resumed(wl, cfg.launch) if cfg.launch.resume else cfg.launch.name or _claim_base(wl, cfg.launch)
+    try:
+        return _run(wl, cfg, tags, uri, base, k, fold_key)
+    except BaseException:
+        if claimed:  # stopped before its first fold's run existed: the folder claimed for it goes too
+            _unclaim(wl, cfg.launch, base)
+        raise
+
+
+def _run(wl, cfg: Any, tags: Optional[dict], uri: str, base: str, k: int, fold_key: str) -> RunResult:
     _check_folds_free(wl, cfg.launch, base, k)
     experiment = cfg.launch.experiment or f"raysys-{wl.name}"
     parent = tracking.start_run(uri, experiment, base, tags={"raysys.workload": wl.name, "raysys.kind": "cross_validation",
@@ -158,8 +169,12 @@ def _resumed(wl, launch: Any) -> str:
             k = None
         return (not isinstance(k, int) or len(folds) >= k) and all(read(f, "final_metrics.json") for f in folds)
 
-    # the newest that has not ended, as a bare --resume of one run takes (else the newest: it trains nothing)
-    bases = [n[: -len("-fold0")] for n in reversed(firsts)]
+    # the newest that has not ended, as a bare --resume of one run takes (else the newest: it trains nothing);
+    # a first fold's folder without its config holds no run (a cross-validation stopped as it began)
+    bases = [n[: -len("-fold0")] for n in reversed(firsts) if read(n, "config.yaml") is not None]
+    if not bases:
+        raise ConfigError(f"--cv --resume: no earlier cross-validation of {wl.name} under {launch.storage_path} "
+                          "trained a fold; name one with --name")
     return next((b for b in bases if not ended(b)), bases[0])
 
 
@@ -174,6 +189,19 @@ def _claim_base(wl, launch: Any) -> str:
         return candidate
 
     return lifecycle.claim_first(f"{wl.name}-cv-{time.strftime('%Y%m%d-%H%M%S')}", False, claim)
+
+
+def _unclaim(wl, launch: Any, base: str) -> None:
+    """Remove the first fold's folder ``_claim_base`` made, where no run was made in it (only its lock)."""
+    from raysys import storage
+    from raysys.train.launcher import storage_root
+
+    if storage.is_remote(launch.storage_path):
+        return
+    folder = storage_root(launch.storage_path) / f"{base}-fold0"
+    if folder.is_dir() and all(p.name == lifecycle.LOCK_FILE for p in folder.iterdir()):
+        lifecycle.RunLock.release_dir(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _check_folds_free(wl, launch: Any, base: str, k: int) -> None:
