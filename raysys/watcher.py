@@ -120,7 +120,8 @@ def _close(spec: dict) -> bool:
         why = WHY + (f"; resume it with: {spec['resume']}" if spec.get("resume") else "")
         children = client.search_runs([run.info.experiment_id], filter_string=(
             f"tags.`mlflow.parentRunId` = '{spec['run_id']}' and attributes.status = 'RUNNING'"))
-        for child in children:
+        for child in children:  # a fold or a trial says why too: the one a user opens in the UI may be it
+            client.set_tag(child.info.run_id, "raysys.error", why[:5000])
             client.set_terminated(child.info.run_id, "KILLED")
         client.set_tag(spec["run_id"], "raysys.error", why[:5000])
         client.set_terminated(spec["run_id"], "KILLED")

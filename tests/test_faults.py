@@ -524,6 +524,7 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
         assert w.proc.wait(timeout=120) == 0
         os.close(held)
         c = _client(uri)
+        case.child_tags = c.get_run(child).data.tags
         return c.get_run(parent).info.status, c.get_run(child).info.status
 
     # a resume that comes while a watcher holds the run's lock (its MLflow calls) waits for it, not refused
@@ -551,6 +552,9 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
     assert case(locked=True) == ("RUNNING", "RUNNING")
     assert case(buffered=True) == ("RUNNING", "RUNNING")
     assert case() == ("KILLED", "KILLED")
+    # the child (a fold, a trial) says why and how to go on too, as its parent does (audit AW F3)
+    assert "the process ended without closing its run" in case.child_tags["raysys.error"]
+    assert case.child_tags["raysys.error"].endswith("resume it with: resume me")
 
 
 def test_unit_checkpoint_store_finishes_an_interrupted_swap(tmp_path):
