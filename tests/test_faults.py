@@ -1793,10 +1793,14 @@ def test_cross_validation_stopped_in_a_fold_ends_killed_and_resumes_the_rest(tmp
     twice = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert twice.returncode == 2 and "a cross-validation called 'cv' already exists" in twice.stderr, twice.stderr
     assert len([r for r in _mlflow_runs(uri, "raysys-deep_gpcm") if r.data.tags.get("raysys.kind") == "cross_validation"]) == 1
-    again = subprocess.run(shlex.split(resume.split(" && ", 1)[1]), cwd=tmp_path, env=_env(), capture_output=True,
-                           text=True, timeout=900)
+    again = subprocess.run(shlex.split(resume.split(" && ", 1)[1]) + ["--set", "train.keep_checkpoints=3"], cwd=tmp_path,
+                           env=_env(), capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "nothing left to train" in again.stdout and "3-fold cross-validation" in again.stdout
+    # the change is said of the folds it resumed, not of the one it started (audit AW F10)
+    tagged = {r.data.tags["raysys.cv_fold"]: r.data.tags.get("raysys.resume_changes")
+              for r in _mlflow_runs(uri, "raysys-deep_gpcm") if r.data.tags.get("raysys.kind") == "cv_fold"}
+    assert tagged["1"] == "resume-1: train.keep_checkpoints: 2 -> 3" and tagged["2"] is None, tagged
     assert _client(uri).get_run(parent.info.run_id).info.status == "FINISHED"
     folds = [json.loads((tmp_path / "raysys_runs" / f"cv-fold{i}" / "final_metrics.json").read_text()) for i in range(3)]
     mean = _client(uri).get_run(parent.info.run_id).data.metrics["cv_mean/qwk"]

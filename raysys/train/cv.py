@@ -84,8 +84,10 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
             # a resume continues the folds that exist (a finished one trains nothing) and starts the others
             again = cfg.launch.resume and _exists(wl, dataclasses.replace(cfg.launch, name=name, resume=True))
             fold_cfg = apply_overrides(cfg, {fold_key: fold, "launch.name": name, "launch.resume": again})
+            # a fold this resume starts was never resumed: the changes said of a resume are not its own
+            fold_tags = {k: v for k, v in (tags or {}).items() if again or k != "raysys.resume_changes"}
             result = run_training(registry.ref(wl), fold_cfg, parent_run_id=parent,
-                                  tags={**(tags or {}), "raysys.kind": "cv_fold", "raysys.cv_fold": str(fold)})
+                                  tags={**fold_tags, "raysys.kind": "cv_fold", "raysys.cv_fold": str(fold)})
             results.append(result)
             stopped_by = result.stopped_by if result.stopped_by is not None else lifecycle.late_stop()
             if stopped_by is not None:  # Ctrl-C/SIGTERM: no later fold starts, and no mean of a part
