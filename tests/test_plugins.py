@@ -756,6 +756,16 @@ class FoldConfig(digits_mlp.DigitsConfig):
 W = digits_mlp.WORKLOAD
 ONEFOLD = dataclasses.replace(W, name="onefold", config_cls=FoldConfig, presets={"default": FoldConfig},
                               extra={"folds": ("data.n_folds", "data.fold")})
+class PartialTask(digits_mlp.DigitsTask):  # a metric only odd folds report (an AUC needs both classes)
+    def datasets(self, cfg):
+        self.fold = cfg.data.fold
+        return super().datasets(cfg)
+
+    def evaluate(self, model, batches):
+        return super().evaluate(model, batches) | ({"per_class": 0.5 + self.fold} if self.fold % 2 else {})
+
+
+PARTIAL = dataclasses.replace(ONEFOLD, name="partial", task=PartialTask())
 RECORD = dataclasses.replace(W, name="record", dataset=lambda cfg: {"name": "digits", "source": "sklearn",
                                                                     "profile": cfg.data.seedd})
 SHAPE = dataclasses.replace(W, name="shape", dataset=lambda cfg: {"name": "digits", "source": "sklearn",
@@ -843,6 +853,22 @@ def test_a_cross_validation_of_one_fold_is_refused(project):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "raysys: config error: --cv needs data.n_folds >= 2 folds, got 1 (--set data.n_folds=5, say)"], proc.stderr
     assert not (project / "raysys_runs").exists() and not (project / "mlflow.db").exists()
+
+
+def test_a_metric_some_folds_do_not_report_is_said_of_the_folds_that_do(project):
+    """Its mean was over the folds that report it, with nothing saying so (audit AW F4)."""
+    from mlflow.tracking import MlflowClient
+
+    (project / "mistakes.py").write_text(MISTAKES)
+    proc = _run(["python", "-m", "raysys", "train", "mistakes:PARTIAL", "--workers", "0", "--cv", "--name", "p",
+                 "--set", "data.n_folds=3", "--set", "train.epochs=1"], project)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("[raysys] eval/per_class was reported by 1 of the 3 folds: its mean and std are of those 1 (MLflow: "
+            "cv_n/per_class)") in proc.stdout, proc.stdout[-3000:]
+    (parent,) = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").search_runs(
+        ["1"], filter_string="tags.`raysys.kind` = 'cross_validation'")
+    assert parent.data.metrics["cv_mean/per_class"] == 1.5 and parent.data.metrics["cv_n/per_class"] == 1
+    assert "cv_n/accuracy" not in parent.data.metrics  # every fold reports it
 
 
 def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anything(project):

@@ -104,6 +104,8 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
         raise
     names = sorted({m for r in results for m in r.metrics if m.startswith("eval/")})
     vals = {m.split("/", 1)[1]: [r.metrics[m] for r in results if m in r.metrics] for m in names}
+    # a metric some folds do not report (an AUC of a fold with one class): its mean is of the others, said so
+    part = {n: len(v) for n, v in vals.items() if len(v) < k}
     mean = {f"cv_mean/{n}": statistics.fmean(v) for n, v in vals.items()}
     # the folds' spread (sample standard deviation) says whether two configurations' means differ at all
     std = {f"cv_std/{n}": statistics.stdev(v) if len(v) > 1 else 0.0 for n, v in vals.items()}
@@ -114,11 +116,15 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
     table = "\n".join(rows) + "\n"
     # at the folds' steps trained in all: a cv trained further (--resume with a longer run) gets a new point,
     # where one at step 0 again would be dropped as a repeat and the parent keep the earlier mean
-    logger.log_metrics(mean | std, step=int(sum(r.metrics.get("step", 0) or 0 for r in results)))
+    logger.log_metrics(mean | std | {f"cv_n/{n}": c for n, c in part.items()},
+                       step=int(sum(r.metrics.get("step", 0) or 0 for r in results)))
     logger.log_text(table, "cross_validation.md")
     logger.delete_tag("raysys.error")  # a killed session's (raysys.watcher): every fold is done now
     tracking.end_run(uri, parent, "FINISHED")
     print(f"[raysys] {k}-fold cross-validation of {wl.name}:\n{table}", flush=True)
+    for n, c in part.items():
+        print(f"[raysys] eval/{n} was reported by {c} of the {k} folds: its mean and std are of those {c} "
+              f"(MLflow: cv_n/{n})", flush=True)
     # the summary's metrics are the folds' means, under the names one run reports
     speed = [r.metrics[wl.throughput_metric] for r in results if wl.throughput_metric in r.metrics]
     return RunResult(base, results[-1].run_dir.parent, parent, uri, where=_folds_at(results[-1]), metrics=
