@@ -165,6 +165,21 @@ def test_workers_a_cluster_cannot_place_are_said_and_a_signal_stops_the_wait(hea
     assert run.info.status == "KILLED"
 
 
+def test_a_sweep_joins_a_cluster_quietly(head, tmp_path):
+    """`raysys.tune --address` printed Ray's INFO lines ("Connecting to existing Ray cluster at address: ...")
+    on a quiet console; `train` did not (audit AV F6). -v shows them."""
+    _, env, tmp = head
+    script = ("import sys, ray; from raysys.tune.runner import _init_ray; _init_ray(sys.argv[1]); "
+              "print('joined', ray.is_initialized()); ray.shutdown()")
+    quiet = {k: v for k, v in env.items() if k != "RAYSYS_VERBOSE"}
+    for verbose in (False, True):
+        r = subprocess.run([sys.executable, "-c", script, (tmp / "gcs_address").read_text()], cwd=tmp_path,
+                           env={**quiet, "RAYSYS_VERBOSE": "1"} if verbose else quiet, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and "joined True" in r.stdout, r.stderr[-3000:]
+        assert ("Connecting to existing Ray cluster" in r.stderr) == verbose, r.stderr[-3000:]
+
+
 def test_joining_a_token_cluster_without_its_token_is_one_line_and_creates_nothing(head, tmp_path):
     """Before: a traceback after Ray's retries, exit 1, and a half-made run (its folder blocking the name,
     its MLflow run RUNNING for ever)."""

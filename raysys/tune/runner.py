@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import shlex
 import signal
@@ -354,7 +355,9 @@ def _init_ray(address: Optional[str]) -> None:
     env = registry.runtime_env()  # a plug-in from a local file travels to every trial's node
     if joins_cluster(address):
         try:
-            ray.init(address=address, log_to_driver=False, runtime_env=env)
+            # Ray's INFO lines ("Connecting to existing Ray cluster...") on a quiet console: -v shows them
+            ray.init(address=address, log_to_driver=False, runtime_env=env,
+                     logging_level=logging.INFO if console.verbose() else logging.WARNING)
         except Exception as e:  # it listens, but will not have us: one line, before the sweep's folder exists
             ray.shutdown()
             raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
