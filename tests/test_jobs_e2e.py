@@ -167,16 +167,18 @@ def test_workers_a_cluster_cannot_place_are_said_and_a_signal_stops_the_wait(hea
 
 def test_a_sweep_joins_a_cluster_quietly(head, tmp_path):
     """`raysys.tune --address` printed Ray's INFO lines ("Connecting to existing Ray cluster at address: ...")
-    on a quiet console; `train` did not (audit AV F6). -v shows them."""
-    _, env, tmp = head
-    script = ("import sys, ray; from raysys.tune.runner import _init_ray; _init_ray(sys.argv[1]); "
-              "print('joined', ray.is_initialized()); ray.shutdown()")
+    on a quiet console; `train` did not (audit AV F6). -v shows them. The dashboard its job line names is the
+    one Ray joined, not the GCS host with port 8265."""
+    url, env, tmp = head
+    script = ("import sys, ray; from raysys.tune.runner import _dashboard, _init_ray; _init_ray(sys.argv[1]); "
+              "print('joined', ray.is_initialized(), _dashboard(sys.argv[1])); ray.shutdown()")
     quiet = {k: v for k, v in env.items() if k != "RAYSYS_VERBOSE"}
     for verbose in (False, True):
         r = subprocess.run([sys.executable, "-c", script, (tmp / "gcs_address").read_text()], cwd=tmp_path,
                            env={**quiet, "RAYSYS_VERBOSE": "1"} if verbose else quiet, capture_output=True, text=True,
                            timeout=300)
-        assert r.returncode == 0 and "joined True" in r.stdout, r.stderr[-3000:]
+        # and the dashboard its recommendation's `ray job submit` line names is the one Ray joined (audit AV F5)
+        assert r.returncode == 0 and f"joined True {url.split('://')[1]}" in r.stdout, r.stdout + r.stderr[-3000:]
         assert ("Connecting to existing Ray cluster" in r.stderr) == verbose, r.stderr[-3000:]
 
 

@@ -8,7 +8,8 @@ from raysys.tune.plot import plot
 from raysys.tune.report import commands, fmt_value, ordered, table, write_csv
 
 
-def test_commands_are_exact_and_quoted():
+def test_commands_are_exact_and_quoted(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
     train, job = commands("deep_gpcm", "quick", {"train.epochs": 2, "data.path": "my data.parquet"},
                           {"train.compile": False, "optim.lr": 0.00123, "train.max_steps": None})
     assert train == ("python -m raysys train deep_gpcm --preset quick --set train.epochs=2 "
@@ -17,6 +18,11 @@ def test_commands_are_exact_and_quoted():
     # Ray ships the folder the line is pasted in: the line goes to the sweep's first, as the local one does
     assert job == f"cd {shlex.quote(os.getcwd())} && ray job submit --address http://127.0.0.1:8265 --working-dir . -- {train}"
     assert "data.path=my data.parquet" in shlex.split(train)
+    # from the repo's root: its runtime_env too (the upload's excludes; the wait that lets `ray job stop` checkpoint)
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "runtime_env.yaml").write_text("working_dir: .\n")
+    _, job = commands("deep_gpcm", "quick", {}, {})
+    assert " --working-dir . --runtime-env cluster/runtime_env.yaml -- python -m raysys train deep_gpcm" in job
 
 
 def test_commands_reproduce_the_trial_config():
@@ -134,6 +140,9 @@ def test_a_recommendation_keeps_the_sweeps_storage_and_tracking_and_its_cluster(
     assert job.endswith(train)
     assert job_address("ray://head.example:10001") == "http://head.example:8265"
     assert job_address("http://head:8265/") == "http://head:8265"
+    # the dashboard Ray said it joined beats a guess from the GCS address (a head that binds it to 127.0.0.1,
+    # on another port: the guess refused connections, audit AV F5)
+    assert job_address("10.0.0.5:6379", "127.0.0.1:8271") == "http://127.0.0.1:8271"
     # a workload file of the sweep's folder: the job (run in Ray's copy of --working-dir .) names it from there
     monkeypatch.chdir(tmp_path)
     train, job = commands(str(tmp_path / "mine" / "wl.py") + ":WORKLOAD", "quick", {}, {})

@@ -14,6 +14,7 @@ from raysys.tune import objectives as obj
 from raysys.tune.pareto import ERROR, INCOMPLETE, OK, UNSTABLE, TrialRecord, best_of, pareto_front, recommend
 
 JOB_ADDRESS = "http://127.0.0.1:8265"
+RUNTIME_ENV = "cluster/runtime_env.yaml"
 
 
 def fmt_value(v: Optional[float], digits: int = 4) -> str:
@@ -78,12 +79,16 @@ def _arg(key: str, value: Any) -> str:
     return shlex.quote(f"{key}={value}")
 
 
-def job_address(address: Optional[str]) -> str:
-    """The dashboard `ray job submit` talks to, for the cluster a sweep ran on (``--address`` or
-    $RAY_ADDRESS: its head's host, Ray's default dashboard port); a local sweep: a cluster started here."""
+def job_address(address: Optional[str], dashboard: Optional[str] = None) -> str:
+    """The dashboard `ray job submit` talks to, for the cluster a sweep ran on: the one Ray said it joined
+    (``dashboard``: its host and port, as seen from where the sweep ran; a head that binds it to 127.0.0.1,
+    cluster/README.md's posture, is reached there through a tunnel), else ``--address`` or $RAY_ADDRESS's
+    head with Ray's default dashboard port; a local sweep: a cluster started here."""
     addr = (address or os.environ.get("RAY_ADDRESS", "")).strip()
     if addr.startswith(("http://", "https://")):
         return addr.rstrip("/")
+    if dashboard:
+        return dashboard.rstrip("/") if "://" in dashboard else f"http://{dashboard.rstrip('/')}"
     host = addr.split("://", 1)[-1].rsplit(":", 1)[0] if addr not in ("", "auto", "local") else ""
     return f"http://{host or '127.0.0.1'}:8265"
 
@@ -109,8 +114,10 @@ def commands(workload: str, preset: str, fixed: dict[str, Any], knobs: dict[str,
             in_job, ship = f"{Path(file).name}:{attr}", shlex.quote(str(Path(file).parent))
     # `--working-dir .` is the folder the line is pasted in: the line goes there first, as the local one does
     cd = f"cd {shlex.quote(os.getcwd())} && " if ship == "." else ""
+    # the repo's runtime_env (what a job uploads, and the stop wait that lets `ray job stop` checkpoint)
+    env = " --runtime-env cluster/runtime_env.yaml" if ship == "." and Path(RUNTIME_ENV).is_file() else ""
     return (line(shlex.quote(workload)),
-            f"{cd}ray job submit --address {address} --working-dir {ship} -- {line(shlex.quote(in_job))}")
+            f"{cd}ray job submit --address {address} --working-dir {ship}{env} -- {line(shlex.quote(in_job))}")
 
 
 def recommendation_text(rec: Optional[TrialRecord], records: Sequence[TrialRecord], tolerance: float,

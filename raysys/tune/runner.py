@@ -336,6 +336,18 @@ def _signals_stop_like_ctrl_c(stop_actor=None):
             os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = tune_sigint
 
 
+def _dashboard(address: Optional[str]) -> Optional[str]:
+    """The dashboard of the cluster this sweep joined, as Ray reported it (None: a Ray of this process)."""
+    from raysys.train.runtime import joins_cluster
+
+    try:
+        import ray
+
+        return ray._private.worker.get_dashboard_url() or None if joins_cluster(address) and ray.is_initialized() else None
+    except Exception:  # Ray's private helper moved: the address's head and Ray's default port
+        return None
+
+
 def _init_ray(address: Optional[str]) -> None:
     import ray
 
@@ -654,7 +666,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
               f"  {_resume_line(opts, sp, name, sweep_dir)}", flush=True)
         return SweepOutcome(name, sweep_dir, parent, records, None, True, signals.get("signum", signal.SIGINT))
     rec = report.summarise(sp, wl, records, tolerance, throughput_metric, quality_metric, sweep_dir, parent_log,
-                           budget_hit=budget_hit, launch=(flags, report.job_address(opts.address)),
+                           budget_hit=budget_hit, launch=(flags, report.job_address(opts.address, _dashboard(opts.address))),
                            unstarted=opts.num_samples - len(records) if opts.vectorize == 1 else 0)
     storage.push_tree(sweep_dir / "report")
     parent_log.delete_tag("raysys.error")  # a killed session's (raysys.watcher): the sweep is whole now
