@@ -241,3 +241,25 @@ def test_a_job_keeping_its_run_in_rays_unpacked_working_dir_is_told(tmp_path, mo
     assert "the run's folder and the MLflow store are in Ray's unpacked copy" in out and "--storage-path" in out
     say_if_in_ray_package(tmp_path / "runs" / "r", "http://127.0.0.1:5000")
     assert capsys.readouterr().out == ""
+
+
+def test_a_jobs_resume_line_is_a_job_of_the_same_source(tmp_path, monkeypatch):
+    """`ray job stop` printed `cd <Ray's unpacked copy on the head> && python -m raysys train ... --resume`: a
+    folder the user's machine lacks, and a driver that would start a Ray of its own (audit AV F2). A job's
+    resume is a new job of the same source, on the cluster, as cluster/README.md says."""
+    from raysys import workload as registry
+    from raysys.train.config import LaunchConfig
+    from raysys.train.launcher import _resume_command
+
+    wl = registry.get("deep_gpcm")
+    launch = LaunchConfig(storage_path="/shared/runs", tracking_uri="http://mlflow.internal:5000")
+    monkeypatch.chdir(tmp_path)
+    assert _resume_command(wl, launch, "r") == (f"cd {tmp_path} && python -m raysys train deep_gpcm --name r --resume "
+                                                "--storage-path /shared/runs")
+    pkg = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    pkg.mkdir(parents=True)
+    monkeypatch.chdir(pkg)
+    assert _resume_command(wl, launch, "r") == (
+        "ray job submit --address http://127.0.0.1:8265 --working-dir . --runtime-env cluster/runtime_env.yaml -- "
+        "python -m raysys train deep_gpcm --name r --resume --storage-path /shared/runs --tracking-uri "
+        "http://mlflow.internal:5000")

@@ -396,10 +396,29 @@ def _resume_command(wl: registry.Workload, launch: Any, name: str) -> str:
     ``module:attr`` workload are all found relative to the folder the run started in."""
     import shlex
 
-    cmd = f"cd {shlex.quote(os.getcwd())} && python -m raysys train {shlex.quote(registry.ref(wl))} --name {name} --resume"
+    train = f"python -m raysys train {shlex.quote(registry.ref(wl))} --name {name} --resume"
     if Path(launch.storage_path).resolve() != Path("raysys_runs").resolve():
-        cmd += f" --storage-path {shlex.quote(launch.storage_path)}"  # an S3 URI's options hold '&'
-    return cmd
+        train += f" --storage-path {shlex.quote(launch.storage_path)}"  # an S3 URI's options hold '&'
+    if RAY_PACKAGE not in str(Path.cwd().resolve()) + "/":
+        return f"cd {shlex.quote(os.getcwd())} && {train}"
+    # a `ray job submit` job: its folder is Ray's unpacked copy on the head, and a plain driver would start a
+    # Ray of its own; a new job of the same source resumes it on the cluster (cluster/README.md)
+    if launch.tracking_uri:
+        train += f" --tracking-uri {shlex.quote(launch.tracking_uri)}"
+    return (f"ray job submit --address {_job_dashboard()} --working-dir . --runtime-env cluster/runtime_env.yaml "
+            f"-- {train}")
+
+
+def _job_dashboard() -> str:
+    """The dashboard a job of this cluster is submitted to: the one Ray joined, else its default port here (the
+    head binds it to 127.0.0.1, reached through a tunnel: cluster/README.md)."""
+    try:
+        import ray
+
+        url = ray._private.worker.get_dashboard_url() if ray.is_initialized() else ""
+    except Exception:  # Ray's private helper moved
+        url = ""
+    return (url if "://" in url else f"http://{url}") if url else "http://127.0.0.1:8265"
 
 
 def _lock_dir(launch: Any) -> Optional[Path]:
