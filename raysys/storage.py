@@ -319,6 +319,29 @@ def payload(run_dir: Path) -> dict[str, Any]:
     return {"storage_uri": owner[0].uri, "run_name": owner[1], "lease_token": _tokens.get((owner[0].uri, owner[1]))}
 
 
+SHARED_WAIT_S = 30.0  # how long a worker looks for the run folder (a network file system's cache)
+
+
+def _shared(run_dir: Path) -> Path:
+    """The run folder as a worker on another node sees it, or a ConfigError: a --storage-path the nodes do not
+    share (a local folder on a cluster) ran to its end with its checkpoints and results on some other node's
+    disk, the driver finding none. The driver made the folder and its lock file before any worker started; a
+    network file system may show them a moment late."""
+    from raysys.config import ConfigError
+    from raysys.lifecycle import LOCK_FILE
+
+    deadline = time.monotonic() + float(os.environ.get("RAYSYS_SHARED_WAIT_S", SHARED_WAIT_S))
+    while not (run_dir / LOCK_FILE).exists():
+        if time.monotonic() >= deadline:
+            import socket
+
+            raise ConfigError(f"the run folder {run_dir} is not on node {socket.gethostname()} (a Ray Train worker "
+                              "runs there): a cluster's nodes must share --storage-path (a shared file system, or "
+                              "s3://...)")
+        time.sleep(1.0)
+    return run_dir
+
+
 @contextlib.contextmanager
 def worker_run_dir(p: dict) -> Iterator[Path]:
     """The run folder of a Ray worker: the shared one, or a working copy of the remote run. A copy made here
@@ -326,7 +349,7 @@ def worker_run_dir(p: dict) -> Iterator[Path]:
     running ``atexit``, which would leave a copy of every checkpoint in each node's temp folder. (A worker
     in the driver's own process, ``--workers 0``, works in the driver's copy, which stays.)"""
     if not p.get("storage_uri"):
-        yield Path(p["run_dir"])
+        yield _shared(Path(p["run_dir"]))
         return
     remote = Remote(p["storage_uri"])
     made = _copy_of(remote, p["run_name"]) is None

@@ -582,3 +582,25 @@ def test_a_storage_call_that_stalls_is_said_while_it_waits(tmp_path, monkeypatch
     # the wait said, its end is said too (once); a call that answered at once says nothing
     assert len(lines) == 2 and lines[1].startswith(f"storage file://{tmp_path} answers again: the upload x/state.pt went "
                                                    "through after"), lines
+
+
+def test_a_worker_that_does_not_see_the_run_folder_says_the_storage_is_not_shared(tmp_path, monkeypatch):
+    """A local --storage-path on a cluster whose nodes do not share it: the run ran to its end with its
+    checkpoints and results on a worker node's disk, 'done' with every result n/a, a --resume finding nothing
+    (audit AV F9). A worker now finds the run folder the driver made (its lock file), or refuses in one line."""
+    from raysys import lifecycle, storage
+    from raysys.config import ConfigError
+
+    monkeypatch.setenv("RAYSYS_SHARED_WAIT_S", "0")
+    seen = tmp_path / "runs" / "r"
+    lock = lifecycle.create_run_dir(seen, "r")  # what the driver makes before any worker starts
+    try:
+        with storage.worker_run_dir({"run_dir": str(seen)}) as got:
+            assert got == seen
+    finally:
+        lock.release()
+    elsewhere = tmp_path / "other-node" / "runs" / "r"
+    with pytest.raises(ConfigError, match=f"the run folder {elsewhere} is not on node .*: a cluster's nodes must share "
+                                          r"--storage-path \(a shared file system, or s3://...\)"):
+        with storage.worker_run_dir({"run_dir": str(elsewhere)}):
+            pass
