@@ -193,6 +193,7 @@ def test_joining_a_token_cluster_without_its_token_is_one_line_and_creates_nothi
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith("raysys: config error: the Ray cluster at ")
     assert "asks for its auth token: set RAY_AUTH_MODE=token" in r.stderr
+    assert "gcs_client" not in r.stderr, r.stderr[-3000:]  # Ray's warning per try, 20 of them (audit AV F1)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -263,3 +264,13 @@ def test_a_jobs_resume_line_is_a_job_of_the_same_source(tmp_path, monkeypatch):
         "ray job submit --address http://127.0.0.1:8265 --working-dir . --runtime-env cluster/runtime_env.yaml -- "
         "python -m raysys train deep_gpcm --name r --resume --storage-path /shared/runs --tracking-uri "
         "http://mlflow.internal:5000")
+
+
+def test_a_refused_join_says_the_whole_reason_on_one_line():
+    """Ray's first line alone ended at "Initialization failure from server:" (audit AV F8)."""
+    from raysys.train.runtime import join_refused
+
+    e = ConnectionError("Initialization failure from server:\nTraceback ...\nSpecificServer startup failed")
+    assert join_refused("ray://127.0.0.1:9911", e) == (
+        "could not join the Ray cluster at ray://127.0.0.1:9911: Initialization failure from server: Traceback ... "
+        "SpecificServer startup failed (nothing was created)")

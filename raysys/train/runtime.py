@@ -95,8 +95,40 @@ def join_refused(addr: str, e: BaseException) -> str:
         return (f"the Ray cluster at {addr} asks for its auth token: set RAY_AUTH_MODE=token and give the token "
                 "(~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN), as for `ray job submit` "
                 "(nothing was created)")
-    first = next((line.strip() for line in str(chain[0]).splitlines() if line.strip()), type(chain[0]).__name__)
-    return f"could not join the Ray cluster at {addr}: {first[:300]} (nothing was created)"
+    # its whole message on one line: Ray's first line alone may end at "Initialization failure from server:"
+    said = " ".join(str(chain[0]).split()) or type(chain[0]).__name__
+    return f"could not join the Ray cluster at {addr}: {said[:300]} (nothing was created)"
+
+
+@contextlib.contextmanager
+def held_stderr():
+    """Ray's core worker writes each failed try of a join to file descriptor 2 (a cluster that refuses a
+    missing auth token: a ``gcs_client.cc`` warning a second, for 20 s, before ``ray.init`` gives up). On a
+    quiet console those go to a file meanwhile: a refusal is then one line (``join_refused``); a join that
+    succeeds passes on what was written, less those retries."""
+    import tempfile
+
+    if console.verbose():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                held.seek(0)
+                kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                        if "gcs_client.cc" not in line]
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def local_gpus() -> int:
@@ -279,7 +311,7 @@ def init_ray(address: Optional[str]) -> None:
     env = registry.runtime_env()
     if joins_cluster(address):
         try:
-            with keeping_stop_handlers():
+            with keeping_stop_handlers(), held_stderr():
                 ray.init(address=address, log_to_driver=not quiet, runtime_env=env,
                          logging_level=logging.WARNING if quiet else logging.INFO)
         except Exception as e:  # it listens, but will not have us: say why in one line

@@ -361,15 +361,16 @@ def _init_ray(address: Optional[str]) -> None:
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     if ray.is_initialized():
         return
-    from raysys.train.runtime import join_refused, joins_cluster, one_line_cluster_errors
+    from raysys.train.runtime import held_stderr, join_refused, joins_cluster, one_line_cluster_errors
 
     # Trial output goes to per-trial logs and our progress lines; the driver stays readable.
     env = registry.runtime_env()  # a plug-in from a local file travels to every trial's node
     if joins_cluster(address):
         try:
             # Ray's INFO lines ("Connecting to existing Ray cluster...") on a quiet console: -v shows them
-            ray.init(address=address, log_to_driver=False, runtime_env=env,
-                     logging_level=logging.INFO if console.verbose() else logging.WARNING)
+            with held_stderr():
+                ray.init(address=address, log_to_driver=False, runtime_env=env,
+                         logging_level=logging.INFO if console.verbose() else logging.WARNING)
         except Exception as e:  # it listens, but will not have us: one line, before the sweep's folder exists
             ray.shutdown()
             raise ConfigError(join_refused(address or os.environ["RAY_ADDRESS"], e)) from None
