@@ -1818,3 +1818,40 @@ def test_cross_validation_stopped_in_a_fold_ends_killed_and_resumes_the_rest(tmp
     assert all(f["step"] > b for f, b in zip(folds, before)), (before, [f["step"] for f in folds])
     mean = _client(uri).get_run(parent.info.run_id).data.metrics["cv_mean/qwk"]
     assert abs(mean - sum(f["eval/qwk"] for f in folds) / 3) < 1e-9
+
+
+def test_a_restart_says_a_lost_peer_plainly_and_names_a_node_found_dead(monkeypatch):
+    """A lost node's workers fail as their peers' lost connection: the restart line quoted gloo's source
+    location and advice ("... GLHF! 🏖️"); it now says the connection, and a node Ray found dead since the
+    attempt began by its address (audit AV F4)."""
+    from raysys.train import failures
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                        "peer [127.0.0.1]:33977. This is typically caused by a remote worker crashing. Check the logs "
+                        "of the remote worker before reporting an error. GLHF! \U0001F3D6\uFE0F")
+    assert failures.error_line(gloo) == "RuntimeError: Connection closed by peer [127.0.0.1]:33977."
+    assert failures.error_line(ValueError("[not a source] kept")) == "ValueError: [not a source] kept"
+
+    nodes = [{"NodeID": "a" * 40, "Alive": True, "NodeManagerAddress": "10.0.0.1"},
+             {"NodeID": "b" * 40, "Alive": True, "NodeManagerAddress": "10.0.0.2"}]
+    said, attempts = [], []
+    monkeypatch.setattr("ray.is_initialized", lambda: True)
+    monkeypatch.setattr("ray.nodes", lambda: [dict(n) for n in nodes])
+
+    class Trainer:
+        def fit(self):
+            attempts.append(1)
+            if len(attempts) == 1:
+                nodes[1]["Alive"] = False  # lost during the first attempt
+                raise gloo
+            return "done"
+
+    class Sink:
+        def message(self, text):
+            said.append(text)
+
+    monkeypatch.setattr(failures, "record_event", lambda run_dir, text: said.append(f"event: {text}"))
+    monkeypatch.setattr(failures, "newest_checkpoint", lambda run_dir: "step_000000066")
+    assert failures.fit_with_restarts(Trainer, 2, Path("unused"), Sink()) == "done"
+    assert said[0] == ("event: restart 1/2 after: node 10.0.0.2 (bbbbbbbb) was lost (RuntimeError: Connection closed "
+                       "by peer [127.0.0.1]:33977.)"), said

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -42,6 +43,19 @@ def find_cause(e: BaseException, types: tuple, where: Optional[Callable[[BaseExc
     return None
 
 
+def _alive_nodes(dead: bool = False) -> dict[str, str]:
+    """The cluster's nodes alive now (``dead``: those dead now), id -> address; {} without a Ray here."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return {}
+        return {n["NodeID"]: f"{n.get('NodeManagerAddress', '?')} ({n['NodeID'][:8]})" for n in ray.nodes()
+                if bool(n.get("Alive")) != dead}
+    except Exception:  # the state API away (the cluster going down): nothing to name
+        return {}
+
+
 def error_line(e: BaseException) -> str:
     """``Type: message`` of the error a user should read: the first failed worker's own error, not
     Ray's wrapper around it (whose first line names no error)."""
@@ -56,7 +70,11 @@ def error_line(e: BaseException) -> str:
             continue
         break
     text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    # a collective's peer gone (a worker or its node lost): gloo's source location and advice are noise here
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[0]).split(" This is typically caused")[0]
+    return f"{type(e).__name__}: {first[:300]}"
 
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
@@ -83,6 +101,7 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
     ``max_failures=0``; node preemptions keep Ray's separate budget)."""
     attempt, last = 0, None
     while True:
+        alive = _alive_nodes()
         try:
             trainer = make_trainer()
             if lifecycle.handles_signals() and hasattr(trainer, "_register_sigint_handler"):
@@ -98,6 +117,9 @@ def fit_with_restarts(make_trainer: Callable[[], Any], max_failures: int, run_di
             if cause is not None:
                 raise cause from None
             line = error_line(e)
+            lost = [n for n in _alive_nodes(dead=True) if n in alive]
+            if lost:  # a worker's error is then its peers' lost connection (gloo's "Connection closed by peer")
+                line = f"node {', '.join(alive[n] for n in lost)} was lost ({line})"
             at = newest_checkpoint(run_dir)
             if lifecycle.stop_requested() is not None:
                 # a stop was asked for, and the signal reached the step's own processes too (a compiler's, a

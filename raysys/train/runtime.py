@@ -171,14 +171,17 @@ class WaitingForWorkers:
     def __init__(self, say: Callable[[str], None], every_s: float = 5.0):
         self.say, self.every_s = say, every_s
         self._done = threading.Event()
-        self._before: set = set()
+        self._before: Optional[set] = set()
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "WaitingForWorkers":
         import ray
 
-        if ray.is_initialized():
-            self._before = set(_placement_groups())
+        try:
+            self._before = set(_placement_groups()) if ray.is_initialized() else None
+        except Exception:  # Ray's state API not answering: nothing to watch with
+            self._before = None
+        if self._before is not None:
             self._thread = threading.Thread(target=self._watch, name="raysys-waiting-for-workers", daemon=True)
             self._thread.start()
         return self
