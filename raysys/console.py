@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Callable, Iterator, Optional, TextIO
 
 VERBOSE_ENV = "RAYSYS_VERBOSE"
 PLAIN_EVERY_FRACTION = 0.1   # plain mode: a line per tenth of the run...
@@ -130,6 +130,35 @@ def drop_lost_outputs() -> list[int]:
         except (OSError, ValueError):
             pass
     return dropped
+
+
+@contextlib.contextmanager
+def held_stderr(drop: Callable[[str], bool] = lambda line: True) -> Iterator[None]:
+    """What native code writes to file descriptor 2 meanwhile (Ray's core worker, Arrow's C++ S3 client: a
+    line per retry of a call that then fails and is said in raysys's one line) goes to a file: kept back if
+    the block raises, else passed on less the lines ``drop`` names. ``-v`` holds nothing back."""
+    import tempfile
+
+    if verbose():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if ok:
+                held.seek(0)
+                lines = held.read().decode(errors="replace").splitlines(keepends=True)
+                sys.stderr.write("".join(line for line in lines if not drop(line)))
+                sys.stderr.flush()
 
 
 def name_arg(value: str) -> str:

@@ -115,18 +115,24 @@ class Remote:
         missing bucket, refused credentials or an endpoint nothing answers at, said before anything exists."""
         from raysys.config import ConfigError
 
+        from raysys.console import held_stderr
+
         probe = self.path(f".raysys-probe-{uuid.uuid4().hex[:12]}")
         try:
-            with self.fs.open_output_stream(probe) as f:
-                f.write(b"raysys")
-            self.fs.delete_file(probe)
+            with held_stderr(drop=lambda line: "/arrow/" in line):  # Arrow's line per retry of a refused write
+                with self.fs.open_output_stream(probe) as f:
+                    f.write(b"raysys")
+                self.fs.delete_file(probe)
         except Exception as e:  # pyarrow's OSError has no errno: its first line says what the service said
             try:  # a write that failed late (its completion refused) may have left the object
                 self.fs.delete_file(probe)
             except Exception:
                 pass
             reason = " ".join(str(e).split())[:300] or type(e).__name__
-            raise ConfigError(f"{what} {self.display}: cannot write there ({reason})") from None
+            # S3-compatible servers that answer pyarrow's multipart uploads wrongly (moto's): one PUT a file
+            hint = ("; a server that mishandles multipart uploads takes one PUT per file with ?allow_delayed_open=true "
+                    "on the URI" if "MultipartUpload" in str(e) and "allow_delayed_open" not in self.uri else "")
+            raise ConfigError(f"{what} {self.display}: cannot write there ({reason}){hint}") from None
 
     def path(self, *parts: str) -> str:
         return "/".join([self.base, *[p.strip("/") for p in parts if p]])

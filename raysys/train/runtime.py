@@ -100,35 +100,11 @@ def join_refused(addr: str, e: BaseException) -> str:
     return f"could not join the Ray cluster at {addr}: {said[:300]} (nothing was created)"
 
 
-@contextlib.contextmanager
 def held_stderr():
     """Ray's core worker writes each failed try of a join to file descriptor 2 (a cluster that refuses a
-    missing auth token: a ``gcs_client.cc`` warning a second, for 20 s, before ``ray.init`` gives up). On a
-    quiet console those go to a file meanwhile: a refusal is then one line (``join_refused``); a join that
-    succeeds passes on what was written, less those retries."""
-    import tempfile
-
-    if console.verbose():
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            if ok:
-                held.seek(0)
-                kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
-                        if "gcs_client.cc" not in line]
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
+    missing auth token: a ``gcs_client.cc`` warning a second, for 20 s, before ``ray.init`` gives up): on a
+    quiet console a refusal is then one line (``join_refused``); a join that succeeds passes on the rest."""
+    return console.held_stderr(drop=lambda line: "gcs_client.cc" in line)
 
 
 def local_gpus() -> int:
