@@ -192,6 +192,9 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     plateau = is_plateau(sched)  # stepped with the quality after each evaluation, not at each step
     own_schedule = getattr(task, "scheduler", None) is not None
     scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
+    if device.type == "cpu" and tc.precision != "fp32" and rank == 0:  # a knob meant for GPUs, tried on a laptop
+        sink.message(f"[{wl.name}] train.precision={tc.precision} on a CPU: autocast's half-precision kernels are "
+                     "usually slower there than fp32 (python -m raysys.bench measures both)")
     timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None, every=tc.breakdown_every_steps)
     monitor = StabilityMonitor(spike_factor=tc.spike_factor)
     speed = Throughput()
