@@ -429,3 +429,20 @@ def test_the_ablation_without_copy_freezes_p_gen_and_keeps_the_optimizers_layout
         total.backward()  # every trainable parameter has a gradient: what DDP waits for
         assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
     assert sizes[True] == sizes[False] == [len(list(PointerGenerator(300, 8, 8, 1).parameters()))]
+
+
+def test_a_summary_cut_short_gets_no_end_token_at_the_cut(tmp_path):
+    """A cut target ended in EOS at the cut, teaching the model to end a summary mid-sentence (audit AQ F7);
+    as the original's batcher, only a whole summary ends in EOS."""
+    import pyarrow.parquet as pq
+
+    from raysys.workloads.pointer_generator.data import _write_split
+
+    class Words:  # a tokenizer of one id per word
+        def encode(self, text):
+            return [10 + i for i, _ in enumerate(text.split())]
+
+    rows = [{"note": "a b c", "summary": "one two"}, {"note": "a b c", "summary": "one two three four five six"}]
+    meta = _write_split(rows, Words(), tmp_path / "s.parquet", max_src=8, max_tgt=4)
+    tgt = pq.read_table(tmp_path / "s.parquet").column("tgt_ids").to_pylist()
+    assert tgt == [[10, 11, EOS], [10, 11, 12, 13]] and meta["truncated_tgt"] == 1

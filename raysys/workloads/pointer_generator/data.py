@@ -218,7 +218,9 @@ def _write_split(rows: list[dict], sp, path: Path, max_src: int, max_tgt: int) -
         cut_src += len(s) > max_src - 1
         cut_tgt += len(t) > max_tgt - 1
         src.append(s[: max_src - 1] + [EOS])
-        tgt.append(t[: max_tgt - 1] + [EOS])
+        # a summary cut short gets no EOS at the cut (as the original's batcher): the model would learn to end
+        # a summary mid-sentence there
+        tgt.append(t + [EOS] if len(t) <= max_tgt - 1 else t[:max_tgt])
     table = pa.table({"src_ids": pa.array(src, pa.list_(pa.int32())), "tgt_ids": pa.array(tgt, pa.list_(pa.int32())),
                       "note": [r["note"] for r in rows], "summary": [r["summary"] for r in rows],
                       "entities": pa.array([r.get("entities", []) for r in rows], pa.list_(pa.string()))})
