@@ -248,6 +248,9 @@ def test_an_mpn_dqn_device_this_machine_lacks_is_one_line_and_creates_nothing(tm
     (["launch.jax_platforms=cuda"], "launch.jax_platforms=cuda: no JAX backend for it initialises"),
     # with Ray Train workers, found by the first of them, after the run and its MLflow run existed (audit AP F5)
     (["launch.workers=2", "train.num_envs=33"], "train.num_envs=33 must be a multiple of the 2 Ray Train workers"),
+    # sizes no memory of this machine holds: XLA's allocation error after the run, a compile, a traceback (AP F11)
+    (["model.hidden=[100000000]"], "need at least 2,347 GiB (0.0 GiB of rollout, 157,500,000,029 parameters"),
+    (["train.num_envs=100000000", "train.num_steps=4", "train.num_minibatches=1"], "GiB of rollout"),
 ])
 def test_a_hackmatrix_split_over_devices_that_cannot_be_is_one_line_and_creates_nothing(tmp_path, sets, needle):
     """4 devices (XLA's host platform): the envs per device, and each device's rows per minibatch, are

@@ -141,6 +141,28 @@ class HackMatrixPPOConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     launch: JaxLaunchConfig = field(default_factory=JaxLaunchConfig)
 
+    def validate(self) -> None:
+        """Sizes this machine's memory cannot hold, refused before the run exists: XLA's allocation error came
+        after a run, its MLflow run and a compile, as a traceback. A lower bound (the rollout's observations and
+        the params with their gradients and Adam's two moments, fp32); said where the run is this machine's CPU
+        alone (a GPU's or a cluster's memory is not this process's to measure before JAX starts)."""
+        from raysys.train.code_checks import physical_memory
+        from raysys.train.runtime import local_gpus
+
+        if self.launch.workers or self.launch.jax_platforms not in ("", "cpu") or local_gpus():
+            return
+        obs = -(-1545 // self.model.feature_align) * self.model.feature_align  # envs.hackmatrix OBS_SIZE, padded
+        widths = (obs, *self.model.hidden)
+        params = sum(a * b + b for a, b in zip(widths, widths[1:])) + (self.model.hidden[-1] + 1) * 29  # + heads
+        rollout = self.train.num_envs * self.train.num_steps * (obs * 4 + 28 + 5 * 4)  # obs, mask, 5 scalars
+        need, have = rollout + 4 * 4 * params, physical_memory()
+        gib = 2 ** 30
+        require(have is None or need <= have,
+                f"train.num_envs={self.train.num_envs} x train.num_steps={self.train.num_steps} and model.hidden="
+                f"{list(self.model.hidden)} need at least {need / gib:,.0f} GiB ({rollout / gib:,.1f} GiB of rollout, "
+                f"{params:,} parameters with their gradients and Adam's moments), more than this machine's "
+                f"{have / gib:.1f} GiB of memory")
+
 
 # ---------------------------------------------------------------- presets (derive from each other)
 
