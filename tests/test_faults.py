@@ -202,6 +202,25 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "notes.txt"]
 
 
+def test_an_address_of_another_grpc_service_is_one_line_and_creates_nothing(tmp_path):
+    """A gRPC server that is not a Ray GCS (another service's port) passed the HTTP/2 check, and ray.init then
+    retried it for minutes, silent but for a warning every few seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = _train(tmp_path, "deep_gpcm", "--preset", "quick", "--workers", "1", "--address", f"127.0.0.1:{port}",
+                      timeout=120)
+    finally:
+        server.stop(0)
+    _one_line_error(proc, 2, f"127.0.0.1:{port} answers gRPC, but has no Ray GCS service")
+    assert not (tmp_path / "raysys_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 def test_a_model_too_large_for_this_machine_is_one_line_and_creates_no_run(tmp_path):
     """Audit AR F2: model sizes no memory holds made the run and its MLflow run, failed on the allocation,
     restarted, failed again, and offered a --resume of a run that can never start. (The synthetic data the

@@ -56,6 +56,30 @@ def check_ray_address(address: Optional[str], timeout: float = 5.0) -> None:
         raise ConfigError(f"{host}:{port} answers, but not as Ray: a Ray cluster's GCS and Ray Client server speak "
                           "gRPC (a dashboard's port, 8265, serves web pages); join at host:6379, ray://host:10001 or "
                           "with auto (nothing was created)")
+    if scheme == "" and not _is_ray_gcs(host, port, timeout):  # another gRPC service: minutes of retries too
+        raise ConfigError(f"{host}:{port} answers gRPC, but has no Ray GCS service: a Ray cluster's head listens at "
+                          "host:6379 unless `ray start --port` chose another; join at its GCS address, "
+                          "ray://host:10001 or with auto (nothing was created)")
+
+
+def _is_ray_gcs(host: str, port: int, timeout: float) -> bool:
+    """Whether the gRPC server at host:port knows the GCS's cluster-id call: a GCS answers it, or refuses a
+    client without its auth token (UNAUTHENTICATED); another service has no such method (UNIMPLEMENTED).
+    Anything else (TLS, a connection that fails now) is left to ``ray.init`` to say."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return True
+    try:
+        import grpc
+    except ImportError:
+        return True
+    channel = grpc.insecure_channel(f"{host}:{port}")
+    try:
+        channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(b"", timeout=timeout)
+    except grpc.RpcError as e:
+        return e.code() != grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        channel.close()
+    return True
 
 
 def _speaks_grpc(host: str, port: int, timeout: float) -> bool:
