@@ -27,9 +27,36 @@ LOSS_PARITY = 1e-4
 sums in another order differ by about 1e-7 of it (TF32 is off for that check); a path that computes
 another function differs by far more."""
 
+GRAD_PARITY = 1e-3
+"""The most the two paths' gradients on the same weights and batch may differ, as a norm relative to the naive
+path's: one function summed in another order differs by about 1e-6; a path that stops gradients (trains only
+its last layer) or scales its output differs by far more, while its loss at the start may still agree."""
+
 LEARN_PARITY = 0.25
 """The least share of one path's fall in loss over the timed steps the other path's fall must reach: one
 function on both paths falls alike (dropout draws apart); a path that learns nothing falls by far less."""
+
+
+def _grad_gap(task, a: torch.nn.Module, b: torch.nn.Module, batch, name: str) -> tuple[float, list[str]]:
+    """|g_a - g_b| / |g_a| of the two models' loss gradients on one batch (their weights alike, eval mode), and
+    the parameters that differ most: the same function must also train alike. A parameter one path leaves
+    without a gradient counts as zero there."""
+    from raysys.train.loop import checked_loss
+
+    grads = []
+    for m in (a, b):
+        m.zero_grad(set_to_none=True)
+        with _no_tf32():
+            checked_loss(task, m, batch, name)[0].backward()
+        grads.append({n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+                      for n, p in m.named_parameters()})
+        m.zero_grad(set_to_none=True)
+    ga, gb = grads
+    gap = {n: float((ga[n] - gb[n]).norm()) for n in ga if n in gb}
+    total = sum(v * v for v in gap.values()) ** 0.5
+    scale = sum(float(g.norm()) ** 2 for g in ga.values()) ** 0.5
+    worst = [n for n, v in sorted(gap.items(), key=lambda kv: -kv[1])[:3] if v > 0]
+    return total / max(scale, 1e-12), worst
 
 
 class _no_tf32:
@@ -132,7 +159,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         models[p] = task.build_model(cfgs[p]).to(device)
         shape_lazy_modules(task, models[p], train_ds, collate, bs, device)  # as the loop does, before the optimizer
         opts[p] = task_optimizer(task, cfgs[p], models[p], wl.name)  # the task's own, as its runs train
-    parity = None
+    parity, grad_gap = None, None
     if len(paths) == 2:
         a, b = models["naive"], models["optimized"]
         try:
@@ -145,9 +172,10 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         with torch.no_grad(), _no_tf32():
             # the naive path twice: a loss that draws randomness even in eval mode cannot be compared
             la, again, lb = (float(checked_loss(task, m, batch, wl.name)[0]) for m in (a, a, b))
+        deterministic = abs(la - again) <= LOSS_PARITY * max(abs(la), 1e-3)
+        grad_gap = _grad_gap(task, a, b, batch, wl.name) if deterministic else None
         a.train(), b.train()
         parity = abs(la - lb)
-        deterministic = abs(la - again) <= LOSS_PARITY * max(abs(la), 1e-3)
 
     losses = {p: [] for p in paths}  # read once the timing is over: a read is a device sync
 
@@ -212,6 +240,10 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         problems.append(f"the paths compute different functions: on the same weights and batch (eval mode) the naive "
                         f"path's loss is {la:.6g} and the optimized path's {lb:.6g} (|diff| {parity:.2e}, more than "
                         f"{LOSS_PARITY:g} of the loss)")
+    if grad_gap is not None and grad_gap[0] > GRAD_PARITY:
+        problems.append(f"the paths train differently: on the same weights and batch (eval mode) the optimized path's "
+                        f"gradients differ from the naive path's by {grad_gap[0]:.2e} of their norm (more than "
+                        f"{GRAD_PARITY:g}); most in {', '.join(grad_gap[1])}")
     if len(paths) == 2:
         more, less = sorted(paths, key=lambda p: -fell[p])
         if fell[more] > 0.01 * abs(passes[more][0]) and fell[less] < LEARN_PARITY * fell[more]:
@@ -230,6 +262,8 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     if len(paths) == 2:
         res["speedup"] = res["naive"]["step_s"] / res["optimized"]["step_s"]
         res["loss_abs_diff_same_weights"] = parity
+        if grad_gap is not None:
+            res["grad_rel_diff_same_weights"] = grad_gap[0]
         res["extra"]["|loss naive - loss optimized| on the same weights and batch"] = (
             f"{parity:.2e}" if deterministic else f"{parity:.2e} (not judged: the loss differs between two "
                                                   "evaluations of one path in eval mode)")

@@ -708,6 +708,16 @@ class SkewedTask(digits_mlp.DigitsTask):  # its optimized path computes another 
         return super().loss(model, batch)
 
 
+class FrozenTask(digits_mlp.DigitsTask):  # its optimized path trains only the last layer: the same loss at the start
+    def loss(self, model, batch):
+        if model.path == "optimized":
+            import torch.nn.functional as F
+
+            net = model.net
+            return F.cross_entropy(net[6](net[:6](batch["x"]).detach()), batch["y"]), {"samples": len(batch["y"])}
+        return super().loss(model, batch)
+
+
 class NoisyTask(digits_mlp.DigitsTask):  # a loss that draws noise even in eval mode: the paths cannot be compared
     def loss(self, model, batch):
         import torch
@@ -777,6 +787,7 @@ NAN = dataclasses.replace(W, name="nan", task=NanTask())
 STUCK = dataclasses.replace(W, name="stuck", task=StuckTask())
 SKEWED = dataclasses.replace(W, name="skewed", task=SkewedTask())
 NOISY = dataclasses.replace(W, name="noisy", task=NoisyTask())
+FROZEN = dataclasses.replace(W, name="frozen", task=FrozenTask())
 NODEFAULT = dataclasses.replace(W, name="nodefault", config_cls=NoDefaultConfig, presets={"default": NoDefaultConfig})
 NET = dataclasses.replace(W, name="net", extra={"identity_sections": ("data",)})  # its model section unchecked
 '''
@@ -823,6 +834,10 @@ def test_a_users_mistakes_are_said_plainly(project):
     # both learn, but the optimized path computes another function (its logits 10% larger): exit 1, said
     proc = _run(["python", "-m", "raysys.bench", "mistakes:SKEWED", "--quick"], project)
     assert proc.returncode == 1 and "raysys.bench: the paths compute different functions: on the same weights" in proc.stderr
+    # the same loss on the same weights, and it learns, but only its last layer: its gradients differ (audit AX F1)
+    proc = _run(["python", "-m", "raysys.bench", "mistakes:FROZEN", "--quick"], project)
+    assert proc.returncode == 1 and "raysys.bench: the paths train differently: on the same weights and batch" in proc.stderr
+    assert "most in net.0.weight" in proc.stderr or "most in net.3.weight" in proc.stderr, proc.stderr
     # a loss with noise of its own in eval mode: the comparison is not judged, and said so
     proc = _run(["python", "-m", "raysys.bench", "mistakes:NOISY", "--quick"], project)
     assert proc.returncode == 0 and "not judged: the loss differs between two evaluations" in proc.stdout
