@@ -641,6 +641,9 @@ class Lease:
             return
         with self._writing:
             self._stop.set()
+        key = (self.storage.uri, self.name)
+        if _tokens.get(key) == self.token:  # let go of on purpose: what this process still records (the MLflow
+            del _tokens[key]                # run's end, after the lock) is not a run taken from it
         try:
             if (self._read() or {}).get("token") == self.token:
                 self.storage.fs.delete_file(self.storage.path(LEASES, self.name))

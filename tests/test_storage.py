@@ -606,3 +606,33 @@ def test_a_worker_that_does_not_see_the_run_folder_says_the_storage_is_not_share
                                           r"--storage-path \(a shared file system, or s3://...\)"):
         with storage.worker_run_dir({"run_dir": str(elsewhere)}):
             pass
+
+
+def test_a_lease_fences_its_holder_once_taken_and_not_once_let_go(s3, monkeypatch, tmp_path):
+    """What the lease's fence says of a run: nothing while this process holds it; LeaseLost once another holds
+    it (its records and checkpoints stop); nothing after this process let go of it itself (its MLflow run's
+    end comes after the lock's release: a JAX run on S3 ended 'taken over' at its last record)."""
+    from raysys import storage
+
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RAYSYS_LEASE_BEAT_S", "0.2")
+    for registry in ("_runs", "_tokens", "_lost", "_checked"):
+        monkeypatch.setattr(storage, registry, {})
+    uri, _ = s3
+    copy = tmp_path / "copy"
+    storage.register(copy, uri, "r")
+    remote = storage.Remote(uri)
+    lease = storage.Lease(remote, "r").acquire(say=lambda line: None)
+    storage.check_lease(copy)  # held
+    lease.release()
+    storage.check_lease(copy)  # let go of on purpose
+    lease = storage.Lease(remote, "r").acquire(say=lambda line: None)
+    try:
+        storage.Lease(remote, "r")._write()  # another process's token now (as after a takeover)
+        with pytest.raises(storage.LeaseLost, match="run 'r' on .* was taken over by process"):
+            storage.check_lease(copy)
+        with pytest.raises(storage.LeaseLost):  # said again without a read: this process's run is lost for good
+            storage.check_lease(copy, every_s=3600)
+    finally:
+        lease.release()
