@@ -361,7 +361,7 @@ def worker_run_dir(p: dict) -> Iterator[Path]:
     made = _copy_of(remote, p["run_name"]) is None
     root = working_copy(remote, p["run_name"])
     if p.get("lease_token"):  # the session's lease: a worker's writes are fenced by it too (check_lease)
-        _tokens.setdefault((remote.uri, p["run_name"]), p["lease_token"])
+        _tokens[(remote.uri, p["run_name"])] = p["lease_token"]  # this session's, not a process's earlier one
     try:
         yield root
     finally:
