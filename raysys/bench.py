@@ -142,7 +142,8 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE", default=[],
                    help="one config key for the measured configuration, e.g. --set data.path=my.parquet "
                         "(repeatable; applied after --config)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH (a file there is replaced, "
+                   "whole: written aside, then moved into place)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where both paths run: cuda (a GPU; JAX workloads on JAX's GPU backend), cpu (GPUs hidden "
                         "from torch and JAX), auto (default): cuda where a GPU is visible, else cpu")
@@ -162,6 +163,9 @@ def _main(argv: list[str] | None) -> int:
         if args.json:  # before minutes of measuring, not after
             from raysys.storage import check_local_folder
 
+            if Path(args.json).expanduser().is_dir():
+                raise ConfigError(f"--json {args.json} is a folder; name the file to write, e.g. "
+                                  f"{Path(args.json) / 'bench.json'}")
             check_local_folder(Path(args.json).expanduser().resolve().parent, "--json folder")
         wl = registry.get(args.workload)
         measured_on = device_name()  # before the bench's own training runs change torch's thread count
@@ -213,8 +217,11 @@ def _main(argv: list[str] | None) -> int:
         res["environment"].setdefault("workload_source", source)
     print(format_table(res))
     if args.json:
-        Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).expanduser().write_text(json.dumps(res, indent=2, default=float))
+        out = Path(args.json).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # whole or not at all: an earlier result stays whole
+        tmp.write_text(json.dumps(res, indent=2, default=float))
+        os.replace(tmp, out)
         print(f"wrote {args.json}")
     for problem in res.get("problems", []):
         print(f"raysys.bench: {problem}", file=sys.stderr)

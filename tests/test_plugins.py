@@ -505,8 +505,14 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
     # the device as the speed was timed (the bench's quality runs change torch's threads after), and the code
     assert res["device"].endswith(f"{threads} threads)")
     assert set(res["environment"]) >= {"date", "raysys_commit", "torch", "jax", "ray", "python"}
+    (tmp_path / "results").mkdir()
     for args, needle in ((["hackmatrix_ppo", "--set", "train.num_envs=64"], "takes no --set/--config"),
-                         (["digits_mlp:WORKLOAD", "--set", "model.nope=1"], "unknown config key 'model.nope'")):
+                         (["digits_mlp:WORKLOAD", "--set", "model.nope=1"], "unknown config key 'model.nope'"),
+                         # a path asked of a built-in whose bench measures both: it was accepted and ignored (AX F2)
+                         (["deep_gpcm", "--set", "model.path=naive"], "the bench measures both paths"),
+                         (["mpn_dqn", "--set", "path=naive"], "the bench measures both paths"),
+                         # a folder for --json: the whole bench ran, then a traceback lost its results (AX F6)
+                         (["digits_mlp:WORKLOAD", "--quick", "--json", "results"], "--json results is a folder")):
         assert bench(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err

@@ -332,6 +332,7 @@ WORKLOAD = Workload(
     presets=PRESETS,
     task=DeepGPCMTask(),
     bench=_bench,
+    path_key="model.path",
     throughput_metric="perf/tokens_per_s",
     dataset=_dataset,
     extra={"folds": ("data.n_folds", "data.fold"), "local_keys": LOCAL_KEYS},

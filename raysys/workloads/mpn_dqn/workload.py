@@ -250,6 +250,7 @@ WORKLOAD = Workload(
     config_cls=MPNDQNConfig,
     presets=PRESETS,
     bench=_bench,
+    path_key="path",
     train_fn=_train,
     throughput_metric="perf/env_steps_per_s",
     # launch.workers > 0: the learner runs data-parallel on that many Ray Train workers
