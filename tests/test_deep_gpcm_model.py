@@ -366,3 +366,17 @@ def test_bench_batch_sizes_runs_every_variant(tmp_path):
     for r in res.values():
         for k in ("naive", "optimized", "optimized_loop"):
             assert r[k]["step_s"] > 0 and r[k]["max_abs_logit_diff_vs_naive"] <= 1e-4, (k, r[k])
+
+
+def test_the_bench_fails_an_optimized_path_that_computes_another_function(tmp_path, monkeypatch):
+    """The bench printed its speedup, exit 0, whatever the paths' logits or QWK (audit AX F5): an optimized
+    forward 10% off now fails it, said as a problem (raysys.bench prints it and exits 1)."""
+    from raysys.workloads.deep_gpcm import bench, model
+
+    real = model.DeepGPCM._forward_optimized
+    monkeypatch.setattr(model.DeepGPCM, "_forward_optimized", lambda self, q, r: real(self, q, r) * 1.1)
+    monkeypatch.chdir(tmp_path)
+    res = bench.run_bench(quick=True, overrides={"data.data_dir": str(tmp_path / "oc")})
+    assert res["max_abs_logit_diff"] > bench.LOGIT_PARITY
+    assert res["problems"][0].startswith("the paths compute different functions: on shared weights their logits "
+                                         "differ by"), res["problems"]

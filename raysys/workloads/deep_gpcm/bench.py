@@ -179,7 +179,27 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     for path in ("naive", "optimized"):
         res[path] = {**speed[path], "quality": quality[path].get("qwk"), "eval": quality[path]}
     res["max_abs_logit_diff"] = speed["max_abs_logit_diff"]
+    # speed never at the cost of learning: the same function on the same weights, and alike after training
+    problems = []
+    if not speed["max_abs_logit_diff"] <= LOGIT_PARITY:
+        problems.append(f"the paths compute different functions: on shared weights their logits differ by "
+                        f"{speed['max_abs_logit_diff']:.2e} (more than {LOGIT_PARITY:g})")
+    qn, qo = res["naive"]["quality"], res["optimized"]["quality"]
+    if qn is not None and qo is not None and not abs(qn - qo) <= QWK_PARITY:
+        problems.append(f"the paths learn differently: trained alike from the same seed, the naive path's qwk is "
+                        f"{qn:.4f} and the optimized path's {qo:.4f} (more than {QWK_PARITY:g} apart)")
+    if problems:
+        res["problems"] = problems
     return res
+
+
+LOGIT_PARITY = 1e-4
+"""The most the paths' logits may differ on shared weights: the fused recurrence sums in another order (3.6e-7
+measured, docs/benchmarks.md); another function differs by far more."""
+
+QWK_PARITY = 0.05
+"""The most the two paths' QWK may differ after the same training from the same seed: the same function trains
+alike, up to a response or two changing category at a rounding."""
 
 
 if __name__ == "__main__":  # python -m raysys.workloads.deep_gpcm.bench --batch 256: the step table alone
