@@ -4,7 +4,9 @@ The seeds' speedups were mostly guesses. This runs both paths on the same data o
 prints the ratio, and writes the figures as JSON (``--json``) with at least: workload, device,
 naive.throughput, optimized.throughput, speedup, naive.quality, optimized.quality. A workload of
 yours without a ``path_key`` (no naive/optimized pair) gets its configured training step, as
-``configured.throughput``.
+``configured.throughput``. The bench records nothing in MLflow: the runs it trains to judge quality go to
+temporary stores, removed when it ends; ``--json`` keeps its figures. Exit 1 where a path computes another
+function or learns worse than the other (the problem is said), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -183,8 +185,8 @@ def _main(argv: list[str] | None) -> int:
             raise ConfigError(f"{wl.name}'s bench measures fixed shapes of its own and takes no --set/--config; time "
                               f"your configuration with `python -m raysys train {wl.name} --set ...` (its perf/ "
                               "metrics), or compare configurations with `python -m raysys.tune`")
-        if overrides:  # every key and value, whoever applies them (a bench of its own may ignore one): before the banner
-            from raysys.bench_generic import bench_preset
+        if overrides or wl.bench is None:  # before the banner: every key and value, whoever applies them (a bench of
+            from raysys.bench_generic import bench_preset  # its own may ignore one), the preset, the path key
 
             apply_overrides(wl.config(bench_preset(wl, args.quick, args.preset)), overrides)
         what = ("step times, then how each path learns from the same weights" if wl.bench is None

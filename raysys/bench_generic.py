@@ -213,7 +213,8 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
                  "quality_metric": f"{task.quality_metric} after {1 + repeats * n_batches} steps",
                  "paths": [label[p] for p in paths],
                  "params": sum(t.numel() for t in models[paths[0]].parameters()),
-                 "batch": {"size": bs, "batches": n_batches, "repeats": repeats}}
+                 # the size used: a training set smaller than train.batch_size is one batch of all of it
+                 "batch": {"size": len(items[0]), "batches": n_batches, "repeats": repeats}}
     for p in paths:
         models[p].eval()
         with torch.no_grad():

@@ -333,6 +333,22 @@ def _check_config(cfg: Any, wl: "Workload", preset: str) -> None:
                 walk(value, f"{path}{name}.")
 
     walk(cfg, "")
+    if wl.path_key:  # the bench sets it to both paths: a key that is not there, or takes neither, said now
+        from raysys.config import apply_overrides, flatten, to_dict
+
+        keys = flatten(to_dict(cfg))
+        if wl.path_key not in keys:
+            import difflib
+
+            near = difflib.get_close_matches(wl.path_key, list(keys), n=1)
+            raise ConfigError(f"workload {wl.name}: its path_key '{wl.path_key}' is not a key of its config"
+                              + (f" (did you mean '{near[0]}'?)" if near else ""))
+        for path in ("naive", "optimized"):
+            try:
+                apply_overrides(cfg, {wl.path_key: path})
+            except ConfigError as e:
+                raise ConfigError(f"workload {wl.name}: its path_key '{wl.path_key}' must take 'naive' and "
+                                  f"'optimized' (the bench's two paths); '{path}': {e}") from None
 
 
 # Built-in workloads: imported lazily so `python -m raysys --help` stays fast.

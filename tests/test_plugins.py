@@ -501,6 +501,8 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
     learning = res["learning"]  # both paths learn on the same batches: their loss falls from the first pass
     assert all(v["last_pass_loss"] < v["first_pass_loss"] for v in learning.values()) and "problems" not in res
     assert res["params"] == (64 * 8 + 8) + (8 * 8 + 8) + (8 * 10 + 10)  # the 8-wide MLP, not the default 128
+    assert bench(["digits_mlp:WORKLOAD", "--quick", "--set", "train.batch_size=100000", "--json", "big.json"]) == 0
+    assert json.loads((tmp_path / "big.json").read_text())["batch"]["size"] < 100000  # the size used (audit AX F3)
     assert "measured with: model.hidden=8 model.dropout=0.0" in capsys.readouterr().out
     # the device as the speed was timed (the bench's quality runs change torch's threads after), and the code
     assert res["device"].endswith(f"{threads} threads)")
@@ -569,6 +571,12 @@ def test_a_workloads_functions_are_checked_when_it_loads(monkeypatch):
             registry.register(wl, f"check-{wl.name}")
         assert f"workload {wl.name}: {needle}" in str(e.value)
     registry.register(dataclasses.replace(base, name="f", task=NoPrepare()), "check-f")  # prepare is optional
+    # a path key the bench cannot set: said when a config is built (before any banner), naming the workload's key
+    with pytest.raises(ConfigError, match=r"workload h: its path_key 'model.pathx' is not a key of its config "
+                                          r"\(did you mean 'model.path'\?\)"):
+        dataclasses.replace(base, name="h", path_key="model.pathx").config("quick")
+    with pytest.raises(ConfigError, match="workload i: its path_key 'model.hidden' must take 'naive' and 'optimized'"):
+        dataclasses.replace(base, name="i", path_key="model.hidden").config("quick")
     # a bench's result: a row without a number throughput is the bench's error, named (not a KeyError)
     with pytest.raises(ConfigError, match="mine's bench returned a 'naive' row without a number 'throughput' "
                                           r"\(its keys: env_steps_per_s\)"):
