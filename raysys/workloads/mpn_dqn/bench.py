@@ -129,7 +129,7 @@ def run_bench(quick: bool = False) -> dict:
             "TD-loss step speedup (B=64 L=10 H=128)": f"{td['speedup']:.1f}x "
                                                       f"(naive {td['naive_s'] * 1e3:.1f} ms, optimized {td['optimized_s'] * 1e3:.2f} ms)",
             "whole-training speedup (fast command vs old config)": f"{ratio:.1f}x",
-            "old config": f"{old['episodes']} of {episodes} episodes in its {budget:.0f}s budget, "
+            "old config": f"{old['episodes']:.0f} of {episodes} episodes in its {budget:.0f}s budget, "
                           f"final avg reward {old['final_avg_reward']:.2f}",
             "fast command": f"{fast['episodes']} episodes in {fast['train_seconds']:.0f}s, "
                             f"final avg reward {fast['final_avg_reward']:.2f}",
