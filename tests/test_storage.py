@@ -551,8 +551,14 @@ def test_a_ray_workers_working_copy_is_removed_when_its_function_ends(tmp_path):
     finally:
         storage.drop_copy(drivers)
     assert not drivers.exists()
-    with storage.worker_run_dir({"run_dir": str(tmp_path / "local")}) as shared:
-        assert shared == tmp_path / "local"
+    from raysys import lifecycle
+
+    lock = lifecycle.create_run_dir(tmp_path / "local", "local")  # a shared folder: the driver made the run there
+    try:
+        with storage.worker_run_dir({"run_dir": str(tmp_path / "local")}) as shared:
+            assert shared == tmp_path / "local"
+    finally:
+        lock.release()
 
 
 def test_a_storage_call_that_stalls_is_said_while_it_waits(tmp_path, monkeypatch):
