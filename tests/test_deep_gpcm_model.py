@@ -368,6 +368,7 @@ def test_bench_batch_sizes_runs_every_variant(tmp_path):
             assert r[k]["step_s"] > 0 and r[k]["max_abs_logit_diff_vs_naive"] <= 1e-4, (k, r[k])
 
 
+@pytest.mark.slow  # ~35 s: two quality runs; the judgement's wiring, kept out of the ~25 min default suite
 def test_the_bench_fails_an_optimized_path_that_computes_another_function(tmp_path, monkeypatch):
     """The bench printed its speedup, exit 0, whatever the paths' logits or QWK (audit AX F5): an optimized
     forward 10% off now fails it, said as a problem (raysys.bench prints it and exits 1)."""

@@ -165,6 +165,7 @@ def test_workers_a_cluster_cannot_place_are_said_and_a_signal_stops_the_wait(hea
     assert run.info.status == "KILLED"
 
 
+@pytest.mark.slow  # ~25 s: two joins of the test head
 def test_a_sweep_joins_a_cluster_quietly(head, tmp_path):
     """`raysys.tune --address` printed Ray's INFO lines ("Connecting to existing Ray cluster at address: ...")
     on a quiet console; `train` did not (audit AV F6). -v shows them. The dashboard its job line names is the
