@@ -610,6 +610,8 @@ class Lease:
         self._stop, self._writing = threading.Event(), threading.Lock()
         key = (self.storage.uri, self.name)
         _tokens[key] = self.token
+        _lost.pop(key, None)  # held again (a later session of this process): what it lost before is history
+        _checked.pop(key, None)
 
         def beat():
             while not self._stop.wait(beat_s()):

@@ -638,7 +638,13 @@ def test_a_lease_fences_its_holder_once_taken_and_not_once_let_go(s3, monkeypatc
         storage.Lease(remote, "r")._write()  # another process's token now (as after a takeover)
         with pytest.raises(storage.LeaseLost, match="run 'r' on .* was taken over by process"):
             storage.check_lease(copy)
-        with pytest.raises(storage.LeaseLost):  # said again without a read: this process's run is lost for good
+        with pytest.raises(storage.LeaseLost):  # said again without a read: this session's run is lost for good
             storage.check_lease(copy, every_s=3600)
+    finally:
+        lease.release()
+    # a later session of this process takes the run over (the other's lease no longer renewed): its own again
+    lease = storage.Lease(remote, "r").acquire(say=lambda line: None)
+    try:
+        storage.check_lease(copy)
     finally:
         lease.release()
