@@ -207,12 +207,60 @@ def test_killed_worker_resumes_from_checkpoint(workdir, ray_cluster):
     assert killed, "no worker was killed"
     assert rc == 0
     events = (run_dir / "events.log").read_text()
-    assert "resumed step=" in events
+    assert "resumed step=" in events and events.count(" restart ") == 1, events  # one kill, one restart
     final = _final(workdir, "killed")
     resumed_at = int(events.split("resumed step=")[1].split()[0])
     assert resumed_at > 0 and final["steps_this_session"] == final["step"] - resumed_at
     assert final["step"] == 4 * 6  # 96 training sequences / batch 16 = 6 steps per epoch
 
+
+def test_a_runs_placement_group_is_removed_only_under_a_controller_ray_says_is_dead(ray_cluster):
+    """Ray Train's cleaner took the State API's "not found" (another cluster's dashboard answering, AU F3)
+    for a dead controller and removed the group under a live run; raysys's trainers launch one that does not."""
+    import ray
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from raysys.train.cleaner import CleanerCallback, TorchTrainer, _Cleaner
+
+    trainer = TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+    assert sum(isinstance(c, CleanerCallback) for c in trainer._create_default_callbacks()) == 1
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        def ping(self):
+            return 1
+
+    def watched(cleaner_cls, controller_id):
+        pg = placement_group([{"CPU": 0.01}])
+        ray.get(pg.ready())
+        cleaner = ray.remote(num_cpus=0)(cleaner_cls).remote(controller_actor_id=controller_id, check_interval_s=0.2,
+                                                              get_actor_timeout_s=10, stop_timeout=None)
+        ray.get(cleaner.register_placement_group.remote(pg))
+        ray.get(cleaner.start_monitoring.remote())
+        return pg, cleaner
+
+    def removed(pg, within=60.0):
+        deadline = time.time() + within
+        while time.time() < deadline:
+            if placement_group_table(pg)["state"] == "REMOVED":
+                return True
+            time.sleep(0.2)
+        return False
+
+    unknown = "ab" * 16  # an id this cluster never had: the State API answers "not found"
+    ours, ours_cleaner = watched(_Cleaner, unknown)
+    rays, _ = watched(PlacementGroupCleaner, unknown)
+    assert removed(rays)  # Ray's own cleaner takes "not found" for dead ...
+    assert placement_group_table(ours)["state"] == "CREATED"  # ... ours, checking since before it, does not
+    controller = Controller.remote()
+    ray.get(controller.ping.remote())
+    dead, _ = watched(_Cleaner, controller._actor_id.hex())
+    ray.kill(controller)
+    assert removed(dead)  # a controller Ray says is dead: its group goes
+    ray.get(ours_cleaner.stop.remote())
+    ray.util.remove_placement_group(ours)
 
 def test_interrupted_run_resumes_without_repeating(workdir):
     cmd = [sys.executable, "-m", "raysys", "train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "intr",

@@ -132,7 +132,7 @@ def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool,
     from ray.train import RunConfig, ScalingConfig
 
     if kind == "jax":
-        from ray.train.v2.jax import JaxTrainer
+        from raysys.train.cleaner import JaxTrainer
 
         env = {"JAX_PLATFORMS": launch.jax_platforms} if launch.jax_platforms else {}
         return JaxTrainer(
@@ -145,7 +145,9 @@ def _trainer(kind: str, launch: Any, run: OpenRun, payload: dict, use_gpu: bool,
             run_config=RunConfig(name=run.name, **ray_storage(run.run_dir), failure_config=failure,
                                  worker_runtime_env={"env_vars": env}, logging_config=train_logging()),
         )
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
+
+    from raysys.train.cleaner import TorchTrainer
 
     return TorchTrainer(
         _train_worker,

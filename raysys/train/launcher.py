@@ -698,8 +698,9 @@ def say_if_in_ray_package(run_dir: Path, uri: str, what: str = "run") -> None:
 def run_training(wl_name: str, cfg: Any, *, callbacks: Optional[list] = None, parent_run_id: Optional[str] = None,
                  tags: Optional[dict] = None) -> RunResult:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    from raysys.train.cleaner import TorchTrainer
     from raysys.train.loop import train_loop_per_worker
 
     wl = registry.get(wl_name)
