@@ -125,6 +125,27 @@ def test_naive_equals_optimized(stored_state, burn_in):
     assert all(p.grad is None for p in target.parameters())
 
 
+def test_the_bench_judges_the_paths_td_loss_and_gradients(monkeypatch):
+    """python -m raysys.bench mpn_dqn fails a fast path that is another function, or the same loss value with
+    other gradients (a part of the unroll cut from backprop would learn less, the loss on the console alike)."""
+    from raysys.workloads.mpn_dqn import bench, loss
+
+    td = loss.compare_td_loss(rounds=1, opt_per_round=1, B=8)
+    assert bench.parity_problems(td) == [] and td["loss_abs_diff"] < 1e-5 and td["grad_rel_diff"] < 1e-5, td
+    real = loss.td_loss_optimized
+    monkeypatch.setattr(loss, "td_loss_optimized", lambda *a, **k: 2 * real(*a, **k))
+    (a, b) = bench.parity_problems(loss.compare_td_loss(rounds=1, opt_per_round=1, B=8))
+    assert "different TD losses" in a and "train differently" in b
+
+    def half_gradient(*a, **k):
+        value = real(*a, **k)
+        return value.detach() + 0.5 * (value - value.detach())
+
+    monkeypatch.setattr(loss, "td_loss_optimized", half_gradient)
+    (only,) = bench.parity_problems(loss.compare_td_loss(rounds=1, opt_per_round=1, B=8))
+    assert "gradients differ from the naive one's by 5.00e-01" in only, only
+
+
 def test_td_loss_masks_and_bootstraps():
     torch.manual_seed(0)
     online, target = MPNDQN(7, 3, hidden=32), MPNDQN(7, 3, hidden=32)

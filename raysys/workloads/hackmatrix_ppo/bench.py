@@ -149,6 +149,51 @@ def python_loop_throughput(num_envs: int = 256, num_steps: int = 128, updates: i
             "num_steps": num_steps, "updates_timed": updates, "mean_return": float(np.mean(rets)) if rets else None}
 
 
+PARAM_PARITY = 1e-2
+"""The most the two paths' params may differ after the same updates from one init, as a share of how far the
+fused path moved them (measured on a CPU: ~1e-5 of it; a path that skips or changes the update: ~1)."""
+
+
+def path_parity(num_envs: int = 16, num_steps: int = 16, updates: int = 2) -> dict:
+    """The Python-loop path and the fused path from one init and key, ``updates`` PPO updates each (two
+    minibatches, two epochs): the largest param difference and how far the fused path moved the params (an
+    update that does nothing would agree too). Small shapes: the paths' code, not their speed, is judged."""
+    import jax
+
+    from raysys.workloads.hackmatrix_ppo import ppo
+
+    cfg = _cfg(num_envs, num_steps, updates)
+    cfg.train = dataclasses.replace(cfg.train, num_minibatches=2, update_epochs=2)
+    mesh = ppo.make_mesh(jax.devices()[:1])
+    # full fp32 matmuls (a GPU's default TF32 rounds each program its own way, and Adam magnifies it)
+    with jax.default_matmul_precision("highest"):
+        fused, _ = ppo.make_train_chunk(cfg, mesh)(ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh),
+                                                   ppo.hparams_of(cfg))
+        slow = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh)
+        update = python_loop_update(cfg)
+        for _ in range(updates):
+            slow, _ = update(slow)
+
+    def gap(a, b):
+        return max(float(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)).max())
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    start = ppo.init_runner(cfg, jax.random.PRNGKey(0), mesh).params
+    return {"max_param_diff": gap(fused.params, slow.params), "moved": gap(fused.params, start),
+            "env_steps": (int(fused.env_steps), int(slow.env_steps)), "shape": f"{num_envs} envs x {num_steps} steps"}
+
+
+def parity_problems(parity: dict) -> list[str]:
+    """What ``path_parity`` shows wrong: params apart by more than ``PARAM_PARITY`` of their move, or unequal
+    env steps."""
+    share = parity["max_param_diff"] / parity["moved"] if parity["moved"] > 0 else float("inf")
+    if share <= PARAM_PARITY and len(set(parity["env_steps"])) == 1:
+        return []
+    return [f"the paths train differently: after the same updates from one init ({parity['shape']}) their params "
+            f"differ by {parity['max_param_diff']:.2e}, {share:.2g} of how far the fused path moved them "
+            f"({parity['moved']:.2e}; at most {PARAM_PARITY:g}); env steps {parity['env_steps']}"]
+
+
 def _median_seconds(fn, repeats: int) -> float:
     """Median wall seconds of ``fn()`` (a JAX computation, waited for) over ``repeats``, after one
     untimed call (compile, warm-up)."""
@@ -300,6 +345,17 @@ def run_bench(quick: bool = False) -> dict:
         extra["RLlib PPO (gymnasium adapter) env-steps/s"] = f"{rl['env_steps_per_s']:.0f} -> raysys {res['rllib_ratio']:.1f}x"
     except ImportError:
         pass
+    # speed never at the cost of learning: the quality column is each path's own training returns (unequal
+    # updates, near a random policy's in --quick); parity is judged on the params the two paths reach
+    parity = path_parity()
+    res["parity"] = parity
+    extra["params after 2 updates from one init, naive vs optimized"] = (
+        f"{parity['max_param_diff']:.1e} apart, moved {parity['moved']:.1e} ({parity['shape']})")
+    if parity_problems(parity):
+        res["problems"] = parity_problems(parity)
+    res["notes"] = ["quality: the mean return of each path's own training rollouts (the naive path's timed updates, "
+                    "the optimized path's timed chunks), not a parity check; parity: the params both reach from one "
+                    "init (judged)"]
     res["extra"] = extra
     return res
 

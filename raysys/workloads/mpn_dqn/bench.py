@@ -15,6 +15,7 @@ import functools
 import tempfile
 from pathlib import Path
 
+from raysys.bench_generic import GRAD_PARITY
 from raysys.config import apply_overrides
 from raysys.tracking import sqlite_uri
 
@@ -32,6 +33,9 @@ def _run(preset: str, overrides: dict, tmp: str) -> dict:
             "charts/final_avg_reward", "eval/reward_per_trial", "eval/random_reward_per_trial", "eval/correct_rate")
     return {k.split("/")[1]: m.get(k) for k in keys}
 
+
+LOSS_PARITY = 1e-4
+"""The most the two paths' TD losses on the same weights and batch may differ (measured: ~1e-7)."""
 
 UPDATE_KINDS = ("eager", "compile", "reduce-overhead", "cuda_graph")
 
@@ -83,6 +87,20 @@ def update_times(batch_sizes=(64, 1024), repeats: int = 50, device: str = "cuda"
     return out
 
 
+def parity_problems(td: dict) -> list[str]:
+    """Speed never at the cost of learning: the batched unroll must be the per-sequence TD loss, on the same
+    weights and batch (``compare_td_loss``), and give its gradients."""
+    problems = []
+    if not td["loss_abs_diff"] <= LOSS_PARITY:
+        problems.append(f"the paths compute different TD losses: on the same weights and batch they differ by "
+                        f"{td['loss_abs_diff']:.2e} (more than {LOSS_PARITY:g})")
+    if not td["grad_rel_diff"] <= GRAD_PARITY:
+        problems.append(f"the paths train differently: on the same weights and batch the optimized TD loss's "
+                        f"gradients differ from the naive one's by {td['grad_rel_diff']:.2e} of their norm "
+                        f"(more than {GRAD_PARITY:g})")
+    return problems
+
+
 def run_bench(quick: bool = False) -> dict:
     import torch
 
@@ -109,7 +127,10 @@ def run_bench(quick: bool = False) -> dict:
     except ImportError as e:
         print(f"[bench] rollout pool vs RLlib skipped: {e}", flush=True)
         rllib = None
+    # The whole-training rows below are not a parity check (the old command stops at its budget)
+    problems = parity_problems(td)
     return {
+        **({"problems": problems} if problems else {}),
         "throughput_unit": "env-steps/s (whole training)",
         "quality_metric": "eval reward/trial",
         "naive": {"throughput": old["env_steps_per_s"], "quality": old["reward_per_trial"], **old,
@@ -121,13 +142,17 @@ def run_bench(quick: bool = False) -> dict:
         "notes": ["rows: the seed's old command (path=naive, sequence_batch_size=32, train_freq=1) and its fast one "
                   "(path=optimized, 64, train_freq=4), whole training: the ratio is of the configuration, mostly "
                   "train_freq; the code path alone is the TD-loss step below",
-                  f"quality: each after its own episodes (the old command stops at its {budget:.0f} s budget)"],
+                  f"quality: each after its own episodes (the old command stops at its {budget:.0f} s budget), "
+                  "not a parity check; the paths' parity is their TD loss and gradients on the same weights and "
+                  f"batch (judged: loss within {LOSS_PARITY:g}, gradients within {GRAD_PARITY:g} of their norm)"],
         "td_loss": td,
         **({"update_ms": updates, "cuda_graph_training": graphed} if updates else {}),
         **({"rollout_vs_rllib": rllib} if rllib else {}),
         "extra": {
             "TD-loss step speedup (B=64 L=10 H=128)": f"{td['speedup']:.1f}x "
                                                       f"(naive {td['naive_s'] * 1e3:.1f} ms, optimized {td['optimized_s'] * 1e3:.2f} ms)",
+            "TD loss / gradients, naive vs optimized (same weights and batch)": f"{td['loss_abs_diff']:.1e} apart / "
+                                                                               f"{td['grad_rel_diff']:.1e} of their norm",
             "whole-training speedup (fast command vs old config)": f"{ratio:.1f}x",
             "old config": f"{old['episodes']:.0f} of {episodes} episodes in its {budget:.0f}s budget, "
                           f"final avg reward {old['final_avg_reward']:.2f}",

@@ -267,6 +267,7 @@ def compare_td_loss(
             o = float(np.median([opt() for _ in range(opt_per_round)]))
             n_t.append(n), o_t.append(o), ratios.append(n / o)
         n_threads = torch.get_num_threads()
+        loss_gap, grad_gap = _parity(online, target, batch)
     return {
         "setup": dict(B=B, L=L, H=H, obs_dim=obs_dim, n_actions=n_actions, amp=amp, compile=compile, device=device,
                       threads=n_threads),
@@ -274,4 +275,22 @@ def compare_td_loss(
         "optimized_s": float(np.median(o_t)),
         "speedup": float(np.median(ratios)),
         "speedup_iqr": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
+        "loss_abs_diff": loss_gap,
+        "grad_rel_diff": grad_gap,
     }
+
+
+def _parity(online: MPNDQN, target: MPNDQN, batch: dict) -> tuple[float, float]:
+    """|loss_naive - loss_optimized| and |g_naive - g_optimized| / |g_naive| on the timed weights and batch, in
+    full fp32 (TF32 alone moves a loss by ~1e-3 of it): the fast path must be the same function and train alike."""
+    from raysys.bench_generic import _no_tf32
+
+    with _no_tf32():
+        params = list(online.parameters())
+        ln = td_loss_naive(online, target, batch)
+        gn = torch.autograd.grad(ln, params)
+        lo = td_loss_optimized(online, target, batch)
+        go = torch.autograd.grad(lo, params)
+    gap = sum(float((a - b).norm()) ** 2 for a, b in zip(gn, go)) ** 0.5
+    scale = sum(float(g.norm()) ** 2 for g in gn) ** 0.5
+    return abs(float(ln) - float(lo)), gap / max(scale, 1e-12)
