@@ -293,4 +293,4 @@ def _parity(online: MPNDQN, target: MPNDQN, batch: dict) -> tuple[float, float]:
         go = torch.autograd.grad(lo, params)
     gap = sum(float((a - b).norm()) ** 2 for a, b in zip(gn, go)) ** 0.5
     scale = sum(float(g.norm()) ** 2 for g in gn) ** 0.5
-    return abs(float(ln) - float(lo)), gap / max(scale, 1e-12)
+    return abs(ln.item() - lo.item()), gap / max(scale, 1e-12)
