@@ -339,7 +339,10 @@ def run_bench(quick: bool = False) -> dict:
     try:
         from raysys.workloads.hackmatrix_ppo.rllib_compare import measure_rllib_ppo
 
-        rl = measure_rllib_ppo(seconds=45 if quick else 120)
+        from raysys import console
+
+        with console.held_stderr():  # RLlib's deprecation and Ray core-worker lines: -v shows them
+            rl = measure_rllib_ppo(seconds=45 if quick else 120)
         res["rllib"] = rl
         res["rllib_ratio"] = small["env_steps_per_s"] / rl["env_steps_per_s"]
         extra["RLlib PPO (gymnasium adapter) env-steps/s"] = f"{rl['env_steps_per_s']:.0f} -> raysys {res['rllib_ratio']:.1f}x"

@@ -15,6 +15,7 @@ import functools
 import tempfile
 from pathlib import Path
 
+from raysys import console
 from raysys.bench_generic import GRAD_PARITY
 from raysys.config import apply_overrides
 from raysys.tracking import sqlite_uri
@@ -123,7 +124,8 @@ def run_bench(quick: bool = False) -> dict:
                                    "launch.name": "bench-graphed"}, tmp) if device == "cuda" else None
     ratio = fast["env_steps_per_s"] / old["env_steps_per_s"]
     try:  # RLlib is an optional comparison (a machine with Ray but no RLlib skips it)
-        rllib = rollout_vs_rllib(rounds=6 if quick else 12)
+        with console.held_stderr():  # RLlib's deprecation and Ray core-worker lines: -v shows them
+            rllib = rollout_vs_rllib(rounds=6 if quick else 12)
     except ImportError as e:
         print(f"[bench] rollout pool vs RLlib skipped: {e}", flush=True)
         rllib = None
@@ -156,7 +158,7 @@ def run_bench(quick: bool = False) -> dict:
             "whole-training speedup (fast command vs old config)": f"{ratio:.1f}x",
             "old config": f"{old['episodes']:.0f} of {episodes} episodes in its {budget:.0f}s budget, "
                           f"final avg reward {old['final_avg_reward']:.2f}",
-            "fast command": f"{fast['episodes']} episodes in {fast['train_seconds']:.0f}s, "
+            "fast command": f"{fast['episodes']:.0f} episodes in {fast['train_seconds']:.0f}s, "
                             f"final avg reward {fast['final_avg_reward']:.2f}",
             "random policy reward/trial": f"{fast['random_reward_per_trial']:.3f}",
             **({f"update ms at {b}: " + " / ".join(row): " / ".join(f"{v:.2f}" for v in row.values())
