@@ -271,6 +271,7 @@ def test_resume_continues_at_the_exact_batch(tmp_path, data_dir):
     assert len(losses["whole"]) == 12 and losses["whole"] == losses["cut"]
 
 
+@pytest.mark.slow  # ~20 s; test_train_deep_gpcm.py checks the same rule by default
 def test_a_run_resumes_from_another_folder_on_a_copy_of_its_histories_but_not_on_others(tmp_path, data_dir):
     """Where the histories lie is not what the run is (a lost node: resume elsewhere from shared storage):
     the copy in another folder resumes the run; the same path holding other histories does not."""

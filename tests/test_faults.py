@@ -1534,6 +1534,7 @@ def test_resume_is_bit_exact_and_reuses_the_saved_config(tmp_path, workload, exp
         assert means(whole_run.stdout) and means(whole_run.stdout) == means(first.stdout + again.stdout)
 
 
+@pytest.mark.slow  # ~15 s
 def test_a_run_trained_further_and_stopped_goes_on_with_its_new_length(tmp_path):
     """A finished run resumed with a longer train.epochs and stopped before its new end keeps that session's
     config: the next --resume trains on to the new length. (It used to count as a session that trained

@@ -176,6 +176,7 @@ def test_the_env_step_census_counts_its_kernels():
     assert census["kernels"] >= census["by_op"]["fusion"]
 
 
+@pytest.mark.slow  # ~45 s (a subprocess compiling both programs); docs/hackmatrix.md cites it
 def test_four_device_sharding_matches_one_device():
     """XLA_FLAGS forces 4 host devices: the env batch is split over them, gradients are averaged
     across them, and one update gives the same params as on one device (up to float rounding)."""
@@ -197,6 +198,7 @@ def test_python_loop_path_reaches_the_fused_params():
     assert bench.parity_problems(p) == []
 
 
+@pytest.mark.slow  # ~25 s; the parity itself is checked by default above
 def test_the_bench_fails_a_slow_path_that_does_not_train_as_the_fused_one(monkeypatch):
     from raysys.workloads.hackmatrix_ppo import bench
 
@@ -257,6 +259,7 @@ def _history(workdir, name: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
 
 
+@pytest.mark.slow  # ~30 s of training
 @pytest.mark.timeout(300)
 def test_the_lr_anneals_to_the_runs_real_end_and_the_quality_is_of_finished_episodes(workdir, capsys):
     """The LR anneals to 0 at the end the run really has (total_timesteps rounded up to whole chunks; it

@@ -59,7 +59,8 @@ def rollout():
     return jax.jit(hm.random_rollout, static_argnums=(1, 2, 4))
 
 
-@pytest.mark.parametrize("params", [hm.EnvParams(), RICH], ids=["default", "all_programs"])
+# the default game is slow-only (~25 s): RICH holds every program and rule the default one has
+@pytest.mark.parametrize("params", [pytest.param(hm.EnvParams(), marks=pytest.mark.slow), RICH], ids=["default", "all_programs"])
 def test_random_rollouts_keep_invariants(rollout, params):
     state, summary, (checks, usage) = rollout(jax.random.PRNGKey(7), NUM_ENVS, NUM_STEPS, params, invariants)
     checks, usage, summary = jax.device_get((checks, usage, summary))

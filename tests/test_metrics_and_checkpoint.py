@@ -438,6 +438,7 @@ def test_a_full_disk_leaves_no_half_record_in_the_tracking_buffer_and_a_cut_one_
     assert [(m.step, m.value) for m in hist] == [(1, 1.0), (3, 0.25)]
 
 
+@pytest.mark.slow  # ~30 s; test_faults.py::test_tracking_outage_mid_run_loses_nothing checks an outage by default
 def test_the_end_of_a_run_sends_what_waited_once_the_server_is_back(tmp_path):
     """An outage that ends before the run does: the run's close tries the buffer at once, whatever the
     backoff of the last failed try, so the run ends FINISHED with every metric instead of waiting for a

@@ -496,6 +496,7 @@ def test_trials_share_a_process_unless_asked_not_to(tmp_path, flags, processes):
     assert len(pids.read_text().split()) == 3 and len(set(pids.read_text().split())) == processes
 
 
+@pytest.mark.slow  # ~30 s
 @pytest.mark.timeout(900)
 def test_members_that_end_before_the_others_are_finished_trials(tmp_path):
     """The tiny population trains its members in turn, so each ends before the next reports: every one

@@ -190,6 +190,7 @@ WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="broken", task=BrokenTa
 '''
 
 
+@pytest.mark.slow  # ~25 s; a workload's config errors are said by default (in process) in test_a_users_mistakes_are_said_plainly
 def test_a_config_error_inside_a_ray_train_run_fails_once_with_its_message(project):
     (project / "broken.py").write_text(BROKEN)
     attempts = project / "attempts.txt"
@@ -610,6 +611,7 @@ WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_error", task=Er
 '''
 
 
+@pytest.mark.slow  # ~30 s; the objectives' mode is unit-tested in test_tune_space.py
 def test_a_sweep_minimises_a_quality_where_lower_is_better(project):
     """A workload whose quality is an error rate (``quality_mode = "min"``): the front, the
     recommendation and the best quality are the lowest error's, and the searcher minimises it. The
@@ -900,6 +902,7 @@ def test_a_metric_some_folds_do_not_report_is_said_of_the_folds_that_do(project)
     assert "cv_n/accuracy" not in parent.data.metrics  # every fold reports it
 
 
+@pytest.mark.slow  # ~25 s; the default suite's resume refusals are test_a_resume_after_the_workloads_code_changed_says_so and test_faults.py's
 def test_a_resume_whose_model_no_longer_takes_the_weights_is_refused_before_anything(project):
     """A workload whose checkpoints compare only its data section (identity_sections): a resume that
     changes a shape in another section is still refused, in one line, before anything is written (the
@@ -1892,6 +1895,7 @@ def test_a_sweep_searching_an_optim_knob_its_task_never_reads_says_so(project, m
         "trials that differ only there train alike")
 
 
+@pytest.mark.slow  # ~25 s; a task's param_groups hook runs by default in test_a_fine_tuned_lazy_model_of_its_own_batches_trains_in_process
 def test_a_tasks_own_param_groups_and_plateau_schedule_train_and_resume(project):
     """Task.param_groups (no weight decay on biases) under the config's optimizer, and a ReduceLROnPlateau
     stepped with the quality metric after each evaluation: its state (the best so far) comes back with a

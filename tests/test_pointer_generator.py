@@ -343,6 +343,7 @@ def test_additive_scores_without_tanh_are_the_tanh_scores_and_gradients(prepared
     assert model.exp_keys(torch.randn(B, S, H)) is None
 
 
+@pytest.mark.slow  # ~30 s; test_train_deep_gpcm.py checks the same rule by default
 def test_a_resume_on_other_data_is_refused_but_not_from_a_copy_elsewhere(tmp_path):
     """The checkpoint's token rows mean its corpus's tokenizer: a resume on another corpus (a file's bytes
     or the synthetic corpus's seed) is refused in one line; the same corpus copied to another folder, and

@@ -121,6 +121,7 @@ def test_a_population_run_ends_each_member_as_its_lone_run(tmp_path, population)
         assert together[i].metrics["perf/env_steps_per_s"] > 0
 
 
+@pytest.mark.slow  # ~20 s
 @pytest.mark.timeout(600)
 def test_a_member_restored_at_its_end_keeps_the_quality_it_ended_with(tmp_path):
     """A program interrupted after one member reached its (shorter) end and before the program's final

@@ -114,6 +114,7 @@ def test_sweep_prints_front_and_tracks_parent_with_six_children(workdir, mlflow_
     assert [m.step for m in client.get_metric_history(parent.info.run_id, "sweep/recommended_quality")] == [0, 1]
 
 
+@pytest.mark.slow  # ~15 s
 def test_a_sweep_that_ended_at_its_budget_resumes_to_its_report_not_to_an_interruption(workdir):
     """Audit AS D10: Tune's restored time budget was spent, so a --resume of a sweep that ended at its --budget
     ran nothing, called itself interrupted (exit 130), turned its FINISHED parent run KILLED and printed a resume
@@ -168,6 +169,7 @@ def test_diverging_trial_is_marked_unstable_and_the_sweep_completes(workdir, wor
     assert ",unstable," in csv
 
 
+@pytest.mark.slow  # ~30 s
 @pytest.mark.timeout(600)
 def test_a_vectorized_program_whose_members_all_turn_unstable_ends_the_sweep_with_their_verdicts(workdir):
     """Every member of one program found unstable one after another (a policy entropy floor): the trial's
