@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -208,14 +209,20 @@ def _deepcopy(cfg: Any) -> Any:
 
 
 def _validate(cfg: Any, prefix: str = "") -> None:
-    """Run ``validate()`` hooks bottom-up so sections can check cross-field constraints; NaN is never a
-    meaningful value of any number, so it fails everywhere."""
+    """Run ``validate()`` hooks bottom-up so sections can check cross-field constraints. NaN and infinity are
+    never a meaningful value of a setting (an infinite learning rate passes a "> 0" rule and trains on NaN;
+    "off" is 0 or null where a field has it), so they fail everywhere, in lists too."""
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
             _validate(v, f"{prefix}{f.name}.")
-        elif isinstance(v, float) and v != v:
-            raise ConfigError(f"{prefix}{f.name}: NaN is not a valid value")
+            continue
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ConfigError(f"{prefix}{f.name}: {x} is not a valid value (a setting is a finite number"
+                                  + ("; 0 or null turns it off where the field allows" if x > 0 else "") + ")")
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) > 2**63 - 1:
+                raise ConfigError(f"{prefix}{f.name}: {x} is beyond any count a run can hold (at most 2**63 - 1)")
     hook = getattr(cfg, "validate", None)
     if callable(hook):
         hook()
@@ -256,7 +263,12 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     if not path.is_file():
         raise ConfigError(f"{what} not found: {path}" if not path.exists() else f"{what} {path} is not a file")
     try:
-        return yaml.load(path.read_text(), Loader=_StrictLoader)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # a binary file, or another encoding
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                          "YAML files are UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -43,7 +43,15 @@ def test_unknown_key_names_key_and_allowed():
 
 @pytest.mark.parametrize("key,value,needle", [("steps", "ten", "integer"), ("inner.mode", "c", "not one of"),
                                               ("flag", "maybe", "true/false"), ("inner.lr", "fast", "number"),
-                                              ("train.batch_size", 0, "train.batch_size must be >= 1")])
+                                              ("train.batch_size", 0, "train.batch_size must be >= 1"),
+                                              # AY F1/F14: an infinite lr passed "> 0" and trained on NaN; a count
+                                              # beyond int64 passed ">= 1" and failed in the DataLoader
+                                              ("inner.lr", "inf", "inner.lr: inf is not a valid value"),
+                                              ("inner.lr", "1e400", "inner.lr: inf is not a valid value"),
+                                              ("inner.clip", "-inf", "inner.clip: -inf is not a valid value"),
+                                              ("inner.lr", "nan", "inner.lr: nan is not a valid value"),
+                                              ("inner.betas", "[0.9, inf]", "inner.betas: inf is not a valid value"),
+                                              ("steps", "99999999999999999999999", "steps: 99999999999999999999999 is beyond")])
 def test_wrong_types_and_values(key, value, needle):
     with pytest.raises(ConfigError, match=needle):
         apply_overrides(Root(), {key: value})
@@ -63,6 +71,9 @@ def test_bad_yaml_says_where(tmp_path):
         load_yaml(p)
     p.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
+        load_yaml(p)
+    p.write_bytes(b"inner:\n  lr: 0.5\n\xff\xfe\x00")  # a binary file (AY F3): not a traceback
+    with pytest.raises(ConfigError, match=r"bad.yaml is not UTF-8 text \(byte 17: b'\\xff'\)"):
         load_yaml(p)
 
 
