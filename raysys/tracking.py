@@ -145,12 +145,15 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
         folder = unquote(urlparse(uri).path)
         name = Path(folder).name
         if re.fullmatch(r"[\w.-]+:\d+", name):  # host:port without its scheme
-            meant = f"did you mean http://{name}? "
+            meant = f"did you mean http://{name}?"
         elif name.endswith((".db", ".sqlite", ".sqlite3")):
-            meant = f"did you mean sqlite:///{folder}? "
+            meant = f"did you mean sqlite:///{folder}?"
+        elif Path(folder).is_file():  # not a folder either: a database beside it
+            meant = f"pass sqlite:///{Path(folder).parent / 'mlflow.db'} or a server URL"
         else:
-            meant = f"pass sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set MLFLOW_ALLOW_FILE_STORE=true to use the folder anyway; "
-        raise ConfigError(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; {meant}"
+            meant = (f"pass sqlite:///{folder.rstrip('/')}/mlflow.db or a server URL, or set MLFLOW_ALLOW_FILE_STORE=true "
+                     "to use the folder anyway")
+        raise ConfigError(f"--tracking-uri {folder}: MLflow no longer writes its folder (file) store; {meant} "
                           "(nothing was created)")
     if uri.startswith("sqlite://") and not uri.startswith("sqlite:///"):
         raise ConfigError(f"--tracking-uri {uri}: an SQLite URL has three slashes before a relative path "
@@ -159,6 +162,8 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
     if scheme and scheme not in STORE_SCHEMES:
         raise ConfigError(f"--tracking-uri {uri}: MLflow has no tracking store for '{scheme}://' (use "
                           "sqlite:///path/mlflow.db, http(s)://server:port or a database URL; nothing was created)")
+    if scheme in ("postgresql", "mysql", "mssql"):
+        _check_database(uri, timeout)
     if uri.startswith("sqlite:///"):
         db = sqlite_path(uri)
         storage.check_local_folder(db.parent, f"--tracking-uri {uri}:")
@@ -201,6 +206,34 @@ def check_store(uri: str, timeout: float = 5.0) -> None:
                           "database (nothing was created)")
     raise ConfigError(f"--tracking-uri {uri} answers, but not as an MLflow tracking server (HTTP {api.status_code} "
                       f"to its REST API, {health.status_code} to /health); check the URL and port (nothing was created)")
+
+
+def _check_database(uri: str, timeout: float) -> None:
+    """A database URL MLflow would open with SQLAlchemy: its driver installed, and the server answering (a
+    connection in ``timeout`` seconds where the dialect takes a connect timeout)."""
+    import sqlalchemy
+
+    from raysys.config import ConfigError
+
+    safe = re.sub(r"//[^@/]*@", "//***@", uri)  # no password on the console
+    try:
+        url = sqlalchemy.engine.make_url(uri)
+        engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": max(1, int(timeout))}
+                                          if url.get_backend_name() in ("postgresql", "mysql") else {})
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"--tracking-uri {safe}: MLflow opens it with the database driver '{e.name}', which is not "
+                          "installed here (pip install it; nothing was created)") from None
+    except Exception as e:  # a malformed URL, an unknown dialect or driver
+        raise ConfigError(f"--tracking-uri {safe}: not a database URL SQLAlchemy can open ({_gist(e, 160)}; nothing "
+                          "was created)") from None
+    try:
+        with engine.connect():
+            pass
+    except Exception as e:
+        raise ConfigError(f"--tracking-uri {safe}: the database does not let this process in ({_gist(e, 160)}); "
+                          "check that it runs and the URL's user, password and name (nothing was created)") from None
+    finally:
+        engine.dispose()
 
 
 def _auth() -> dict:

@@ -132,11 +132,16 @@ def test_a_tracking_store_that_cannot_be_made_is_one_line_before_anything(tmp_pa
                             (train, "sqlite:///afile/mlflow.db", "afile is a file, not a folder"),
                             (tune, "sqlite:////proc/raysys/mlflow.db", "cannot write in /proc"),
                             (tune, "foo://bar", "MLflow has no tracking store for 'foo://'"),
-                            (tune, "sqlite:///space.yaml", "space.yaml is not an SQLite database")]:
+                            (tune, "sqlite:///space.yaml", "space.yaml is not an SQLite database"),
+                            # AY F5: a database URL whose driver is missing (or whose server is not there)
+                            (train, "postgresql://u:secret@127.0.0.1:1/db", "--tracking-uri postgresql://***@127.0.0.1:1/db: "),
+                            # AY F7: a file store named at a file: the database goes beside it
+                            (train, f"file://{tmp_path}/afile", f"pass sqlite:///{tmp_path}/mlflow.db or a server URL (nothing")]:
         proc = subprocess.run([sys.executable, "-m", *cmd, "--tracking-uri", uri], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (cmd, uri, proc.stderr[-2000:])
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "secret" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "space.yaml"]
 
 
