@@ -184,8 +184,12 @@ def _resumed_base(wl: registry.Workload, cfg: Any, args: argparse.Namespace) -> 
             raise ConfigError(f"run '{name}' is a run of {owner}, not {wl.name} (its checkpoints say so): resume it "
                               f"with its own workload ({owner})") from None
         where = snap or f"the newest checkpoint in {run_dir}"
-        raise ConfigError(f"the run's saved config ({where}) no longer fits {wl.name}'s config: {e}. Its code changed "
-                          "since the run began: restore that code to resume, or start a new run (another --name)") from None
+        why = ("Its code changed since the run began: restore that code to resume" if owner else
+               # no checkpoint names its workload: another workload's run says so as much as a code change
+               f"Either it is a run of another workload (resume it with that one) or {wl.name}'s code changed since "
+               "the run began (restore that code to resume)")
+        raise ConfigError(f"the run's saved config ({where}) does not fit {wl.name}'s config: {e}. {why}, or start "
+                          "a new run (another --name)") from None
 
 
 def _resumed_cv_base(wl: registry.Workload, preset: Any, args: argparse.Namespace) -> Any:

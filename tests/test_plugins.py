@@ -992,7 +992,7 @@ def test_a_resume_after_the_workloads_config_grew_or_renamed_a_field(project):
     before = sorted(p.name for p in run_dir.rglob("*"))
     proc = _run([*args, "--resume", "--set", "train.max_steps=12"], project)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "no longer fits digits_mlp's config: unknown config key 'model.hidden'" in proc.stderr
+    assert "does not fit digits_mlp's config: unknown config key 'model.hidden'" in proc.stderr
     assert "Its code changed since the run began" in proc.stderr
     assert sorted(p.name for p in run_dir.rglob("*")) == before
 

@@ -327,6 +327,21 @@ def test_a_resume_says_it_keeps_its_own_config_over_another_preset(workdir, caps
     assert "[raysys] --resume continues from the run's own config, not from preset 'parity' (which sets " in out
 
 
+def test_a_resume_writes_only_into_a_runs_folder_and_sweeps_is_no_run_name(workdir, capsys):
+    """A folder under the storage path that holds no run (a user's, or the sweeps' own) is not adopted by a
+    --resume, and `sweeps` -- where raysys.tune keeps its sweeps -- is not a run name there (AY F12)."""
+    foreign = workdir / "raysys_runs" / "notes"
+    (foreign / "checkpoints").mkdir(parents=True)
+    (foreign / "mine.txt").write_text("keep")
+    assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "notes", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {foreign} holds no run (none of a run's config.yaml" in err and len(err.splitlines()) == 1
+    for extra in ([], ["--resume"]):
+        assert main(["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "sweeps", *extra]) == 2
+        assert "raysys_runs/sweeps is where `python -m raysys.tune` keeps its sweeps" in capsys.readouterr().err
+    assert sorted(p.name for p in workdir.rglob("*")) == ["checkpoints", "mine.txt", "notes", "raysys_runs"]
+
+
 def test_bad_config_key_fails_before_anything(workdir, capsys):
     assert main(["train", "deep_gpcm", *QUICK, "--set", "train.lrr=1"]) == 2
     err = capsys.readouterr().err

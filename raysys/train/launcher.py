@@ -75,6 +75,11 @@ def storage_root(path: str) -> Path:
     return Path(path).resolve()
 
 
+SWEEPS = "sweeps"
+"""The folder of ``raysys_runs`` where ``python -m raysys.tune`` keeps its sweeps (its --storage-path default):
+not a run name there."""
+
+
 def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
     """The run's name and folder, validated; nothing is created here. On remote storage the folder is this
     process's working copy (raysys.storage), with the run's files pulled when resuming."""
@@ -87,6 +92,9 @@ def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
     name = launch.name
     if name is not None:
         lifecycle.validate_name(name)
+        if name == SWEEPS and not remote and root == storage_root("raysys_runs"):
+            raise ConfigError(f"--name {name}: {root}/{name} is where `python -m raysys.tune` keeps its sweeps; "
+                              "choose another run name (nothing was changed)")
     if launch.resume and not name:  # newest run of this workload
         if remote:  # <workload>-<time>: sorts by time; the newest that has not ended, else the newest
             dirs = [n for n in remote.listdir() if n.startswith(f"{wl_name}-")]
@@ -110,10 +118,19 @@ def resolve_run_dir(wl_name: str, launch: Any) -> tuple[str, Path]:
         exists = run_dir.is_dir() and any(p.name != lifecycle.LOCK_FILE for p in run_dir.iterdir())
     if launch.resume and not exists:
         raise ConfigError(f"--resume: no run called '{name}' under {root}")
+    if launch.resume and not _holds_a_run(run_dir):
+        raise ConfigError(f"--resume: {root}/{name} holds no run (none of a run's config.yaml, events.log, code.json "
+                          "or checkpoints in it); a resume writes only into a run's own folder (nothing was changed)")
     if not launch.resume and exists:
         raise ConfigError(f"a run called '{name}' already exists at {root}/{name}; pass --resume to continue it "
                           "or choose another --name (nothing was changed)")
     return name, run_dir
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """A run's folder: the files a run writes as it starts (a killed one may have only some), or a checkpoint."""
+    return (any((run_dir / f).is_file() for f in ("config.yaml", "events.log", "code.json"))
+            or any(run_dir.glob("config.resume-*.yaml")) or newest_checkpoint(run_dir) is not None)
 
 
 def ray_storage(run_dir: Path) -> dict:
