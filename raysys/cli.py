@@ -65,13 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--workers", type=int, help="data-parallel Ray Train workers; 0 = in this process (launch.workers; "
                                                "default: the preset's, see `show <workload>`)")
     t.add_argument("--gpus-per-worker", type=float, help="GPUs per worker; >0 uses CUDA + NCCL (launch.gpus_per_worker)")
-    t.add_argument("--address", help="Ray cluster address, e.g. auto or ray://head:10001; default: $RAY_ADDRESS or "
+    t.add_argument("--address", type=console.given_arg, help="Ray cluster address, e.g. auto or ray://head:10001; default: $RAY_ADDRESS or "
                                      "a Ray instance started in this process (launch.address)")
-    t.add_argument("--tracking-uri", help="MLflow tracking URI; default $RAYSYS_TRACKING_URI, else $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db")
+    t.add_argument("--tracking-uri", type=console.given_arg, help="MLflow tracking URI; default $RAYSYS_TRACKING_URI, else $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db")
     t.add_argument("--experiment", type=console.name_arg, help="MLflow experiment name (default raysys-<workload>)")
     t.add_argument("--name", type=console.name_arg, help="run name: folder under --storage-path and MLflow run name "
                                                          "(default: <workload>-<YYYYmmdd-HHMMSS>)")
-    t.add_argument("--storage-path", help="folder or storage URI (s3://, gs://) for checkpoints and run state, shared "
+    t.add_argument("--storage-path", type=console.given_arg, help="folder or storage URI (s3://, gs://) for checkpoints and run state, shared "
                                           "by all nodes on a cluster (default: raysys_runs)")
     t.add_argument("--resume", action="store_true", help="continue run --name (or the newest unfinished run of this "
                                                           "workload named by default) from its last checkpoint, "

@@ -169,6 +169,15 @@ def name_arg(value: str) -> str:
     return value
 
 
+def given_arg(value: str) -> str:
+    """argparse type of a path, URI or address flag: given, it may not be empty (an unset shell variable,
+    ``--storage-path "$RUNS"``, would put a run's folder straight into the working folder); omit the flag
+    for its default."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("empty (an unset shell variable?); omit the flag for its default")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with raysys's rule for bad input: one line naming the problem, exit 2 (argparse's
     own error prints the whole usage first)."""

@@ -346,7 +346,13 @@ def test_bad_config_key_fails_before_anything(workdir, capsys):
     assert main(["train", "deep_gpcm", *QUICK, "--set", "train.lrr=1"]) == 2
     err = capsys.readouterr().err
     assert "train.lrr" in err and "batch_size" in err
-    assert not (workdir / "raysys_runs").exists() and not (workdir / "mlflow.db").exists()
+    # an unset shell variable (--storage-path "$RUNS") put the run's folder straight into this one (AY F6)
+    for flag in ("--storage-path", "--tracking-uri", "--address"):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "deep_gpcm", *QUICK, flag, ""])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: empty (an unset shell variable?)" in err, err
+    assert list(workdir.iterdir()) == []
 
 
 def test_corrupt_checkpoint_and_existing_run(workdir, capsys):

@@ -45,16 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock budget of the sweep; trials still running then are stopped and left out of "
                         "the front, and the sweep ends (a --resume of it reports it again and runs nothing more; a "
                         "sweep stopped by a signal resumes with the --budget its resume gives). No budget by default")
-    p.add_argument("--address", help="Ray cluster address (e.g. auto, ray://head:10001); default: $RAY_ADDRESS or "
+    p.add_argument("--address", type=console.given_arg, help="Ray cluster address (e.g. auto, ray://head:10001); default: $RAY_ADDRESS or "
                                      "a Ray instance started in this process")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI for the parent and trial runs; default "
+    p.add_argument("--tracking-uri", type=console.given_arg, help="MLflow tracking URI for the parent and trial runs; default "
                                           "$RAYSYS_TRACKING_URI, else $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db")
     p.add_argument("--resume", action="store_true",
                    help="continue the sweep --name (or, without it, this workload's newest sweep named by default): finished trials are "
                         "kept, unfinished ones continue from their own checkpoints, the rest are run")
     p.add_argument("--name", type=console.name_arg, help="sweep name: its folder under --storage-path and its MLflow parent run name "
                                   "(default: <workload>-sweep-<time>)")
-    p.add_argument("--storage-path", default="raysys_runs/sweeps", metavar="DIR",
+    p.add_argument("--storage-path", type=console.given_arg, default="raysys_runs/sweeps", metavar="DIR",
                    help="folder for the sweep's Tune state, trial runs, checkpoints and report (default: %(default)s; "
                         "on a multi-node cluster a folder all nodes share)")
     p.add_argument("--tolerance", type=float, metavar="T",
