@@ -181,6 +181,11 @@ def _main(argv: list[str] | None) -> int:
         if wl.bench is None and wl.task is None:  # said before the banner: nothing is measured
             raise ConfigError(f"{wl.name} trains with its own loop (train_fn) and has no bench: give "
                               "Workload(bench=...) a function that measures it")
+        if wl.bench is not None and args.preset:  # said, not ignored (AY F10)
+            takes = "overrides" in inspect.signature(wl.bench).parameters
+            raise ConfigError(f"--preset {args.preset}: {wl.name}'s bench measures a configuration of its own "
+                              "(--preset is for a workload without one)"
+                              + ("; change its keys with --set/--config" if takes else ""))
         if wl.bench is not None and overrides and "overrides" not in inspect.signature(wl.bench).parameters:
             raise ConfigError(f"{wl.name}'s bench measures fixed shapes of its own and takes no --set/--config; time "
                               f"your configuration with `python -m raysys train {wl.name} --set ...` (its perf/ "

@@ -514,6 +514,9 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
                          # a path asked of a built-in whose bench measures both: it was accepted and ignored (AX F2)
                          (["deep_gpcm", "--set", "model.path=naive"], "the bench measures both paths"),
                          (["mpn_dqn", "--set", "path=naive"], "the bench measures both paths"),
+                         # a preset of a built-in whose bench measures its own configuration: ignored (AY F10)
+                         (["deep_gpcm", "--quick", "--preset", "nosuch"], "--preset nosuch: deep_gpcm's bench measures"),
+                         (["digits_mlp:WORKLOAD", "--quick", "--preset", "nosuch"], "unknown preset 'nosuch'"),
                          # a folder for --json: the whole bench ran, then a traceback lost its results (AX F6)
                          (["digits_mlp:WORKLOAD", "--quick", "--json", "results"], "--json results is a folder")):
         assert bench(args) == 2
