@@ -283,13 +283,17 @@ def _main(argv: Optional[list[str]] = None) -> int:
             plugins = set(registry.plugins())
             names = args.workloads or registry.available()
             w = max([16, *(len(n) for n in names)])
-            for name in names:
+            loaded = {}
+            for name in names:  # all loaded before one is printed: a name that fails is one line, alone
                 try:
-                    wl = registry.get(name)
+                    loaded[name] = registry.get(name)
                 except ConfigError as e:  # a broken plug-in does not hide the others
                     if args.workloads:  # named on the command line: bad input
                         raise
-                    print(f"{name:{w}s} (plug-in failed to load: {e})")
+                    loaded[name] = e
+            for name, wl in loaded.items():
+                if isinstance(wl, ConfigError):
+                    print(f"{name:{w}s} (plug-in failed to load: {wl})")
                     continue
                 kind = "yours" if ":" in name else "plug-in" if name in plugins else "built-in"
                 vec = "; sweeps vectorize (--vectorize K)" if wl.population is not None else ""

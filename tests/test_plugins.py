@@ -839,9 +839,10 @@ def test_a_users_mistakes_are_said_plainly(project):
     assert "lr_scheduler" not in proc.stdout + proc.stderr  # torch's warning about the skipped steps
     assert not list((project / "raysys_runs" / "r").glob("checkpoints/step_*"))
 
-    for cmd in (["train", "mistakes:NODEFAULT", *args, "--name", "d"], ["list", "mistakes:NODEFAULT"]):
+    for cmd in (["train", "mistakes:NODEFAULT", *args, "--name", "d"], ["list", "mistakes:NODEFAULT"],
+                ["list", "deep_gpcm", "mistakes:NODEFAULT"]):  # the good one not printed before the line (AY F11)
         proc = _run(["python", "-m", "raysys", *cmd], project)
-        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.strip().splitlines() == [
             "raysys: config error: workload nodefault: its preset 'default' cannot be built: TypeError: "
             "Needs.__init__() missing 1 required positional argument: 'fraction'"]
 
