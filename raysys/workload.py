@@ -301,6 +301,9 @@ def check_sets(wl: "Workload", sets: Mapping[str, Any]) -> None:
         if isinstance(sets.get(key), str) and not sets[key].strip():
             raise ConfigError(f"--set {key}= is empty (an unset shell variable?): give the path, or {key}=none "
                               "for the workload's own data")
+    for key, value in sets.items():  # a folder key (data.data_dir) naming a file failed later as "[Errno 17]"
+        if key.rsplit(".", 1)[-1].endswith("_dir") and isinstance(value, str) and Path(value).expanduser().is_file():
+            raise ConfigError(f"--set {key}={value}: that is a file; {key} names a folder")
 
 
 def _check_config(cfg: Any, wl: "Workload", preset: str) -> None:

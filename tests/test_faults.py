@@ -186,6 +186,8 @@ def _wait_for(ckpts: Path, proc: subprocess.Popen, step: int, timeout: float = 3
     (["--cv", "--set", "data.path=/nonexistent/seqs.txt"], "no sequences file at /nonexistent/seqs.txt"),
     # an unset shell variable ($DATA): it read as none, and the run trained on the workload's own data
     (["--set", "data.path="], "--set data.path= is empty (an unset shell variable?)"),
+    (["--set", "data.data_dir=notes.txt"], "--set data.data_dir=notes.txt: that is a file"),  # was "[Errno 17]"
+    (["--set", "optim.lr=inf"], "optim.lr: inf is not a valid value"),  # it trained on NaN and ended "done" (AY F1)
     # audit AR: a traceback of numpy's MemoryError; a run made, then failed twice; no key named; a compile per length
     (["--set", "data.max_len=100000000"], "responses to generate, ~626 GiB, more than this machine's"),
     (["--set", "data.seed=-1"], "data.seed must be >= 0, got -1"),
