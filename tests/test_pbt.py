@@ -207,6 +207,8 @@ def test_the_cli_refuses_pbt_where_it_cannot_run_before_anything_starts(workdir,
         (["--space", hm, "--scheduler", "pbt", "--vectorize", "4", "--pbt-quantile", "0.7"], "--pbt-quantile must be in (0, 0.5]"),
         (["--space", hm, "--scheduler", "pbt", "--vectorize", "4", "--pbt-interval", "0"], "--pbt-interval must be >= 1"),
         (["--space", hm, "--vectorize", "4", "--pbt-interval", "2"], "--pbt-interval is a setting of --scheduler pbt"),
+        (["--space", hm, "--scheduler", "pbt", "--vectorize", "2", "--num-samples", "1"],
+         "a program of one member has no other to exploit"),  # it ran PBT on one member, without a word (AY F9)
         (["--space", _space(workdir, "hackmatrix_ppo", {"train.seed": {"randint": [0, 9]}}), "--scheduler", "pbt",
           "--vectorize", "4"], "searches none of the knobs PBT may perturb in hackmatrix_ppo (optim.lr"),
         (["--space", _space(workdir, f"{TESTS / 'tiny_workload.py'}:WORKLOAD", {"opt.lr": {"uniform": [0.01, 0.1]}},

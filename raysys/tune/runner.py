@@ -773,6 +773,9 @@ def _pbt_settings(opts: SweepOptions, sp: spaces.SweepSpace, wl: registry.Worklo
     if opts.vectorize < 2:
         raise ConfigError("--scheduler pbt exploits and explores between the members of one program: it needs "
                           "--vectorize K with K >= 2 (K configurations per program)")
+    if opts.num_samples is not None and opts.num_samples < 2:  # a program holds at most --num-samples members
+        raise ConfigError(f"--scheduler pbt with --num-samples {opts.num_samples}: a program of one member has no "
+                          "other to exploit; PBT needs --num-samples 2 or more")
     explorable = tuple(wl.population.explore_knobs) if wl.population is not None else ()
     if not explorable:
         raise ConfigError(f"--scheduler pbt: {wl.name}'s population program runs no PBT rounds "
