@@ -177,11 +177,15 @@ def test_two_ddp_workers_match_one(workdir, ray_cluster):
 
 
 def _train_worker_pids() -> list[int]:
+    """This test's Ray Train workers: under the raylet this process started, not another job's on the machine."""
     pids = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "RayTrainWorker" in cmd:
-            pids.append(p.pid)
+        try:
+            if "RayTrainWorker" in cmd and os.getpid() in (q.pid for q in p.parents()):
+                pids.append(p.pid)
+        except psutil.Error:  # gone meanwhile
+            pass
     return pids
 
 
@@ -477,6 +481,10 @@ def test_the_resume_changes_tag_keeps_every_resumes_changes(workdir):
     assert main([*args, "--set", "train.max_steps=2"]) == 0
     assert main([*args, "--resume", "--set", "train.max_steps=4"]) == 0
     assert main([*args, "--resume", "--set", "train.max_steps=6", "--set", "optim.lr=0.002"]) == 0
-    _, run = _mlflow_run(workdir, "tag")
+    client, run = _mlflow_run(workdir, "tag")
     assert run.data.tags["raysys.resume_changes"] == (
         "resume-1: train.max_steps: 2 -> 4 | resume-2: optim.lr: 0.001 -> 0.002; train.max_steps: 4 -> 6")
+    # and trained with: the checkpoint's optimizer state had put its own lr back (AZ F1)
+    lrs = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
+    assert {s: v for s, v in lrs.items() if s > 4} == {6: 0.002}, lrs  # logged every 2 steps
+    assert all(v == 0.001 for s, v in lrs.items() if s <= 4), lrs

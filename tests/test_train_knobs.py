@@ -94,3 +94,49 @@ def test_workers_that_can_share_a_gpu_all_reduce_with_gloo(workers, gpus, backen
 
     assert process_group_backend(workers, gpus) == backend
     assert ("NCCL refuses" in capsys.readouterr().out) == (backend == "gloo" and gpus > 0)
+
+
+@pytest.mark.parametrize("kind", ["config", "own", "plateau"])
+def test_a_resume_trains_with_the_optimizer_settings_it_was_given(kind):
+    """``--resume --set optim.lr=... optim.weight_decay=...``: the checkpoint's optimizer state put back the
+    settings it was built with (AZ F1). The groups take the new ones; the LR keeps its place in the schedule:
+    the config's LambdaLR goes on from the new peak, a task's own schedule is rebuilt from it and taken to the
+    step, a ReduceLROnPlateau keeps its cuts."""
+    from types import SimpleNamespace
+
+    from raysys.train.optim import apply_changed_settings, build_scheduler, group_settings
+    from raysys.workloads.deep_gpcm.workload import quick
+
+    cfg = quick()
+    cfg.optim.schedule, cfg.optim.warmup_steps = "linear", 0
+
+    def own(opt, cfg, total):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=opt.param_groups[0]["lr"], total_steps=total)
+
+    def plateau(opt, cfg, total):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5, patience=0)
+
+    task = SimpleNamespace(scheduler={"config": None, "own": own, "plateau": plateau}[kind])
+
+    def session(lr, wd):  # the optimizer and scheduler a session builds from its config
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+        built = group_settings(opt)
+        sched = build_scheduler(cfg.optim, opt, 10) if task.scheduler is None else task.scheduler(opt, cfg, 10)
+        return model, opt, sched, built
+
+    model, opt, sched, saved = session(0.1, 0.0)
+    for _ in range(4):  # four steps; the plateau scheduler cuts once
+        opt.step()
+        sched.step(0.0) if kind == "plateau" else sched.step()
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    was = opt.param_groups[0]["lr"]
+    model, opt, sched, built = session(0.01, 0.5)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    assert opt.param_groups[0]["lr"] == was and opt.param_groups[0]["weight_decay"] == 0.0  # what the bug trained with
+    sched, changes = apply_changed_settings(task, cfg, opt, sched, built, saved, 10, 4)
+    assert changes == ["lr: 0.1 -> 0.01", "weight_decay: 0.0 -> 0.5"]
+    assert opt.param_groups[0]["weight_decay"] == 0.5
+    assert opt.param_groups[0]["lr"] == pytest.approx(was / 10)  # the same place in the schedule, from the new peak
+    assert apply_changed_settings(task, cfg, opt, sched, built, built, 10, 4)[1] == []  # nothing changed: untouched

@@ -25,8 +25,15 @@ from ray.util.state import get_actor
 
 
 def said_alive(actor_id: str, timeout: float) -> bool:
-    """False only when the State API says the actor is DEAD; "not found" (None) is not a death."""
-    state = get_actor(actor_id, timeout=timeout)
+    """False only when the State API says the actor is DEAD; "not found" (None) is not a death, nor is no
+    answer. Asked through this cluster's GCS: found from the machine ("auto"), several Ray instances on one
+    machine were an error that ended Ray's monitor thread."""
+    import ray
+
+    try:
+        state = get_actor(actor_id, address=ray.get_runtime_context().gcs_address, timeout=timeout)
+    except Exception:  # the State API not answering: nothing said of the actor
+        return True
     return state is None or state.state != "DEAD"
 
 

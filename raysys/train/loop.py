@@ -29,7 +29,8 @@ from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughp
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
 from raysys.train.code_checks import DataError, fits_the_loader, loss_contract, map_style
 from raysys.train.data import ShardSampler, batch_len, make_loader, to_device
-from raysys.train.optim import fast_forward, group_settings, hooks_used, is_plateau, task_optimizer, task_scheduler
+from raysys.train.optim import (apply_changed_settings, fast_forward, group_settings, hooks_used, is_plateau,
+                                 task_optimizer, task_scheduler)
 
 
 def _ray_context() -> tuple[int, int]:
@@ -211,6 +212,9 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                 sched = fast_forward(task, cfg, opt, total_steps, state["step"], as_built)
             else:
                 sched.load_state_dict(state["scheduler"])
+            # --resume --set optim.lr=...: the loaded state put back the settings the run was built with
+            sched, optim_changes = apply_changed_settings(task, cfg, opt, sched, as_built, state.get("optim_built"),
+                                                          total_steps, state["step"])
         except (RuntimeError, ValueError, KeyError) as e:  # a setting outside the checkpoint's identity changed
             from raysys.checkpoint import CheckpointError  # (a shape, the optimizer): no restart fixes it
 
@@ -228,6 +232,8 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             where = f"epoch {min(epoch + 1, tc.epochs)}/{tc.epochs}" if epoch < tc.epochs else f"{epoch} epochs done"
             sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, {where})")
             record_event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
+            if optim_changes:
+                sink.message(f"[{wl.name}] the optimizer goes on with its changed settings: {'; '.join(optim_changes)}")
             if stretched:
                 sink.message(f"[{wl.name}] the run's length changed ({state['total_steps']} -> {total_steps} steps): "
                              f"Task.scheduler's schedule is rebuilt for {total_steps} and taken to step {step}")
@@ -254,7 +260,8 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
                         "rng": rngs[0], "rng_ranks": rngs, "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
                         "epoch_samples": min(per_worker, start + (micro_done - micro_at_start) * tc.batch_size) * world,
-                        "loss": loss_val, "total_steps": total_steps, "epoch_loss": [float(epoch_loss[0]), epoch_loss[1]]},
+                        "loss": loss_val, "total_steps": total_steps, "epoch_loss": [float(epoch_loss[0]), epoch_loss[1]],
+                        "optim_built": as_built},  # what a resume with other optimizer settings compares with
                        step, {"epoch": epoch})
 
     def evaluate() -> dict[str, float]:

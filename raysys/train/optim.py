@@ -132,6 +132,49 @@ def fast_forward(task: Any, cfg: Any, opt: torch.optim.Optimizer, total_steps: i
     return sched
 
 
+def apply_changed_settings(task: Any, cfg: Any, opt: torch.optim.Optimizer, sched: Any, built: list[dict],
+                           saved: Optional[list[dict]], total_steps: int, step: int) -> tuple[Any, list[str]]:
+    """A resume whose optimizer settings changed (``--resume --set optim.lr=...``): loading the checkpoint's
+    optimizer state put back the settings the run was built with, so the change was said and tagged but not
+    trained with. ``built``: :func:`group_settings` of the optimizer this config builds; ``saved``: the same, as
+    the checkpoint's session built it (None: a checkpoint that did not record it, left as it is). The groups take
+    the new settings; a changed LR keeps the schedule's place: the config's schedule goes on from the new peak,
+    a task's own is rebuilt from it and taken to ``step``, a ReduceLROnPlateau keeps its cuts. Returns the
+    scheduler (rebuilt or not) and the changes, as ``key: old -> new``."""
+    if not saved or len(saved) != len(built):
+        return sched, []
+    changes: dict[str, str] = {}
+    lr_changed = False
+    for i, (g, now, was) in enumerate(zip(opt.param_groups, built, saved)):
+        for key, value in now.items():
+            old = was.get(key)
+            if key in IMPLEMENTATION_KEYS or _same(old, value):
+                continue
+            changes.setdefault(key if len(built) == 1 else f"group {i} {key}", f"{old!r} -> {value!r}")
+            if key != "lr":
+                g[key] = value
+                continue
+            lr_changed = True
+            if is_plateau(sched):  # its cuts so far, applied to the new LR
+                g["lr"] = g["lr"] * value / old if old else value
+            elif getattr(task, "scheduler", None) is None:  # the config's LambdaLR: base x the factor at its step
+                sched.base_lrs[i] = g["initial_lr"] = value
+                g["lr"] = value * sched.lr_lambdas[i](sched.last_epoch)
+    if lr_changed and getattr(task, "scheduler", None) is not None and not is_plateau(sched):
+        sched = fast_forward(task, cfg, opt, total_steps, step, built)
+    return sched, [f"{k}: {v}" for k, v in changes.items()]
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""Group keys of how an optimizer steps (they follow the device), not of what it learns with."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def hooks_used(task: Any) -> dict[str, str]:
     """The task's own optimizer hooks, as the run's MLflow tags: its ``optim.*`` params then do not say all."""
     hooks = [h for h in ("param_groups", "optimizer", "scheduler") if getattr(task, h, None) is not None]
