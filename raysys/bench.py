@@ -81,7 +81,7 @@ def check_result(res: Any, name: str) -> dict:
 
 def format_table(res: dict) -> str:
     unit = res.get("throughput_unit", "samples/s")
-    qname = res.get("quality_metric", "quality")
+    qname = res.get("quality_metric", "quality") + (" (lower is better)" if res.get("quality_mode") == "min" else "")
     head_t = f"throughput ({unit})"
     w_t, w_q = len(head_t) + 2, max(len(qname), 10) + 2  # columns as wide as their headers
     lines = [f"workload {res['workload']} | device {res['device']}",

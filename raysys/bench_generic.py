@@ -211,6 +211,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     res: dict = {"workload": wl.name, "preset": preset, "device": None,
                  "throughput_unit": "samples/s (collate + forward + backward + optimizer, same batches)",
                  "quality_metric": f"{task.quality_metric} after {1 + repeats * n_batches} steps",
+                 "quality_mode": getattr(task, "quality_mode", "max"),
                  "paths": [label[p] for p in paths],
                  "params": sum(t.numel() for t in models[paths[0]].parameters()),
                  # the size used: a training set smaller than train.batch_size is one batch of all of it

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from raysys import console
 from raysys.config import apply_overrides
 from raysys.train.data import to_device
 
@@ -152,6 +153,8 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     plans = {"naive": [[task.collate([it]) for it in g] for g in groups],
              "optimized": [[task.collate(sorted(g, key=lambda it: len(it["src"])))] for g in groups]}
     times, tokens, peak = {k: [] for k in models}, {k: 0 for k in models}, {k: 0 for k in models}
+    print(f"[bench] training steps: {steps} timed of each path (16 notes a step), then a step's peak memory",
+          flush=True)
     for k in models:  # warm-up: allocator, lazy init
         _opt_step(models[k], opts[k], plans[k][0], device)
     for s in range(1, steps + 1):
@@ -159,8 +162,9 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
             t0 = time.perf_counter()
             tokens[k] += _opt_step(models[k], opts[k], plans[k][s], device)
             times[k].append(time.perf_counter() - t0)
-    for k in models:  # one more step each, untimed, for its memory
-        peak[k] = peak_memory(_step_phases(models[k], opts[k], plans[k][0], device), device)
+    with console.held_stderr():  # the profiler's native "Memory block of unknown size" warning: -v shows it
+        for k in models:  # one more step each, untimed, for its memory
+            peak[k] = peak_memory(_step_phases(models[k], opts[k], plans[k][0], device), device)
 
     # beam search, per example vs batched, on the same (optimized-path-trained) weights
     m = models["optimized"].eval()
@@ -194,6 +198,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     def same_count(xs, ys) -> int:
         return sum(a == b for a, b in zip(xs, ys))
 
+    print(f"[bench] beam search over {len(eval_ds)} notes, per example and batched (minutes on a CPU)", flush=True)
     (one, t_one), (many, t_many) = timed(per_example, m), timed(beam_search, m)
     n_ev, same = len(one), same_count(one, many)
     with torch.no_grad():
@@ -231,6 +236,8 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     # of their summaries, which after so few steps is near zero (docs/benchmarks.md has 400-step runs)
     # (so far: a warm-up step, the timed ones and the memory step's, which repeats the warm-up's notes)
     n_learn = max(steps + 2, min(LEARN_STEPS[quick], len(train_ds) // accum + 1))
+    print(f"[bench] learning check: both paths on to {n_learn} steps from the same weights, then their held-out "
+          "loss and summaries", flush=True)
     for s in range(steps + 1, n_learn - 1):
         group = [train_ds[i] for i in range(s * accum, (s + 1) * accum)]
         _opt_step(models["naive"], opts["naive"], [task.collate([it]) for it in group], device)
@@ -249,7 +256,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
                         f"{n_learn} steps, naive's {drops['naive']:.4f} (at least {PARITY:.0%} of it expected)")
 
     res = {"workload": "pointer_generator", "throughput_unit": "target tokens/s (train step)",
-           "quality_metric": f"held-out loss after {n_learn} steps",
+           "quality_metric": f"held-out loss after {n_learn} steps", "quality_mode": "min",
            "speedup": (tokens["optimized"] / sum(times["optimized"])) / (tokens["naive"] / sum(times["naive"])),
            "loss": losses, "loss_abs_diff": abs(losses["naive"] - losses["optimized"]),
            "beam": {"examples": n_ev, "identical": same, "differing_logprob_gaps": flips,
