@@ -134,9 +134,11 @@ def build_config(args: argparse.Namespace) -> tuple[registry.Workload, Any]:
 
 def _say_preset_unused(wl: registry.Workload, name: str, preset: Any, asked: Any, cfg: Any) -> None:
     """A --resume continues from the run's own config: a --preset whose own keys (those it sets apart from
-    the default preset) would now mean other values is said, not silently dropped."""
+    the default preset; every key, for --preset default itself) would now mean other values is said, not
+    silently dropped."""
     own, default, a, c = (flatten(to_dict(x)) for x in (preset, wl.config("default"), asked, cfg))
-    differs = [k for k in sorted(own) if not k.startswith("launch.") and own[k] != default.get(k) and a.get(k) != c.get(k)]
+    differs = [k for k in sorted(own) if not k.startswith("launch.") and (own[k] != default.get(k) or name == "default")
+               and a.get(k) != c.get(k)]
     if differs:
         print(f"[raysys] --resume continues from the run's own config, not from preset '{name}' (which sets "
               + ", ".join(f"{k}={a.get(k)!r}, the run has {c.get(k)!r}" for k in differs)

@@ -329,6 +329,25 @@ def test_a_resume_says_it_keeps_its_own_config_over_another_preset(workdir, caps
     assert main([*args, "--preset", "parity", "--resume"]) == 0
     out = capsys.readouterr().out
     assert "[raysys] --resume continues from the run's own config, not from preset 'parity' (which sets " in out
+    assert main([*args, "--preset", "default", "--resume"]) == 0  # the default preset too (audit BA F4)
+    out = capsys.readouterr().out
+    assert "not from preset 'default' (which sets " in out and "train.epochs=30, the run has 2" in out, out
+
+
+def test_a_resume_with_another_optimizer_or_schedule_trains_with_it(workdir, capsys):
+    """Audit BA: sgd -> adam on a resume failed after the run reopened ("'step'": SGD's state is no Adam's); a
+    new schedule's first step trained with the LR the old schedule had left in the optimizer."""
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "opt"]
+    assert main([*args, "--set", "train.max_steps=2", "--set", "optim.name=sgd", "--set", "optim.momentum=0.9"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--resume", "--set", "train.max_steps=4", "--set", "optim.name=adam"]) == 0
+    assert "the optimizer changed (SGD -> Adam): it starts with fresh state" in capsys.readouterr().out
+    assert main([*args, "--resume", "--set", "train.max_steps=6", "--set", "optim.schedule=linear"]) == 0
+    out = capsys.readouterr().out  # step 4 of 6 on a linear decay to 0: 1/3 of the peak, from the first step
+    assert "the optimizer goes on with its changed settings: lr at this step: 0.001 -> 0.000333" in out, out
+    client, run = _mlflow_run(workdir, "opt")
+    lrs = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
+    assert lrs[6] == 0.0 and run.info.status == "FINISHED", lrs
 
 
 def test_a_resume_writes_only_into_a_runs_folder_and_sweeps_is_no_run_name(workdir, capsys):

@@ -207,7 +207,12 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
         stretched = own_schedule and not plateau and state.get("total_steps", total_steps) != total_steps
         try:
             model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
+            # another optimizer on this resume (optim.name, a task's own): the checkpoint's state (Adam's moments,
+            # SGD's momentum buffers) is not the new one's; it starts afresh, and says so
+            was_class = state.get("optim_class")
+            fresh = was_class is not None and was_class != type(opt).__name__
+            if not fresh:
+                opt.load_state_dict(state["optimizer"])
             if stretched:
                 sched = fast_forward(task, cfg, opt, total_steps, state["step"], as_built)
             else:
@@ -232,6 +237,9 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             where = f"epoch {min(epoch + 1, tc.epochs)}/{tc.epochs}" if epoch < tc.epochs else f"{epoch} epochs done"
             sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, {where})")
             record_event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
+            if fresh:
+                sink.message(f"[{wl.name}] the optimizer changed ({was_class} -> {type(opt).__name__}): it starts with "
+                             "fresh state (the checkpoint's moments are its old optimizer's); the weights go on")
             if optim_changes:
                 sink.message(f"[{wl.name}] the optimizer goes on with its changed settings: {'; '.join(optim_changes)}")
             if stretched:
@@ -261,7 +269,8 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                         "rng": rngs[0], "rng_ranks": rngs, "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
                         "epoch_samples": min(per_worker, start + (micro_done - micro_at_start) * tc.batch_size) * world,
                         "loss": loss_val, "total_steps": total_steps, "epoch_loss": [float(epoch_loss[0]), epoch_loss[1]],
-                        "optim_built": as_built},  # what a resume with other optimizer settings compares with
+                        # what a resume with other optimizer settings, or another optimizer, compares with
+                        "optim_built": as_built, "optim_class": type(opt).__name__},
                        step, {"epoch": epoch})
 
     def evaluate() -> dict[str, float]:

@@ -137,17 +137,21 @@ def apply_changed_settings(task: Any, cfg: Any, opt: torch.optim.Optimizer, sche
     """A resume whose optimizer settings changed (``--resume --set optim.lr=...``): loading the checkpoint's
     optimizer state put back the settings the run was built with, so the change was said and tagged but not
     trained with. ``built``: :func:`group_settings` of the optimizer this config builds; ``saved``: the same, as
-    the checkpoint's session built it (None: a checkpoint that did not record it, left as it is). The groups take
-    the new settings; a changed LR keeps the schedule's place: the config's schedule goes on from the new peak,
-    a task's own is rebuilt from it and taken to ``step``, a ReduceLROnPlateau keeps its cuts. Returns the
-    scheduler (rebuilt or not) and the changes, as ``key: old -> new``."""
-    if not saved or len(saved) != len(built):
-        return sched, []
+    the checkpoint's session built it (None: a checkpoint that did not record it, its groups left as they are).
+    The groups take the new settings; a changed LR keeps the schedule's place: the config's schedule goes on from
+    the new peak, a task's own is rebuilt from it and taken to ``step``, a ReduceLROnPlateau keeps its cuts. The
+    config's schedule also gives this step's LR as configured now (another schedule, warmup or length). Returns
+    the scheduler (rebuilt or not) and the changes, as ``key: old -> new``."""
+    own = getattr(task, "scheduler", None) is not None
+    known = saved is not None and len(saved) == len(built)  # else: the groups as the checkpoint left them
     changes: dict[str, str] = {}
     lr_changed = False
-    for i, (g, now, was) in enumerate(zip(opt.param_groups, built, saved)):
+    for i, (g, now, was) in enumerate(zip(opt.param_groups, built, saved) if known else []):
         for key, value in now.items():
             old = was.get(key)
+            if key not in was:  # another optimizer's own setting (adam -> sgd: momentum): as built, unsaid
+                g[key] = value
+                continue
             if key in IMPLEMENTATION_KEYS or _same(old, value):
                 continue
             changes.setdefault(key if len(built) == 1 else f"group {i} {key}", f"{old!r} -> {value!r}")
@@ -157,10 +161,19 @@ def apply_changed_settings(task: Any, cfg: Any, opt: torch.optim.Optimizer, sche
             lr_changed = True
             if is_plateau(sched):  # its cuts so far, applied to the new LR
                 g["lr"] = g["lr"] * value / old if old else value
-            elif getattr(task, "scheduler", None) is None:  # the config's LambdaLR: base x the factor at its step
+            elif not own:  # the config's LambdaLR: its base, and the factor at its step below
                 sched.base_lrs[i] = g["initial_lr"] = value
-                g["lr"] = value * sched.lr_lambdas[i](sched.last_epoch)
-    if lr_changed and getattr(task, "scheduler", None) is not None and not is_plateau(sched):
+    if not own and not is_plateau(sched):
+        # the config's LambdaLR takes its factor from this config (schedule, warmup, the run's length), but the
+        # loaded group holds the LR the checkpoint's session computed for this step: the first step would train
+        # with it (a finished cosine extended: LR 0). The same formula as LambdaLR.step, so unchanged is exact.
+        for i, g in enumerate(opt.param_groups):
+            lr = sched.base_lrs[i] * sched.lr_lambdas[i](sched.last_epoch)
+            if not lr_changed and lr != g["lr"]:
+                changes.setdefault("lr at this step" if len(built) == 1 else f"group {i} lr at this step",
+                                   f"{g['lr']!r} -> {lr!r} (the schedule as configured now)")
+            g["lr"] = lr
+    if lr_changed and own and not is_plateau(sched):
         sched = fast_forward(task, cfg, opt, total_steps, step, built)
     return sched, [f"{k}: {v}" for k, v in changes.items()]
 
