@@ -350,6 +350,22 @@ def test_a_resume_with_another_optimizer_or_schedule_trains_with_it(workdir, cap
     assert lrs[6] == 0.0 and run.info.status == "FINISHED", lrs
 
 
+def test_a_resume_with_another_seed_finishes_its_epoch_in_the_order_it_began(workdir, capsys):
+    """Audit BA F2: the new seed's order from mid-epoch on trained some of the epoch's samples twice and
+    skipped others. The epoch now finishes in its own order (bit-exact with the run never stopped)."""
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0"]  # 6 steps an epoch
+    assert main([*args, "--name", "ref", "--set", "train.max_steps=6"]) == 0
+    assert main([*args, "--name", "s", "--set", "train.max_steps=3"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--name", "s", "--resume", "--set", "train.max_steps=6", "--set", "train.seed=5"]) == 0
+    assert "train.seed 0 -> 5: epoch 1 finishes in the order it began" in capsys.readouterr().out
+    losses = []
+    for name in ("ref", "s"):
+        client, run = _mlflow_run(workdir, name)
+        losses.append({m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss") if m.step > 3})
+    assert losses[0] == losses[1] and len(losses[0]) >= 1, losses
+
+
 def test_a_resume_writes_only_into_a_runs_folder_and_sweeps_is_no_run_name(workdir, capsys):
     """A folder under the storage path that holds no run (a user's, or the sweeps' own) is not adopted by a
     --resume, and `sweeps` -- where raysys.tune keeps its sweeps -- is not a run name there (AY F12)."""

@@ -267,6 +267,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
                         "rng": rngs[0], "rng_ranks": rngs, "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
+                        "data_seed": data_seed,  # the seed that orders this epoch (a resume with another finishes it)
                         "epoch_samples": min(per_worker, start + (micro_done - micro_at_start) * tc.batch_size) * world,
                         "loss": loss_val, "total_steps": total_steps, "epoch_loss": [float(epoch_loss[0]), epoch_loss[1]],
                         # what a resume with other optimizer settings, or another optimizer, compares with
@@ -303,10 +304,20 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     nonfinite_streak = 0
     model.train()
     micro_at_start = micro_done  # micro_done counts from here in this epoch's first `start` samples
+    # a resume with another train.seed mid-epoch: the epoch finishes in the order it began (the new seed's
+    # order would train some of its samples twice and skip others); the new seed orders the epochs after it
+    was_seed = state.get("data_seed", tc.seed) if state is not None else tc.seed
+    seed_of = {epoch: was_seed} if start and was_seed != tc.seed else {}
+    data_seed = seed_of.get(epoch, tc.seed)  # what a checkpoint records, also one saved before the loop turns
+    if seed_of and rank == 0:
+        sink.message(f"[{wl.name}] train.seed {was_seed} -> {tc.seed}: epoch {epoch + 1} finishes in the order it "
+                     f"began; the new seed orders the epochs after it (the random streams go on from the checkpoint)")
     while epoch < tc.epochs and step < total_steps and not diverged and not stopped:
+        data_seed = seed_of.get(epoch, tc.seed)
+        sampler.seed = data_seed
         sampler.set_epoch(epoch, start=start)
         it = iter(make_loader(train_ds, tc.batch_size, sampler, collate, cfg.loader, device,
-                              seed=tc.seed * 100_003 + epoch))
+                              seed=data_seed * 100_003 + epoch))
         exhausted = False
         while not exhausted and step < total_steps and not diverged:
             timer.start_step(step)
