@@ -524,6 +524,30 @@ def test_bench_measures_the_configuration_given_with_set(tmp_path, monkeypatch, 
         assert len(err) == 1 and needle in err[0], err
 
 
+def test_accumulation_is_a_larger_batch_also_in_an_epochs_last_short_group(tmp_path, monkeypatch):
+    """Audit BB F3: an epoch's last group of fewer micro-batches backpropagated loss / grad_accum, so that
+    step took a fraction of its gradient. 1347 digits at 128 a micro-batch are 11 micro-batches: 5 groups of
+    two and one of one, the same samples as batches of 256 (5 and one of 67): SGD must go the same way."""
+    from mlflow.tracking import MlflowClient
+
+    from raysys.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    common = ["train", "digits_mlp:WORKLOAD", "--preset", "quick", "--workers", "0", "--set", "train.epochs=2",
+              "--set", "model.dropout=0", "--set", "optim.name=sgd", "--set", "optim.lr=0.1", "--set",
+              "optim.clip_grad_norm=null", "--set", "train.log_every_steps=1"]
+    assert main([*common, "--name", "accum", "--set", "train.batch_size=128", "--set", "train.grad_accum=2"]) == 0
+    assert main([*common, "--name", "big", "--set", "train.batch_size=256"]) == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (exp,) = [e for e in client.search_experiments() if e.name == "raysys-digits_mlp"]
+    curves = {}
+    for run in client.search_runs([exp.experiment_id]):
+        curves[run.info.run_name] = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert sorted(curves["accum"]) == sorted(curves["big"]) == list(range(1, 13))
+    assert all(abs(curves["accum"][s] - curves["big"][s]) < 1e-4 for s in range(1, 13)), curves
+
+
 def test_a_workloads_functions_are_checked_when_it_loads(monkeypatch):
     """A task without a required method, a train_fn that takes the wrong arguments or is no function, a
     bench that cannot take quick=: one line when the workload loads (every command loads it before it

@@ -140,3 +140,20 @@ def test_a_resume_trains_with_the_optimizer_settings_it_was_given(kind):
     assert opt.param_groups[0]["weight_decay"] == 0.5
     assert opt.param_groups[0]["lr"] == pytest.approx(was / 10)  # the same place in the schedule, from the new peak
     assert apply_changed_settings(task, cfg, opt, sched, built, built, 10, 4)[1] == []  # nothing changed: untouched
+
+
+def test_sparse_gradients_are_measured_and_clipped():
+    """Audit BB F1: nn.Embedding(sparse=True) could not train at all: the loop measures the gradient norm
+    with torch's fused norm, which has no sparse kernel. Now its norm is that of the coalesced values."""
+    from raysys.train.optim import clip_grads
+
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1)
+    head(emb(torch.tensor([1, 2, 2, 3]))).sum().backward()
+    params = [*emb.parameters(), *head.parameters()]
+    dense = torch.cat([emb.weight.grad.to_dense().flatten(), head.weight.grad.flatten(), head.bias.grad])
+    assert float(clip_grads(params, None)) == pytest.approx(float(dense.norm()))
+    assert float(clip_grads(params, 0.5)) == pytest.approx(float(dense.norm()))  # the norm before clipping
+    after = torch.cat([emb.weight.grad.to_dense().flatten(), head.weight.grad.flatten(), head.bias.grad])
+    assert float(after.norm()) == pytest.approx(0.5, rel=1e-4) and emb.weight.grad.is_sparse
+    torch.optim.SGD(params, lr=0.1).step()  # SGD takes sparse gradients

@@ -29,7 +29,7 @@ from raysys.metrics import MAX_NONFINITE, PhaseTimer, StabilityMonitor, Throughp
 from raysys.tracking import BUFFER_FILE, MLflowLogger, NullLogger
 from raysys.train.code_checks import DataError, fits_the_loader, loss_contract, map_style
 from raysys.train.data import ShardSampler, batch_len, make_loader, to_device
-from raysys.train.optim import (apply_changed_settings, fast_forward, group_settings, hooks_used, is_plateau,
+from raysys.train.optim import (apply_changed_settings, clip_grads, fast_forward, group_settings, hooks_used, is_plateau,
                                  task_optimizer, task_scheduler)
 
 
@@ -196,6 +196,9 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
     if device.type == "cpu" and tc.precision != "fp32" and rank == 0:  # a knob meant for GPUs, tried on a laptop
         sink.message(f"[{wl.name}] train.precision={tc.precision} on a CPU: autocast's half-precision kernels are "
                      "usually slower there than fp32 (python -m raysys.bench measures both)")
+    if tc.precision != "fp32" and rank == 0 and any(p.dtype == torch.float64 for p in model.parameters()):
+        sink.message(f"[{wl.name}] train.precision={tc.precision}: the model's float64 parameters stay float64 "
+                     "(autocast casts float32 work only), so this knob changes little or nothing for it")
     timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None, every=tc.breakdown_every_steps)
     monitor = StabilityMonitor(spike_factor=tc.spike_factor)
     speed = Throughput()
@@ -323,6 +326,9 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             timer.start_step(step)
             t0 = time.perf_counter()
             losses, samples, tokens, n_micro = [], 0, 0, 0
+            # an epoch's last group may hold fewer micro-batches: its step takes their mean gradient, not a
+            # fraction of it (loss / grad_accum would scale that step's gradient by n/grad_accum)
+            group = max(1, min(tc.grad_accum, micro_per_epoch - micro_done))
             for i in range(tc.grad_accum):
                 with timer.phase("data_wait"):
                     batch = next(it, None)
@@ -338,7 +344,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
                     with timer.phase("forward"), _autocast(tc.precision, device), _unused_said(wl.name, world, step):
                         loss, stats = checked_loss(task, fwd_model, batch, wl.name, tc.batch_size, counted)
                     with timer.phase("backward"):
-                        scaler.scale(loss / tc.grad_accum).backward()
+                        scaler.scale(loss / group).backward()
                 losses.append(loss.detach())
                 samples += int(stats.get("samples", 0))
                 tokens += int(stats.get("tokens", 0))
@@ -351,7 +357,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             with timer.phase("optimizer"):
                 scaler.unscale_(opt)
                 clip = cfg.optim.clip_grad_norm
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+                gn = clip_grads(model.parameters(), clip)  # the norm is a stability metric: measured unclipped too
                 loss_val = float(torch.stack(losses).mean())  # this is a CPU-GPU sync point (once per step)
                 if math.isfinite(loss_val):
                     scaler.step(opt)  # with fp16 the scaler itself skips steps with inf/nan grads

@@ -178,6 +178,22 @@ def apply_changed_settings(task: Any, cfg: Any, opt: torch.optim.Optimizer, sche
     return sched, [f"{k}: {v}" for k, v in changes.items()]
 
 
+def clip_grads(params, max_norm: Optional[float]) -> torch.Tensor:
+    """``clip_grad_norm_`` (``max_norm`` None or 0: the norm only), also for sparse gradients
+    (``nn.Embedding(sparse=True)``), which torch's fused norm has no kernel for: a sparse gradient's norm is
+    that of its coalesced values. Returns the total norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    if not any(p.grad.is_sparse for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    norms = [torch.linalg.vector_norm((p.grad.coalesce().values() if p.grad.is_sparse else p.grad).float())
+             for p in params]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm and float(total) > max_norm:
+        for p in params:
+            p.grad.mul_(max_norm / (float(total) + 1e-6))
+    return total
+
+
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 """Group keys of how an optimizer steps (they follow the device), not of what it learns with."""
 
