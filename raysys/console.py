@@ -166,6 +166,9 @@ def name_arg(value: str) -> str:
     the default); a run or sweep name is checked as one (lifecycle.validate_name) where it is used."""
     if not value.strip():
         raise argparse.ArgumentTypeError("an empty name; omit the flag for the default name")
+    if value.strip().lower() in ("none", "null"):  # a config reads them as no name: the run got a default one
+        raise argparse.ArgumentTypeError(f"{value!r} reads as no name in a config; choose another name, or omit the "
+                                         "flag for the default")
     return value
 
 

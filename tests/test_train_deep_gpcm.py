@@ -391,6 +391,9 @@ def test_bad_config_key_fails_before_anything(workdir, capsys):
             main(["train", "deep_gpcm", *QUICK, flag, ""])
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"argument {flag}: empty (an unset shell variable?)" in err, err
+    with pytest.raises(SystemExit) as e:  # a config reads it as no name: the run got a default one (audit BA F7)
+        main(["train", "deep_gpcm", *QUICK, "--name", "none"])
+    assert e.value.code == 2 and "'none' reads as no name in a config" in capsys.readouterr().err
     assert list(workdir.iterdir()) == []
 
 
