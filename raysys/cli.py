@@ -403,9 +403,9 @@ def _traceback_tail(e: BaseException, frames: int = 3) -> str:
     """Where the training code raised an error: its last ``frames`` frames outside installed packages and
     raysys, and the error, not the frames of Ray's and torch's wrappers around it (all of it: ``-v``, and
     the run's error.txt)."""
-    import traceback
+    from raysys.train.failures import full_traceback
 
-    text = "".join(traceback.format_exception(e)).rstrip()
+    text = full_traceback(e).rstrip()  # a Ray Train worker's whole traceback last: its own frames
     if console.verbose():
         return text
     lines = text.splitlines()

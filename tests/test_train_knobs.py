@@ -157,3 +157,29 @@ def test_sparse_gradients_are_measured_and_clipped():
     after = torch.cat([emb.weight.grad.to_dense().flatten(), head.weight.grad.flatten(), head.bias.grad])
     assert float(after.norm()) == pytest.approx(0.5, rel=1e-4) and emb.weight.grad.is_sparse
     torch.optim.SGD(params, lr=0.1).step()  # SGD takes sparse gradients
+
+
+def test_a_ray_train_workers_whole_traceback_is_kept():
+    """Audit BB F7: Ray Train cuts a worker's traceback to 1,000 characters in the error the driver gets, and
+    the frames it cut were those of the workload's own file: error.txt and the console's last frames lacked
+    them. The whole one travels in the error (its worker_failures) and is kept."""
+    import pickle
+
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raysys.cli import _traceback_tail
+    from raysys.train.failures import full_traceback
+
+    whole = ('Traceback (most recent call last):\n'
+             + "".join(f'  File "/site-packages/torch/f{i}.py", line {i}, in f{i}\n    x()\n' for i in range(30))
+             + '  File "/home/me/my_task.py", line 42, in loss\n    out = self.model(batch["x"])\n'
+             + "RuntimeError: mat1 and mat2 must have the same dtype\n")
+    failure = RuntimeError("mat1 and mat2 must have the same dtype")
+    failure.raysys_traceback = whole  # as loop.train_loop_per_worker sends it; Ray Train keeps the bare error
+    try:
+        raise WorkerGroupError(whole[:500] + "\n... (Output truncated) ...\n" + whole[-500:],
+                               {0: pickle.loads(pickle.dumps(failure))})
+    except WorkerGroupError as e:
+        text, tail = full_traceback(e), _traceback_tail(e)
+    assert "my_task.py\", line 42, in loss" in text and "Rank 0's whole traceback" in text
+    assert "my_task.py\", line 42, in loss" in tail and tail.rstrip().endswith("must have the same dtype")

@@ -56,6 +56,27 @@ def _alive_nodes(dead: bool = False) -> dict[str, str]:
         return {}
 
 
+def full_traceback(e: BaseException) -> str:
+    """The error's traceback, and each failed Ray Train worker's whole one after it: Ray Train cuts a worker's
+    traceback to its first and last 500 characters in the error the driver gets ("Output truncated"), which
+    were the frames of the workload's own code between the loop's and torch's."""
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    seen, todo = set(), [e]
+    while todo:  # the error, its causes and contexts
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        for rank, failure in sorted((getattr(x, "worker_failures", None) or {}).items()):
+            whole = str(getattr(failure, "raysys_traceback", None) or failure).rstrip()
+            if whole and whole not in text:
+                text += f"\nRank {rank}'s whole traceback (shortened above by Ray Train):\n{whole}\n"
+        todo += [x.__cause__, x.__context__]
+    return text
+
+
 def error_line(e: BaseException) -> str:
     """``Type: message`` of the error a user should read: the first failed worker's own error, not
     Ray's wrapper around it (whose first line names no error)."""

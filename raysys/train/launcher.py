@@ -28,7 +28,7 @@ from raysys.config import ConfigError, apply_overrides, flatten, to_dict
 from raysys.metrics import divergence
 from raysys.train import code_checks
 from raysys.train.code_checks import DataError
-from raysys.train.failures import error_line, fit_with_restarts, newest_checkpoint, record_event
+from raysys.train.failures import error_line, fit_with_restarts, full_traceback, newest_checkpoint, record_event
 from raysys.train.runtime import (check_local_resources, check_ray_address, init_ray, joins_cluster,
                                   process_group_backend, train_logging, use_jax_platforms)
 
@@ -301,10 +301,8 @@ class OpenRun:
         keep("MLflow", lambda: self.logger.set_tags({"raysys.error": line[:5000]}))
         keep("events.log", lambda: record_event(self.run_dir, f"failed: {line}"))
         if isinstance(why, BaseException):
-            import traceback
-
             def error_file():
-                storage.write_text(self.run_dir / ERROR_FILE, "".join(traceback.format_exception(why)))
+                storage.write_text(self.run_dir / ERROR_FILE, full_traceback(why))
                 self.logger.log_artifact(self.run_dir / ERROR_FILE)
 
             keep(ERROR_FILE, error_file)

@@ -108,8 +108,17 @@ def _broadcast_value(value: float, world: int, device: torch.device) -> float:
 
 def train_loop_per_worker(payload: dict[str, Any]) -> None:
     # the shared folder, or this process's copy of a remote run; the worker's warnings on the driver's console
-    with storage.worker_run_dir(payload) as run_dir, forwarding(Sink(payload.get("console"))):
-        _train(payload, run_dir)
+    try:
+        with storage.worker_run_dir(payload) as run_dir, forwarding(Sink(payload.get("console"))):
+            _train(payload, run_dir)
+    except BaseException as e:
+        # the whole traceback travels with the error (its __dict__ is pickled): Ray Train cuts the one it
+        # passes on to 1,000 characters, the workload's own frames among them (failures.full_traceback)
+        import traceback
+
+        with contextlib.suppress(Exception):
+            e.raysys_traceback = traceback.format_exc()
+        raise
 
 
 def _train(payload: dict[str, Any], run_dir: Path) -> None:
