@@ -127,6 +127,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
     from raysys.train.data import to_device
     from raysys.train.loop import checked_loss, shape_lazy_modules
     from raysys.train.runtime import set_threads
+    from raysys.train.loop import _number
     from raysys.train.optim import clip_grads, task_optimizer
 
     if wl.task is None:
@@ -222,6 +223,7 @@ def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[s
         models[p].eval()
         with torch.no_grad():
             ev = task.evaluate(models[p], eval_batches) if eval_batches else {}
+        ev = {k: _number(v, k, wl.name) for k, v in ev.items()}  # a tensor of one element as the number it holds
         med = statistics.median(times[p])
         samples, tokens = counts[p]
         res[label[p]] = {"step_s": med / n_batches, "throughput": samples / med, "tokens_per_s": tokens / med,
