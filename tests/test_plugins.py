@@ -761,6 +761,23 @@ class FrozenTask(digits_mlp.DigitsTask):  # its optimized path trains only the l
         return super().loss(model, batch)
 
 
+class HalvesTask(digits_mlp.DigitsTask):  # BatchNorm: its naive path normalises each half of the batch on its own
+    def build_model(self, cfg):
+        import torch
+
+        model = super().build_model(cfg)
+        model.bn = torch.nn.BatchNorm1d(64)
+        return model
+
+    def loss(self, model, batch):
+        import torch
+        import torch.nn.functional as F
+
+        x, half = batch["x"], len(batch["x"]) // 2
+        h = torch.cat([model.bn(x[:half]), model.bn(x[half:])]) if model.path == "naive" else model.bn(x)
+        return F.cross_entropy(model.net(h), batch["y"]), {"samples": len(batch["y"])}
+
+
 class NoisyTask(digits_mlp.DigitsTask):  # a loss that draws noise even in eval mode: the paths cannot be compared
     def loss(self, model, batch):
         import torch
@@ -831,6 +848,7 @@ STUCK = dataclasses.replace(W, name="stuck", task=StuckTask())
 SKEWED = dataclasses.replace(W, name="skewed", task=SkewedTask())
 NOISY = dataclasses.replace(W, name="noisy", task=NoisyTask())
 FROZEN = dataclasses.replace(W, name="frozen", task=FrozenTask())
+HALVES = dataclasses.replace(W, name="halves", task=HalvesTask())
 NODEFAULT = dataclasses.replace(W, name="nodefault", config_cls=NoDefaultConfig, presets={"default": NoDefaultConfig})
 NET = dataclasses.replace(W, name="net", extra={"identity_sections": ("data",)})  # its model section unchecked
 '''
@@ -882,6 +900,9 @@ def test_a_users_mistakes_are_said_plainly(project):
     proc = _run(["python", "-m", "raysys.bench", "mistakes:FROZEN", "--quick"], project)
     assert proc.returncode == 1 and "raysys.bench: the paths train differently: on the same weights and batch" in proc.stderr
     assert "most in net.0.weight" in proc.stderr or "most in net.3.weight" in proc.stderr, proc.stderr
+    # alike in eval mode (BatchNorm's running statistics), but it trains on other statistics (audit BB F4)
+    proc = _run(["python", "-m", "raysys.bench", "mistakes:HALVES", "--quick"], project)
+    assert proc.returncode == 1 and "(train mode without dropout: BatchNorm on the batch's statistics)" in proc.stderr
     # a loss with noise of its own in eval mode: the comparison is not judged, and said so
     proc = _run(["python", "-m", "raysys.bench", "mistakes:NOISY", "--quick"], project)
     assert proc.returncode == 0 and "not judged: the loss differs between two evaluations" in proc.stdout
