@@ -72,10 +72,7 @@ def _has_batch_statistics(*models: torch.nn.Module) -> bool:
 def _batch_statistics(*models: torch.nn.Module):
     """Train mode without dropout (the same function, BatchNorm on the batch's statistics), the models'
     running statistics put back after."""
-    import copy
-
-    kept = [copy.deepcopy({k: v for k, v in m.state_dict().items() if k not in dict(m.named_parameters())})
-            for m in models]
+    kept = [{n: b.clone() for n, b in m.named_buffers()} for m in models]
     try:
         for m in models:
             m.train()
@@ -85,7 +82,9 @@ def _batch_statistics(*models: torch.nn.Module):
         yield
     finally:
         for m, buffers in zip(models, kept):
-            m.load_state_dict(buffers, strict=False)
+            with torch.no_grad():
+                for n, b in m.named_buffers():
+                    b.copy_(buffers[n])
             m.eval()
 
 
@@ -153,9 +152,8 @@ def bench_preset(wl: registry.Workload, quick: bool, preset: Optional[str]) -> s
 def generic_bench(wl: registry.Workload, quick: bool = False, preset: Optional[str] = None,
                   overrides: Optional[dict] = None) -> dict:
     from raysys.train.data import to_device
-    from raysys.train.loop import checked_loss, shape_lazy_modules
+    from raysys.train.loop import _number, checked_loss, shape_lazy_modules
     from raysys.train.runtime import set_threads
-    from raysys.train.loop import _number
     from raysys.train.optim import clip_grads, task_optimizer
 
     if wl.task is None:

@@ -189,8 +189,9 @@ def clip_grads(params, max_norm: Optional[float]) -> torch.Tensor:
              for p in params]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm and float(total) > max_norm:
+        coef = max_norm / (float(total) + 1e-6)
         for p in params:
-            p.grad.mul_(max_norm / (float(total) + 1e-6))
+            p.grad.mul_(coef)
     return total
 
 
