@@ -14,6 +14,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 MAX_NONFINITE = 20  # consecutive non-finite losses after which the training loop declares a run diverged
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "other")
+TASK_LOOP_METRICS = frozenset({
+    "train/loss", "train/lr", "train/epoch",
+    "perf/samples_per_s", "perf/tokens_per_s", "perf/step_ms", "perf/data_wait_share", "perf/compute_share",
+    "stability/diverged", "stability/nonfinite_loss", "stability/nonfinite_grad", "stability/loss_spikes",
+    "stability/loss_spikes_total", "stability/grad_norm_mean", "stability/grad_norm_max"})
+"""What the shared loop reports for a task, besides ``eval/<its evaluate() keys>``: a sweep naming another
+metric outside eval/ for a task's workload has a typo, refused before it starts."""
 
 
 class PhaseTimer:

@@ -383,6 +383,14 @@ def run_tag(uri: str, run_id: str, key: str) -> Optional[str]:
         return None
 
 
+def run_tags(uri: str, run_id: str) -> Optional[dict[str, str]]:
+    """A run's tags, or None where the store did not answer."""
+    try:
+        return dict(_client(uri).get_run(run_id).data.tags)
+    except Exception:
+        return None
+
+
 def start_run(uri: str, experiment: str, run_name: str, tags: Optional[Mapping[str, str]] = None,
               parent_run_id: Optional[str] = None, resume: bool = False) -> str:
     """Create the MLflow run (or, when resuming, find the one with this name) and return its id."""

@@ -277,8 +277,13 @@ _poison = lambda x: x.fill_(float("nan")) if x.is_floating_point() else x
 torch.Tensor.new_empty = lambda self, *a, **k: _poison(_new_empty(self, *a, **k))
 torch.empty_like = lambda *a, **k: _poison(_empty_like(*a, **k))
 Q, K = 40, 4
+import raysys.workloads.deep_gpcm.memory_kernel as mk
+narrow = mk._wide
 out = {}
-for case, (lengths, mem, dv, chunk) in enumerate([([19, 7, 13, 1], 5, 70, 4), ([9, 9], 50, 200, 16), ([12], 3, 8, 5)]):
+# the last case again with 64-bit offsets (WIDE), which only inputs of 2**31 elements and more choose
+for case, (lengths, mem, dv, chunk, wide) in enumerate([([19, 7, 13, 1], 5, 70, 4, False), ([9, 9], 50, 200, 16, False),
+                                                        ([12], 3, 8, 5, False), ([19, 7, 13, 1], 5, 70, 4, True)]):
+    mk._wide = (lambda *t: True) if wide else narrow
     torch.manual_seed(case)
     naive = DeepGPCM(Q, K, memory_size=mem, value_dim=dv, path="naive")
     fused = DeepGPCM(Q, K, memory_size=mem, value_dim=dv, path="optimized", chunk=chunk, recurrence="triton")
@@ -305,7 +310,8 @@ def test_triton_recurrence_matches_the_naive_path_in_the_interpreter():
     """The fused CUDA kernels of model.recurrence=triton (memory_kernel.py), run by Triton's CPU
     interpreter: logits and every parameter's gradient equal the naive path's to 1e-4, with padded
     rows (one of length 1), several column blocks (Dv 70 and 200 > 64), N not a power of two,
-    chunks that do not divide T, and outputs allocated full of NaN (each element must be written)."""
+    chunks that do not divide T, outputs allocated full of NaN (each element must be written), and the
+    64-bit offsets the kernels take for inputs past 2**31 elements."""
     import json
     import os
     import subprocess

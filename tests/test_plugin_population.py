@@ -89,6 +89,32 @@ def test_each_member_of_a_users_population_ends_as_its_lone_run(tmp_path, popula
 
 
 @pytest.mark.timeout(300)
+def test_a_resume_of_the_jax_example_trains_with_a_changed_seed(tmp_path, capsys):
+    """BA F5: the restored state holds its PRNG key, so a resume with another train.seed had been said and
+    tagged but trained bit-identically to the old seed. The example keeps the seed in its checkpoint."""
+    from raysys.session import run_custom
+
+    mod = _example()
+
+    def run(name, steps, seed, resume=False):
+        cfg = _cfg(mod, tmp_path, name, "loop", 3e-3, 1e-4, seed)
+        cfg.train.steps, cfg.launch.resume = steps, resume
+        return run_custom(mod.WORKLOAD, cfg)
+
+    for name in ("same", "other"):
+        run(name, 200, 0)
+    capsys.readouterr()
+    same, other = run("same", 400, 0, resume=True), run("other", 400, 5, resume=True)
+    out = capsys.readouterr().out
+    assert out.count("train.seed 0 -> 5: the minibatches' random stream starts from the new seed here") == 1
+    assert other.metrics["losses/train_loss"] != same.metrics["losses/train_loss"]
+    assert other.metrics["eval/accuracy"] > 0.9
+    # the checkpoint now holds the new seed: a further resume with it goes on without re-keying
+    run("other", 500, 5, resume=True)
+    assert "train.seed" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
 def test_the_lone_program_refuses_members_of_different_shapes_naming_the_knob(tmp_path):
     """A workload that declares its width (``model.hidden``) a member knob: the in-turn carrier, given
     members of two widths (and two learning rates across them), fails with a ConfigError naming the

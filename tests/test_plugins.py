@@ -284,16 +284,17 @@ def test_a_sweep_trial_failing_again_from_the_same_checkpoint_is_not_restarted_f
 
 @pytest.mark.slow  # ~1 min: one trial of a sweep, the sweep stopped after it
 def test_a_sweep_whose_trial_never_reports_an_objective_stops_after_it(project):
-    """A throughput the workload never logs (a train_fn that times nothing, a typo in the space): the first
+    """A quality the workload never reports (an evaluate() key misspelt in the space; one outside eval/ is refused
+    before the sweep starts): the first
     trial to end says so, and the sweep stops there with exit 2, not after training every trial."""
     (project / "space.yaml").write_text("workload: digits_mlp:WORKLOAD\npreset: quick\nfixed:\n  train.epochs: 1\n"
                                         "space:\n  optim.lr: {grid: [0.01, 0.02, 0.05]}\n"
-                                        "objectives: {throughput: perf/nosuch}\n")
+                                        "objectives: {quality: eval/nosuch}\n")
     proc = _run(["python", "-m", "raysys.tune", "--space", "space.yaml", "--name", "s", "--max-concurrent", "1"],
                 project)
     assert proc.returncode == 2, proc.stdout
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        "raysys.tune: config error: no trial reported an objective of the space: perf/nosuch never reported")
+        "raysys.tune: config error: no trial reported an objective of the space: eval/nosuch never reported")
     events = (project / "raysys_runs" / "sweeps" / "s" / "trial_events.log").read_text()
     assert events.count(" start ") == 1 and "--resume" not in proc.stdout
     from mlflow.tracking import MlflowClient  # audit AS D15: its parent run was FINISHED, like a sweep that worked
@@ -301,7 +302,7 @@ def test_a_sweep_whose_trial_never_reports_an_objective_stops_after_it(project):
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("raysys-digits_mlp").experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("raysys.kind") == "sweep"]
-    assert parent.info.status == "FAILED" and "perf/nosuch never reported" in parent.data.tags["raysys.error"]
+    assert parent.info.status == "FAILED" and "eval/nosuch never reported" in parent.data.tags["raysys.error"]
 
 
 SOMETIMES_BROKEN = BROKEN.replace("    def build_model(self, cfg):  # runs inside each Ray Train worker\n",

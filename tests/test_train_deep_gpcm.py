@@ -526,3 +526,26 @@ def test_the_resume_changes_tag_keeps_every_resumes_changes(workdir):
     lrs = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
     assert {s: v for s, v in lrs.items() if s > 4} == {6: 0.002}, lrs  # logged every 2 steps
     assert all(v == 0.001 for s, v in lrs.items() if s <= 4), lrs
+
+
+def test_a_resume_that_trains_nothing_does_not_keep_or_tag_its_changes(workdir, capsys):
+    """BA F8: a resume of a finished run with another lr trained nothing; it had been said to go on with
+    it and tagged, yet the next extension trained with the old lr."""
+    args = ["train", "deep_gpcm", *QUICK, "--workers", "0", "--name", "done"]
+    assert main([*args, "--set", "train.max_steps=2"]) == 0
+    assert main([*args, "--resume", "--set", "optim.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "goes on with its changed settings" not in out
+    assert "the changed config trained nothing, so it is not kept (optim.lr: 0.001 -> 0.01)" in out
+    client, run = _mlflow_run(workdir, "done")
+    assert "raysys.resume_changes" not in run.data.tags and "raysys.params_changed" not in run.data.tags
+    assert main([*args, "--resume", "--set", "train.max_steps=4"]) == 0
+    client, run = _mlflow_run(workdir, "done")
+    assert run.data.tags["raysys.resume_changes"] == "resume-1: train.max_steps: 2 -> 4"
+    assert run.data.tags["raysys.params_changed"] == "train.max_steps: 2 -> 4"
+    lrs = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/lr")}
+    assert lrs == {2: 0.001, 4: 0.001}, lrs  # the lr the run's config keeps: the untrained change was not kept
+    # what a sweep's space may name outside eval/ for a task (raysys.tune.space refuses others before it starts)
+    from raysys.metrics import TASK_LOOP_METRICS
+
+    assert {k for k in run.data.metrics if not k.startswith("eval/")} == TASK_LOOP_METRICS

@@ -142,6 +142,37 @@ def test_a_resume_trains_with_the_optimizer_settings_it_was_given(kind):
     assert apply_changed_settings(task, cfg, opt, sched, built, built, 10, 4)[1] == []  # nothing changed: untouched
 
 
+def test_a_persistent_false_buffer_that_training_changes_is_said_once():
+    """Audit BB F9: a ``persistent=False`` buffer (a counter that anneals noise) is in no checkpoint, so a
+    resume restarts it from its built value: said at the first checkpoint that finds one changed. One that
+    training leaves alone (a constant table), or rebuilds at another size (a cache), is not named."""
+    from raysys.train.loop import UnsavedBuffers
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("calls", torch.zeros(()), persistent=False)
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+            self.register_buffer("cache", torch.zeros(2), persistent=False)
+            self.register_buffer("ema", torch.zeros(2))  # persistent: in every checkpoint
+
+        def forward(self, x):
+            self.calls += 1
+            self.ema.mul_(0.9).add_(x.mean(0))
+            self.cache = torch.ones(len(x))  # rebuilt at the batch's size
+            return self.lin(x)
+
+    outer = torch.nn.Sequential(Net())
+    unsaved = UnsavedBuffers(outer)
+    assert unsaved.changed(outer) == []
+    outer(torch.ones(4, 2))
+    assert unsaved.changed(outer) == ["0.calls"]
+    outer(torch.ones(4, 2))
+    assert unsaved.changed(outer) == []  # said once a run
+    assert UnsavedBuffers(torch.nn.Linear(2, 2)).changed(torch.nn.Linear(2, 2)) == []
+
+
 def test_sparse_gradients_are_measured_and_clipped():
     """Audit BB F1: nn.Embedding(sparse=True) could not train at all: the loop measures the gradient norm
     with torch's fused norm, which has no sparse kernel. Now its norm is that of the coalesced values."""

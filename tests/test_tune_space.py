@@ -82,6 +82,11 @@ def test_bad_space_is_one_clear_config_error(space, words):
     ({"quality": "eval/val_loss"}, ["eval/val_loss", "lower-is-better", "objectives.quality_mode: min"]),
     ({"quality": "eval/rmse"}, ["eval/rmse", "lower-is-better"]),
     ({"quality": "eval/error-rate"}, ["eval/error-rate", "lower-is-better"]),
+    # a task's runs report eval/<its keys> and the shared loop's metrics: a name outside eval/ is known now (AY F8)
+    ({"throughput": "perf/sample_per_s"}, ["objectives.throughput: deep_gpcm never reports perf/sample_per_s: did "
+                                           "you mean perf/samples_per_s?"]),
+    ({"quality": "charts/return"}, ["objectives.quality: deep_gpcm never reports charts/return: a task's runs "
+                                    "report eval/<its evaluate() keys> and the loop's perf/compute_share, "]),
 ])
 def test_bad_objectives_are_one_clear_config_error(objectives, words):
     with pytest.raises(ConfigError) as e:
@@ -114,6 +119,8 @@ def test_other_space_errors():
         spaces.from_dict(_space(knobs={}))
     with pytest.raises(ConfigError, match="stability"):
         spaces.from_dict(_space(stability={"bounds": {"train/loss": {"ceiling": 3}}}))
+    with pytest.raises(ConfigError, match=r"^s.yaml: stability.collapse: deep_gpcm never reports train/los: did you mean train/loss\?$"):
+        spaces.from_dict(_space(stability={"collapse": {"train/los": 0.5}}), "s.yaml")
     with pytest.raises(ConfigError, match="not found"):
         spaces.load("no/such/space.yaml")
     # audit AS: each of these was accepted; the first made every trial of its sweep unstable, exit 0

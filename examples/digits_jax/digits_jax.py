@@ -179,15 +179,21 @@ def _start(cfg: DigitsJaxConfig, session) -> State:
     if ckpt is None:
         return fresh
     leaves, tree = jax.tree.flatten(fresh)
-    session.message(f"resumed at step {int(ckpt['state'][-1])}")
-    return jax.tree.unflatten(tree, [np.asarray(t, x.dtype) for t, x in zip(ckpt["state"], leaves)])
+    state = jax.tree.unflatten(tree, [np.asarray(t, x.dtype) for t, x in zip(ckpt["state"], leaves)])
+    session.message(f"resumed at step {int(state.step)}")
+    was = ckpt.get("seed")  # a resume with another train.seed: the restored key would otherwise ignore it
+    if was is not None and int(was) != cfg.train.seed:
+        state = state._replace(key=jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), int(state.step)))
+        session.message(f"train.seed {int(was)} -> {cfg.train.seed}: the minibatches' random stream starts from "
+                        "the new seed here; params and optimizer state go on")
+    return state
 
 
-def _save(session, state: State) -> None:
+def _save(session, state: State, seed: int) -> None:
     import jax
 
     leaves = [np.array(x) for x in jax.tree.leaves(to_host(state))]  # numpy: saved without torch
-    session.checkpoint({"state": leaves}, int(state.step))
+    session.checkpoint({"state": leaves, "seed": seed}, int(state.step))  # the seed: a resume may change it
 
 
 def _metrics(stats: dict, samples_per_s: float) -> dict:
@@ -210,9 +216,9 @@ def train(cfg: DigitsJaxConfig, session) -> dict:
         session.log(final, int(state.step), progress=f"accuracy {final['eval/accuracy']:.3f}",
                     bar=(int(state.step), cfg.train.steps))
         if time.monotonic() - saved >= 60 * cfg.train.checkpoint_every_minutes:
-            _save(session, state)
+            _save(session, state, cfg.train.seed)
             saved = time.monotonic()
-    _save(session, state)
+    _save(session, state, cfg.train.seed)
     return final
 
 
@@ -239,10 +245,10 @@ def train_population(cfgs: list[DigitsJaxConfig], sessions: list) -> list[dict]:
             break
         if time.monotonic() - saved >= 60 * lead.train.checkpoint_every_minutes:
             for i in np.flatnonzero(live):
-                _save(sessions[i], program.state(i))
+                _save(sessions[i], program.state(i), cfgs[i].train.seed)
             saved = time.monotonic()
     for i in range(k):
-        _save(sessions[i], program.state(i))
+        _save(sessions[i], program.state(i), cfgs[i].train.seed)
     return finals
 
 

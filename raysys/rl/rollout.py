@@ -450,9 +450,14 @@ def compare_with_rllib(
     in one process. Both sets of actors stay alive (idle ones cost no CPU); each round times one
     ``sample`` call of each, alternating which goes first, so load from other jobs on a shared
     machine hits both alike. Reports medians and the median of per-round ratios."""
-    pool = RolloutPool(env_factory, policy_factory, num_actors, envs_per_actor, steps_per_call=steps_per_call,
-                       num_cpus_per_actor=num_cpus_per_actor, **pool_kw)
+    # RLlib's first: without RLlib (a device's kit) it fails before any of raysys's actors start
     sampler = RLlibSampler(env_factory, num_actors, envs_per_actor, steps_per_call, num_cpus_per_env_runner=num_cpus_per_actor)
+    try:
+        pool = RolloutPool(env_factory, policy_factory, num_actors, envs_per_actor, steps_per_call=steps_per_call,
+                           num_cpus_per_actor=num_cpus_per_actor, **pool_kw)
+    except BaseException:
+        sampler.stop()
+        raise
 
     def ours() -> float:
         t0 = time.perf_counter()

@@ -233,6 +233,11 @@ class OpenRun:
     """On a Ray worker: the session that started it, as the run folder's lock named it (``lifecycle.holder_of``)."""
     watcher: Any = None
     """A command's own run: its ``raysys.watcher``, told at ``finish`` that the run was closed here."""
+    tags_before: Optional[dict] = None
+    """A resume with changed config: the run's ``CHANGE_TAGS`` before it (None: not read), put back where
+    the session trains nothing (its changes are not kept, so the tags must not say they were)."""
+    resume_changes: str = ""
+    """What this resume changed in the run's config ('key: old -> new; ...'), as said when it opened."""
 
     def store(self, keep: int = 2) -> CheckpointStore:
         return CheckpointStore(self.run_dir, self.wl.name, self.identity, keep=keep,
@@ -336,6 +341,7 @@ class OpenRun:
                 # resumed after its end: the config given now trained nothing, and must not become the one
                 # the next --resume starts from (changes that never trained would pile up there)
                 storage.remove(self.snapshot)
+                self._take_back_changes()
         except KeyboardInterrupt:
             status = "KILLED"
             raise
@@ -355,6 +361,21 @@ class OpenRun:
                 self.let_go()
             else:
                 self.finish(status)
+
+    def _take_back_changes(self) -> None:
+        """A resume with changed config that trained nothing: the changes are not kept (the next --resume
+        starts from the run's config as it was), so the run's tags say what they said before, and the
+        console says it once."""
+        if self.tags_before is None:
+            return
+        for key, value in self.tags_before.items():
+            if value:
+                self.logger.set_tags({key: value})
+            else:
+                self.logger.delete_tag(key)
+        print(f"[raysys] the changed config trained nothing, so it is not kept ({self.resume_changes}): the next "
+              "--resume starts from the run's config as it was; give the change together with a longer run",
+              flush=True)
 
     def let_go(self) -> None:
         """Leave the run as it is, to the process that took it over (``storage.LeaseLost``): this one's lock
@@ -654,10 +675,13 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         raise
     logger = tracking.MLflowLogger(uri, run_id, buffer=run_dir / tracking.BUFFER_FILE, fence=storage.lease_fence(run_dir))
     waiting = logger.pending if launch.resume else 0  # counted before the first call below sends them
+    tags_before = None
     if launch.resume and (tags or {}).get("raysys.resume_changes"):  # the run's params keep their first values
         # each resume's changes, after the earlier ones': "resume-1: ... | resume-2: ..." (its config snapshot's name)
         said = f"{cfg_file.stem.split('.', 1)[-1]}: {tags['raysys.resume_changes']}"
-        before = tracking.run_tag(uri, run_id, "raysys.resume_changes")
+        found = tracking.run_tags(uri, run_id)  # kept: a session that trains nothing takes its changes back
+        tags_before = None if found is None else {k: found.get(k) for k in CHANGE_TAGS}
+        before = (found or {}).get("raysys.resume_changes")
         logger.set_tags({"raysys.resume_changes": (f"{before} | {said}" if before else said)[-5000:]})
     if launch.resume:  # the code of the run's last session (a new MLflow run got it at its start)
         logger.set_tags({"raysys.code": code_checks.code_id(code), **plugin})
@@ -683,8 +707,12 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         print(f"[raysys] run '{name}' (the bench's own quality run)", flush=True)
     else:
         print(f"[raysys] run '{name}' -> {storage.where(run_dir)}\n{tracking.ui_lines(uri, link)}", flush=True)
-    return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file, watcher=watcher)
+    return OpenRun(wl, cfg, cfg_dict, name, run_dir, identity, uri, run_id, logger, snapshot=cfg_file, watcher=watcher,
+                   tags_before=tags_before, resume_changes=(tags or {}).get("raysys.resume_changes", "") if launch.resume else "")
 
+
+CHANGE_TAGS = ("raysys.resume_changes", tracking.PARAMS_CHANGED_TAG)
+"""The tags a resume with changed config writes (``open``)."""
 
 BENCH_ENV = "RAYSYS_IN_BENCH"
 """Set by ``python -m raysys.bench``: its quality runs live in temporary stores it removes."""

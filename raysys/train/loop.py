@@ -176,6 +176,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                         find_unused_parameters=cfg.launch.find_unused_parameters)
     fwd_model = ddp or model
+    unsaved = UnsavedBuffers(model) if rank == 0 else None
     if tc.compile:
         fwd_model = torch.compile(fwd_model)
 
@@ -249,12 +250,13 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             where = f"epoch {min(epoch + 1, tc.epochs)}/{tc.epochs}" if epoch < tc.epochs else f"{epoch} epochs done"
             sink.message(f"[{wl.name}] resumed from {storage.where(run_dir)}/checkpoints/{latest.name} (step {step}, {where})")
             record_event(run_dir, f"resumed step={step} epoch={epoch} from={latest.name}")
-            if fresh:
+            trains = step < total_steps  # else nothing trains: a change that takes no step is not said to go on
+            if fresh and trains:
                 sink.message(f"[{wl.name}] the optimizer changed ({was_class} -> {type(opt).__name__}): it starts with "
                              "fresh state (the checkpoint's moments are its old optimizer's); the weights go on")
-            if optim_changes:
+            if optim_changes and trains:
                 sink.message(f"[{wl.name}] the optimizer goes on with its changed settings: {'; '.join(optim_changes)}")
-            if stretched:
+            if stretched and trains:
                 sink.message(f"[{wl.name}] the run's length changed ({state['total_steps']} -> {total_steps} steps): "
                              f"Task.scheduler's schedule is rebuilt for {total_steps} and taken to step {step}")
 
@@ -276,6 +278,12 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
         saved_at = step
         rngs = _rng_states(world)
         if rank == 0:
+            if changed := unsaved.changed(model):
+                many = len(changed) > 1
+                sink.message(f"[{wl.name}] {'buffers' if many else 'buffer'} {', '.join(changed[:3])} "
+                             f"{'are' if many else 'is'} registered persistent=False but training changed "
+                             f"{'them' if many else 'it'}: checkpoints do not hold such buffers, so a --resume starts "
+                             "from their built values (register_buffer(..., persistent=True) keeps one)")
             store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "timer": timer.state_dict(), "monitor": monitor.state_dict(),
                         "rng": rngs[0], "rng_ranks": rngs, "step": step, "epoch": epoch, "micro_in_epoch": micro_done,
@@ -509,6 +517,33 @@ def _first_mismatch(text: str) -> str:
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     detail = next((l for l in lines[1:] if "size mismatch" in l or "Missing key" in l or "Unexpected key" in l), None)
     return (detail or (lines[0] if lines else "state_dict mismatch"))[:300]
+
+
+def _non_persistent(model: torch.nn.Module):
+    """(name, tensor) of the buffers registered ``persistent=False``: no state_dict, so no checkpoint, holds them."""
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            if module._buffers.get(name) is not None:
+                yield f"{prefix}.{name}" if prefix else name, module._buffers[name]
+
+
+class UnsavedBuffers:
+    """A ``persistent=False`` buffer that training changes (a step counter, an annealed value) starts from its
+    built value on a --resume: torch's meaning, but it parts the resumed run from an uninterrupted one, so it
+    is said once, at the first checkpoint that finds one changed. A cache rebuilt at another size (rotary
+    tables for a longer sequence) is left alone: it is recomputed from the inputs after a resume too."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.built = {name: b.detach().clone() for name, b in _non_persistent(model)}
+
+    def changed(self, model: torch.nn.Module) -> list[str]:
+        if not self.built:
+            return []
+        found = [name for name, b in _non_persistent(model) if name in self.built and b.shape == self.built[name].shape
+                 and not torch.equal(b.detach().to(self.built[name].device), self.built[name])]
+        if found:
+            self.built = {}  # said once
+        return found
 
 
 def shape_lazy_modules(task: Any, model: Any, train_ds: Any, collate: Any, batch_size: int, device: Any) -> None:

@@ -234,7 +234,29 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>", preset: Optional[
         StabilityRules.from_dict(stability)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{source}: stability: {e}") from None
+    _check_metric_names(source, wl, objectives, stability)
     return SweepSpace(registry.ref(wl), preset, fixed, knobs, objectives, stability, source)
+
+
+def _check_metric_names(source: str, wl: Any, objectives: Mapping[str, Any], stability: Mapping[str, Any]) -> None:
+    """A task's runs report ``eval/<its evaluate() keys>`` (known once one evaluates) and the shared loop's
+    metrics (known now): a space naming another metric outside eval/ for a task's workload would only be
+    found after a trial trained. A ``train_fn`` workload's metrics are its own: found at its first report."""
+    if wl.task is None:
+        return
+    from raysys.metrics import TASK_LOOP_METRICS
+
+    named = [(f"objectives.{key}", objectives[key]) for key in ("throughput", "quality") if key in objectives]
+    named += [(f"stability.{section}", metric) for section in ("bounds", "collapse")
+              for metric in (stability.get(section) or {})]
+    for where, metric in named:
+        if not metric.startswith("eval/") and metric not in TASK_LOOP_METRICS:
+            import difflib
+
+            near = difflib.get_close_matches(metric, sorted(TASK_LOOP_METRICS), n=1)
+            raise ConfigError(f"{source}: {where}: {wl.name} never reports {metric}: "
+                              + (f"did you mean {near[0]}?" if near else "a task's runs report eval/<its evaluate() "
+                                 "keys> and the loop's " + ", ".join(sorted(TASK_LOOP_METRICS))))
 
 
 _LOWER_IS_BETTER = {"loss", "error", "err", "mse", "rmse", "mae", "mape", "perplexity", "ppl", "nll", "brier", "ece",

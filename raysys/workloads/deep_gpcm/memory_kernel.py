@@ -33,6 +33,7 @@ Triton is imported only here.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -59,8 +60,10 @@ def _step_inputs(w_ptr, e_ptr, a_ptr, t, ok, b, B, N, D, SE, rows, cols):
 
 @triton.jit
 def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, T, B, N, D, SE,
-         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
     b = tl.program_id(0)
+    if WIDE:  # element offsets past 2**31 (B x T of ~1.7M at N=50, D=200): 64-bit address math, else 32-bit
+        b = b.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_N)
     col_ok, row_ok = cols < D, rows < N
@@ -85,8 +88,10 @@ def _fwd(w_ptr, e_ptr, a_ptr, m0_ptr, len_ptr, reads_ptr, ckpt_ptr, T, B, N, D, 
 
 @triton.jit
 def _bwd(w_ptr, e_ptr, a_ptr, len_ptr, ckpt_ptr, gr_ptr, dw_ptr, de_ptr, da_ptr, dm0_ptr, scratch_ptr, T, B, N, D, SE,
-         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
     b = tl.program_id(0)
+    if WIDE:  # element offsets past 2**31 (B x T of ~1.7M at N=50, D=200): 64-bit address math, else 32-bit
+        b = b.to(tl.int64)
     blk = tl.program_id(1)
     cols = blk * BLOCK_D + tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_N)
@@ -159,13 +164,13 @@ def compile_for(arch: int = 90, chunk: int = 8, n: int = 50, d: int = 200) -> di
         "bwd": (_bwd, [ptr] * 3 + ["*i32"] + [ptr] * 7 + [i32] * 5),
     }
     out = {}
-    for block_d, warps in configs(n, d):
-        consts = {"CHUNK": chunk, "BLOCK_N": triton.next_power_of_2(n), "BLOCK_D": block_d}
+    for (block_d, warps), wide in itertools.product(configs(n, d), (False, True)):
+        consts = {"CHUNK": chunk, "BLOCK_N": triton.next_power_of_2(n), "BLOCK_D": block_d, "WIDE": wide}
         for name, (kernel, types) in sigs.items():
             signature = dict(zip(kernel.arg_names, types)) | {k: "constexpr" for k in consts}
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts),
                                       target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-            out[f"{name} {block_d}x{warps}"] = compiled.asm["ptx"]
+            out[f"{name} {block_d}x{warps}" + (" wide" if wide else "")] = compiled.asm["ptx"]
     return out
 
 
@@ -209,6 +214,11 @@ def _tuned(kind: str, run, x: torch.Tensor, B: int, N: int, D: int, chunk: int) 
     return _best[key]
 
 
+def _wide(*tensors) -> bool:
+    """Whether an element offset into one of the kernel's buffers may pass int32 (then 64-bit offsets)."""
+    return max(t.numel() for t in tensors) >= 2 ** 31
+
+
 def forward_kernel(w, ea, m0, lengths, chunk: int, config: tuple[int, int]):
     """-> (reads [T,B,D], checkpoints [T/chunk,B,N,D]) with one (BLOCK_D, num_warps) configuration.
     ``ea`` [T,B,2D]: erase then add, each step's row contiguous."""
@@ -218,7 +228,8 @@ def forward_kernel(w, ea, m0, lengths, chunk: int, config: tuple[int, int]):
     reads = ea.new_empty(T, B, D)
     ckpt = ea.new_empty(triton.cdiv(T, chunk), B, N, D)
     _fwd[(B, triton.cdiv(D, block_d))](w, ea, ea[..., D:], m0, lengths, reads, ckpt, T, B, N, D, 2 * D, CHUNK=chunk,
-                                       BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps)
+                                       BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps,
+                                       WIDE=_wide(w, ea, ckpt))
     return reads, ckpt
 
 
@@ -233,7 +244,8 @@ def backward_kernel(w, ea, lengths, ckpt, grad_reads, chunk: int, config: tuple[
     dm0 = ea.new_empty(B, N, D)
     scratch = ea.new_empty(B, chunk, N, D)
     _bwd[(B, blocks)](w, ea, ea[..., D:], lengths, ckpt, grad_reads, dw, dea, dea[..., D:], dm0, scratch, T, B, N, D,
-                      2 * D, CHUNK=chunk, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps)
+                      2 * D, CHUNK=chunk, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=block_d, num_warps=warps,
+                      WIDE=_wide(w, ea, ckpt, dw, scratch))
     return dw.sum(0), dea, dm0.sum(0)
 
 
@@ -245,6 +257,9 @@ class TritonMemoryScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, ea, m0, lengths, chunk: int):
         _check_device(w)
+        if len({x.device for x in (w, ea, m0, lengths)}) > 1:  # a raw pointer of another device is read as garbage
+            raise RuntimeError(f"the Triton memory recurrence takes its inputs on one device, got w, ea, m0, lengths "
+                               f"on {', '.join(str(x.device) for x in (w, ea, m0, lengths))}")
         w, ea, m0 = (x.float().contiguous() for x in (w, ea, m0))
         (_, B, N), D = w.shape, ea.shape[-1] // 2
         cfg = _tuned("fwd", lambda c: forward_kernel(w, ea, m0, lengths, chunk, c), w, B, N, D, chunk)

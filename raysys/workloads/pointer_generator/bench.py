@@ -82,7 +82,7 @@ def _held_out_loss(model, batches) -> float:
 def _step_phases(model, opt, micro_batches, device, dtype=None, tokens: Optional[list] = None) -> list:
     """One optimizer step over ``micro_batches`` (gradient accumulation), under autocast to ``dtype`` if
     given, as its phases: zero the gradients, each micro-batch's forward and backward, clip and step. Each
-    micro-batch's target tokens go to ``tokens``."""
+    micro-batch's target tokens go to ``tokens`` (tensors, read once the step is done)."""
     tokens = [] if tokens is None else tokens
 
     def micro(b):
@@ -91,7 +91,8 @@ def _step_phases(model, opt, micro_batches, device, dtype=None, tokens: Optional
             with torch.autocast(device.type, dtype or torch.float32, enabled=dtype is not None):
                 total, n = model(bd["src"], bd["src_len"], bd["tgt"])
             (total / n / len(micro_batches)).backward()
-            tokens.append(int(n))
+            tokens.append(n.detach() if torch.is_tensor(n) else n)  # counted after the step: int() here would
+            # wait for the GPU at every micro-batch, which training does not
         return run
 
     def finish():
@@ -105,10 +106,10 @@ def _step_phases(model, opt, micro_batches, device, dtype=None, tokens: Optional
 
 def _opt_step(model, opt, micro_batches, device, dtype=None) -> int:
     """One optimizer step (``_step_phases``); returns target tokens."""
-    tokens: list[int] = []
+    tokens: list = []
     for phase in _step_phases(model, opt, micro_batches, device, dtype, tokens):
         phase()
-    return sum(tokens)
+    return sum(int(n) for n in tokens)
 
 
 def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
