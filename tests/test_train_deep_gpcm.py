@@ -341,7 +341,9 @@ def test_a_resume_with_another_optimizer_or_schedule_trains_with_it(workdir, cap
     assert main([*args, "--set", "train.max_steps=2", "--set", "optim.name=sgd", "--set", "optim.momentum=0.9"]) == 0
     capsys.readouterr()
     assert main([*args, "--resume", "--set", "train.max_steps=4", "--set", "optim.name=adam"]) == 0
-    assert "the optimizer changed (SGD -> Adam): it starts with fresh state" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the optimizer changed (SGD -> Adam): it starts with fresh state" in out
+    assert "goes on with its changed settings" not in out  # not SGD's momentum -> Adam's betas (BA F6)
     assert main([*args, "--resume", "--set", "train.max_steps=6", "--set", "optim.schedule=linear"]) == 0
     out = capsys.readouterr().out  # step 4 of 6 on a linear decay to 0: 1/3 of the peak, from the first step
     assert "the optimizer goes on with its changed settings: lr at this step: 0.001 -> 0.000333" in out, out

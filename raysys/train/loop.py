@@ -254,7 +254,7 @@ def _train(payload: dict[str, Any], run_dir: Path) -> None:
             if fresh and trains:
                 sink.message(f"[{wl.name}] the optimizer changed ({was_class} -> {type(opt).__name__}): it starts with "
                              "fresh state (the checkpoint's moments are its old optimizer's); the weights go on")
-            if optim_changes and trains:
+            if optim_changes and trains and not fresh:  # a new optimizer's own settings are no change to it
                 sink.message(f"[{wl.name}] the optimizer goes on with its changed settings: {'; '.join(optim_changes)}")
             if stretched and trains:
                 sink.message(f"[{wl.name}] the run's length changed ({state['total_steps']} -> {total_steps} steps): "
