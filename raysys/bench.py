@@ -24,7 +24,7 @@ from typing import Any
 
 from raysys import console
 from raysys import workload as registry
-from raysys.config import ConfigError, apply_overrides, load_yaml, parse_set_args
+from raysys.config import ConfigError, apply_overrides, flatten, load_yaml, parse_set_args, to_dict
 
 
 def device_name() -> str:
@@ -193,7 +193,9 @@ def _main(argv: list[str] | None) -> int:
         if overrides or wl.bench is None:  # before the banner: every key and value, whoever applies them (a bench of
             from raysys.bench_generic import bench_preset  # its own may ignore one), the preset, the path key
 
-            apply_overrides(wl.config(bench_preset(wl, args.quick, args.preset)), overrides)
+            applied = flatten(to_dict(apply_overrides(wl.config(bench_preset(wl, args.quick, args.preset)), overrides)))
+            # a bench of its own gets each --set value typed as its config field is ('128' -> 128), as --config's are
+            overrides = {k: applied.get(k, v) if isinstance(v, str) else v for k, v in overrides.items()}
         what = ("step times, then how each path learns from the same weights" if wl.bench is None
                 else "with its own bench")
         print(f"[raysys.bench] measuring {wl.name}{' (quick)' if args.quick else ''} on {measured_on}: {what}; "

@@ -7,6 +7,8 @@ checkpoints and restores through the :class:`Session`, and never imports Ray or 
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Any, Mapping, Optional
 
@@ -185,14 +187,14 @@ def run_custom(wl, cfg: Any, parent_run_id: Optional[str] = None, tags: Optional
     return _result(run, final, session, outcome.failure)
 
 
-def _say_alike(wl, cfgs: list, finals: list, lead: "Session", pbt: bool) -> None:
+def _say_alike(wl, cfgs: list, finals: list, lead: "Session", pbt: bool) -> str:
     """One note where members whose knobs differ ended with the very same metrics: a sign that the program
     gives every member one of those values (the lead's), which nothing else would show (a sweep then ranks
-    configurations that never trained)."""
+    configurations that never trained). Returned too ('' for none): a sweep says it on its own console."""
     from raysys.config import flatten, to_dict
 
     if pbt:  # exploit copies one member's state into another: alike ends are PBT's doing
-        return
+        return ""
     knobs = [{k: v for k, v in flatten(to_dict(c)).items() if k in wl.population.member_knobs} for c in cfgs]
     first: dict[tuple, int] = {}  # each ending (metrics but speed) -> the first member that ended so
     for i, f in enumerate(finals):
@@ -200,9 +202,11 @@ def _say_alike(wl, cfgs: list, finals: list, lead: "Session", pbt: bool) -> None
         j = first.setdefault(ending, i) if ending else i
         if knobs[j] != knobs[i]:
             differ = ", ".join(k for k in knobs[i] if knobs[i][k] != knobs[j].get(k))
-            lead.message(f"note: two members that differ in {differ} ended with the very same metrics; "
-                         "does its Population.train_fn give each member its own value of it?")
-            return
+            note = (f"two members that differ in {differ} ended with the very same metrics; does its "
+                    "Population.train_fn give each member its own value of it?")
+            lead.message(f"note: {note}")
+            return f"{wl.name}: {note}"
+    return ""
 
 
 def _per_member(wl, outs: Any, n: int) -> list:
@@ -297,8 +301,9 @@ def run_population(wl, cfgs: list, parent_run_id: Optional[str] = None, tags: Op
             sessions[0].message(f"{wl.name}: its train_population never called pbt.after_chunk, so no PBT round ran "
                                 "(docs/your-workload.md: the three calls)")
         finals = [s.finish(out or {}) for s, out in zip(sessions, _per_member(wl, outs, len(sessions)))]
-        _say_alike(wl, shapes.cfgs, finals, sessions[0], pbt is not None)
+        alike = _say_alike(wl, shapes.cfgs, finals, sessions[0], pbt is not None)
         for outcome, final, s in zip(outcomes, finals, sessions):
             _judge(outcome, final, s)
             outcome.trained_nothing = s.kept_final
-    return [_result(run, final, s, o.failure) for run, final, s, o in zip(runs, finals, sessions, outcomes)]
+    return [dataclasses.replace(_result(run, final, s, o.failure), note=alike)
+            for run, final, s, o in zip(runs, finals, sessions, outcomes)]

@@ -174,7 +174,7 @@ class Workload:
     and optionally ``quality``; optionally ``device``, ``speedup``, ``throughput_unit`` (default samples/s),
     ``quality_metric``, ``paths`` (the rows' names, where not naive/optimized), ``notes`` (lines),
     ``extra`` ({label: value}) and ``problems`` (lines; the bench then exits 1). A ``bench`` that takes an
-    ``overrides`` argument gets ``--set``/``--config`` as a dict. Optional: without it
+    ``overrides`` argument gets ``--set``/``--config`` as a dict (``--set`` values typed as its config's fields). Optional: without it
     ``python -m raysys.bench`` times the task's training step (raysys.bench_generic.generic_bench)."""
     task: Optional[TorchTask] = None
     train_fn: Optional[Callable[[Any, Any], dict]] = None

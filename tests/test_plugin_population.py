@@ -159,6 +159,35 @@ def test_members_checkpointing_states_of_different_shapes_fail_naming_the_knob(t
     assert all("model.width (4, 8)" in r.data.tags["raysys.error"] for r in runs)
 
 
+def test_the_shape_check_waits_for_the_members_that_tell_the_knob_and_reads_any_checkpoint_state():
+    """Audit BD F3: two members that differ in width, lr and seed saved first, and the refusal named all three
+    (and told the user to remove the lr and the seed); it now waits for the members that tell which knob
+    follows the shapes. BD F1: a state with a dict JAX cannot sort (str and int keys), which checkpoints
+    take, crashed the check of every vectorized member."""
+    import jax  # noqa: F401 (the check flattens states with JAX where it is imported)
+
+    import tiny_workload as tiny
+    from raysys.config import ConfigError
+    from raysys.train.population import SameShapes, leaf_shapes
+
+    cfgs = []
+    for width, lr in [(8, 0.1), (16, 0.2), (8, 0.3), (16, 0.4)]:
+        cfg = tiny.TinyConfig()
+        cfg.model.width, cfg.opt.lr = width, lr
+        cfgs.append(cfg)
+    shapes = SameShapes(cfgs, ("opt.lr", "model.width"))
+    state = lambda w: {"w": np.zeros(w), "flags": {"ok": True, 3: "int key", None: 1}}  # noqa: E731
+    assert leaf_shapes(state(8)) == {"['w']": ((8,), "float64")}
+    shapes.saw(0, state(8), 10)
+    shapes.saw(1, state(16), 10)  # lr and width both split these two: not said yet
+    with pytest.raises(ConfigError) as e:
+        shapes.saw(2, state(8), 10)
+    msg = str(e.value)
+    assert msg.startswith("members of one program have states of different shapes: model.width (8, 16) differs "
+                          "between them: remove it from Population.member_knobs"), msg
+    assert "opt.lr" not in msg
+
+
 def test_a_member_knob_that_is_no_config_key_is_a_config_error_before_anything(workdir, capsys):
     """``member_knobs`` naming ``opt.lrr`` (a typo of ``opt.lr``): one line, exit 2, nothing created."""
     import yaml
@@ -434,11 +463,14 @@ def test_members_that_differ_in_a_knob_yet_end_alike_are_said(tmp_path, capfd):
 
     forgetful = dataclasses.replace(tiny.WORKLOAD, name="tiny_forgetful",
                                     population=Population(leads_lr, ("opt.lr",)))
-    run_population(forgetful, _tiny_cfgs(tmp_path, [(4, 0.1), (4, 0.05)]))
+    results = run_population(forgetful, _tiny_cfgs(tmp_path, [(4, 0.1), (4, 0.05)]))
     assert ("note: two members that differ in opt.lr ended with the very same metrics; does its "
             "Population.train_fn give each member its own value of it?") in capfd.readouterr().out
-    run_population(tiny.WORKLOAD, _tiny_cfgs(tmp_path / "own", [(4, 0.1), (4, 0.05)]))
-    assert "very same metrics" not in capfd.readouterr().out
+    # and to a sweep, whose console does not see the trial's lines (audit BD F2): each member's result says it
+    assert {r.note for r in results} == {"tiny_forgetful: two members that differ in opt.lr ended with the very same "
+                                         "metrics; does its Population.train_fn give each member its own value of it?"}
+    results = run_population(tiny.WORKLOAD, _tiny_cfgs(tmp_path / "own", [(4, 0.1), (4, 0.05)]))
+    assert "very same metrics" not in capfd.readouterr().out and {r.note for r in results} == {""}
 
 
 def test_a_config_error_in_a_vectorized_program_fails_its_members_once(tmp_path):

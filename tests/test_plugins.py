@@ -1900,7 +1900,7 @@ import digits_mlp
 
 
 def bench(quick, overrides=None):
-    raise SystemExit("the bench ran")
+    raise SystemExit(f"the bench ran with {overrides!r}")
 
 
 WORKLOAD = dataclasses.replace(digits_mlp.WORKLOAD, name="digits_own_bench", bench=bench)
@@ -1916,6 +1916,15 @@ def test_a_bench_of_its_own_is_not_started_with_a_set_no_config_takes(project, g
     assert out.returncode == 2 and "the bench ran" not in out.stderr and "measuring" not in out.stdout
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("raysys.bench: config error: ") and said in line
+
+
+def test_a_bench_of_its_own_gets_set_values_typed_as_its_config(project):
+    """Audit BD F5: --set values reached a workload's own bench as the strings typed ('128'), --config's as
+    YAML's types: one dict mixed both, and a number used as a shape failed inside the user's jit."""
+    (project / "own_bench.py").write_text(OWN_BENCH)
+    out = _run(["python", "-m", "raysys.bench", "own_bench:WORKLOAD", "--quick", "--set", "model.hidden=8",
+                "--set", "model.dropout=0.0", "--set", "optim.nesterov=false"], project)
+    assert "the bench ran with {'model.hidden': 8, 'model.dropout': 0.0, 'optim.nesterov': False}" in out.stderr
 
 
 def test_a_training_set_drop_last_leaves_without_a_batch_is_one_line_before_anything(project):

@@ -35,6 +35,30 @@ def test_the_corpus_is_deterministic_and_summaries_copy_its_entities():
         assert ex["entities"] and all(copies(ex["note"], e) and copies(ex["summary"], e) for e in ex["entities"])
 
 
+def test_rouge_scores_every_script_and_english_as_rouge_score_does():
+    """Audit BF F7: rouge_score's tokenizer keeps a-z and 0-9 only, so a Greek, Cyrillic or Chinese corpus
+    scored ROUGE 0 whatever the model wrote. Its words are now those of any script (a CJK character each),
+    and English text gets rouge_score's own tokens, stems included."""
+    import random
+    import string
+
+    from rouge_score import rouge_scorer, tokenizers
+
+    from raysys.workloads.pointer_generator.workload import RougeTokenizer
+
+    ours, theirs = RougeTokenizer(), tokenizers.DefaultTokenizer(use_stemmer=True)
+    rnd = random.Random(0)
+    texts = [t for ex in generate(50, 2) for t in (ex["note"], ex["summary"])]
+    texts += ["".join(rnd.choice(string.printable) for _ in range(rnd.randint(0, 60))) for _ in range(500)]
+    assert all(ours.tokenize(t) == theirs.tokenize(t) for t in texts)
+    assert ours.tokenize("Η Αθήνα έχει 25 βαθμούς") == ["η", "αθήνα", "έχει", "25", "βαθμούς"]
+    assert ours.tokenize("東京は晴れ") == ["東", "京", "は", "晴", "れ"]
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2"], tokenizer=ours)
+    for same in ("Η θερμοκρασία στην Αθήνα", "Погода в Москве хорошая", "東京の天気は晴れです"):
+        assert scorer.score(same, same)["rouge2"].fmeasure == 1.0, same
+    assert 0 < scorer.score("Погода в Москве хорошая", "Погода в Риме плохая")["rouge1"].fmeasure < 1
+
+
 def test_an_entity_counts_as_copied_only_as_whole_words():
     assert copies("start 10 mg daily", "10 mg") and copies("dose: 10 mg.", "10 mg") and copies("10", "10")
     assert not copies("start 110 mg daily", "10 mg") and not copies("100 units", "10")
@@ -298,6 +322,25 @@ def test_an_evaluation_file_written_again_is_prepared_again(tmp_path):
     assert first != second
     rows_of = lambda out: json.loads((out / "meta.json").read_text())["splits"]["eval"]["rows"]
     assert (rows_of(first), rows_of(second)) == (6, 30)
+    # audit BF F6: other text of the same size, written with the same time (cp -p, rsync -t, tar -x), is
+    # other data too; the same bytes in another folder are the same data
+    import os
+    import shutil
+
+    text = (tmp_path / "train.jsonl").read_text()
+    swapped = text.replace("a", "\u0062").replace("b", "a").replace("\u0062", "b")  # same length, other words
+    assert swapped != text and len(swapped.encode()) == len(text.encode())
+    st = os.stat(tmp_path / "train.jsonl")
+    (tmp_path / "train.jsonl").write_text(swapped)
+    os.utime(tmp_path / "train.jsonl", ns=(st.st_atime_ns, st.st_mtime_ns))
+    third = data.prepare(cfg)
+    assert third not in (first, second)
+    (tmp_path / "copy").mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        shutil.copy(tmp_path / name, tmp_path / "copy" / name)
+    elsewhere = apply_overrides(cfg, {"data.path": str(tmp_path / "copy" / "train.jsonl"),
+                                      "data.eval_path": str(tmp_path / "copy" / "eval.jsonl")})
+    assert data.prepare(elsewhere) == third
 
 
 @pytest.mark.slow  # ~1.5 min: two Ray Train workers

@@ -266,6 +266,23 @@ def test_a_stability_rule_that_checks_nothing_is_said_once(capsys):
     assert out.count("note: a stability rule of the space checks nothing: train/los: never reported") == 1
 
 
+def test_a_note_on_a_vectorized_trials_program_is_said_on_the_sweeps_console(capsys):
+    """Audit BD F2: members that differ yet ended alike were said in the trial's process only (a Ray
+    worker's log); the members' final reports carry the note, and the sweep's console says it once."""
+    from types import SimpleNamespace
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.population import POPULATION, PREFIX
+    from raysys.tune.progress import Progress
+
+    note = "w: two members that differ in train.lr ended with the very same metrics; does its ..."
+    result = {f"{PREFIX}/t1_{j}/{k}": v for j in (0, 1) for k, v in ((obj.FINAL, 1.0), (obj.NOTE, note))}
+    trial = SimpleNamespace(trial_id="t1", config={POPULATION: [{"train.lr": 0.1}, {"train.lr": 0.2}]},
+                            last_result=result, status="TERMINATED")
+    Progress(2, "perf/samples_per_s", "eval/accuracy").on_trial_complete(0, [trial], trial)
+    assert capsys.readouterr().out.count(f"note: trial t1's program: {note}") == 1
+
+
 def test_a_trials_own_training_restart_is_said_on_the_sweeps_console(tmp_path, capsys):
     """A trial whose Ray Train worker was lost restarts its training from its checkpoint (launch.max_failures):
     its run's events.log said so, the sweep's console did not."""

@@ -49,6 +49,9 @@ class RunResult:
     """Why a run that ended without an error did not train (it diverged): its MLflow run is FAILED."""
     where: str = ""
     """Where its files are as users know them, where not ``storage.where(run_dir)`` (a cross-validation's folds)."""
+    note: str = ""
+    """A note on the program a population member trained in (members that differ ended alike), for a sweep's
+    console, which does not see the trial's own lines."""
 
 
 def identity_of(wl: registry.Workload, cfg: Any) -> dict:

@@ -65,16 +65,23 @@ class SameShapes:
             return
         self.first[i] = (step, leaf_shapes(state))
         peers = [j for j, (at, _) in self.first.items() if at == step]
-        check_signatures([self.first[j][1] for j in peers], [self.cfgs[j] for j in peers], self.knobs)
+        sigs, cfgs = [self.first[j][1] for j in peers], [self.cfgs[j] for j in peers]
+        if len(peers) < len(self.cfgs) and len(_knobs_at_fault(sigs, cfgs, self.knobs)) > 1:
+            return  # several knobs split the members saved so far as their shapes do: the others tell which
+        check_signatures(sigs, cfgs, self.knobs)
 
 
 def leaf_shapes(state: Any) -> dict[str, tuple]:
     """{path: (shape, dtype)} of a state's array leaves (numpy, JAX, torch): what a compiled program's
     shapes are made of. Python scalars are left out: they change no shape."""
+    pairs = None
     if "jax" in sys.modules:  # any pytree, a JAX workload's NamedTuples and optax states included
         jax = sys.modules["jax"]
-        pairs = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
-    else:
+        try:
+            pairs = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+        except (TypeError, ValueError):  # a dict whose keys JAX cannot sort (str with int or None), which a
+            pass                         # checkpoint takes: walked as plain containers
+    if pairs is None:
         pairs = list(_walk(state, ""))
     return {p: (tuple(x.shape), str(x.dtype)) for p, x in pairs if hasattr(x, "shape") and hasattr(x, "dtype")}
 
@@ -108,11 +115,15 @@ def check_signatures(sigs: list[dict], cfgs: Optional[list] = None, member_knobs
     knobs = _knobs_at_fault(sigs, cfgs, member_knobs) if cfgs is not None and len(cfgs) == len(sigs) else []
     path = next((p for p in {**sigs[0], **sigs[odd]} if sigs[0].get(p) != sigs[odd].get(p)), "?")
     seen = f"{path or 'state'}: {_fmt(sigs[0].get(path))} vs {_fmt(sigs[odd].get(path))}"
-    named = ", ".join(knobs) or "a knob of Population.member_knobs"
-    it, verb = ("them", "differ") if len(knobs) > 1 else ("it", "differs")
-    raise ConfigError(f"members of one program have states of different shapes ({seen}): {named} {verb} "
-                      f"between them, and a knob that changes a shape cannot differ inside one program; remove {it} "
-                      f"from Population.member_knobs (configurations that differ in {it} then train as separate programs)")
+    # what to do first: the console cuts a long line, and a state's path can be long
+    if len(knobs) == 1:
+        what = f"{knobs[0]} differs between them: remove it from Population.member_knobs"
+    else:
+        what = (f"one of {', '.join(knobs)} differs between them and changes a shape: remove that one from "
+                "Population.member_knobs" if knobs else "remove the knob that changes a shape from Population.member_knobs")
+    raise ConfigError(f"members of one program have states of different shapes: {what} (a knob that changes a shape "
+                      f"cannot differ inside one program; configurations that differ in it then train as separate "
+                      f"programs) [{seen}]")
 
 
 def _fmt(sig: Optional[tuple]) -> str:

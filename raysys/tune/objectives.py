@@ -36,6 +36,8 @@ FINAL = "sweep/final"
 FAILED = "sweep/failed"
 UNWATCHED = "stability/unwatched"
 """On a run's final report: the space's bounds/collapse metrics it never reported (a typo checks nothing)."""
+NOTE = "sweep/note"
+"""On a population member's final report: a note on its program (members that differ ended alike)."""
 RUN_SECONDS = "sweep/run_seconds"
 """A reused run's own wall time (``trial.reused_final``), in place of Tune's clock, which only saw the reuse."""
 DEFAULT_TOLERANCE = 0.02

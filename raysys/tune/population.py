@@ -30,7 +30,7 @@ POPULATION = "population"
 """The config key of a vectorized trial: the list of its members' knobs."""
 PREFIX = "members"
 KEPT = (obj.THROUGHPUT, obj.QUALITY, obj.MEASURED_THROUGHPUT, obj.MEASURED_QUALITY, obj.UNSTABLE, obj.REASON,
-        obj.FINAL, obj.FAILED, "step", obj.RUN_SECONDS, obj.UNWATCHED)
+        obj.FINAL, obj.FAILED, "step", obj.RUN_SECONDS, obj.UNWATCHED, obj.NOTE)
 
 
 def member_ids(trial_id: str, k: int) -> list[str]:
@@ -269,7 +269,7 @@ def run_population_trial(config: dict, setup) -> None:
     reports.training = set()  # the members' last reports go as one, the trial's last (finish)
     for j, res in zip(todo, results):
         if res.stopped_by is None:
-            reports.reporter(j)({**res.metrics, "done": 1.0})
+            reports.reporter(j)({**res.metrics, "done": 1.0, **({obj.NOTE: res.note} if res.note else {})})
             log_event(setup.sweep_dir, f"end {ids[j]}")
     reports.finish()
 

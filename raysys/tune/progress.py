@@ -239,6 +239,8 @@ class Progress(Callback):
                             f"trial {mid} done in {self._seconds(mid, trial.trial_id, r):.0f}s (one program): "
                             f"{self._verdict(m)}")
             self._unwatched(next((m for _, _, m in members if m.get(obj.UNWATCHED)), {}))
+            for note in dict.fromkeys(m[obj.NOTE] for _, _, m in members if m.get(obj.NOTE)):
+                self._print(f"note: trial {trial.trial_id}'s program: {note}")
             return
         self._print((_failed(trial.trial_id, r) if r.get(obj.FAILED) else
                      f"trial {trial.trial_id} done in {self._seconds(trial.trial_id, trial.trial_id, r):.0f}s: "

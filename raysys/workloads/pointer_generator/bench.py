@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from raysys import console
-from raysys.config import apply_overrides
+from raysys.config import ConfigError, apply_overrides
 from raysys.train.data import to_device
 
 
@@ -126,6 +126,9 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     cfg = task.prepare(cfg)
     train_ds, eval_ds = task.datasets(cfg)
     accum, steps = 16, (2 if quick else 4)
+    if len(train_ds) < (steps + 1) * accum:  # each timed step takes 16 notes of its own, as the original's
+        raise ConfigError(f"data.path: {len(train_ds)} training notes; the bench needs at least {(steps + 1) * accum} "
+                          f"({steps + 1} optimizer steps of {accum} notes, the warm-up's included)")
 
     torch.manual_seed(0)
     models = {"naive": task.build_model(apply_overrides(cfg, {"model.path": "naive"})).to(device)}
@@ -273,7 +276,7 @@ def run_bench(quick: bool = False, overrides: Optional[dict] = None) -> dict:
     for k in models:
         res[k] = {"throughput": tokens[k] / sum(times[k]), "step_s": statistics.median(times[k]),
                   "peak_memory_mb": peak[k] / 2**20, "quality": held_out[k],
-                  "eval": {q: quality[k][q] for q in ("rouge1", "rouge2", "rougeLsum", "entity_copy")}}
+                  "eval": {q: quality[k][q] for q in ("rouge1", "rouge2", "rougeLsum", "entity_copy") if q in quality[k]}}
     res["extra"] = {
         "model": f"{n_params / 1e6:.2f}M parameters, vocabulary {models['naive'].V}",
         "optimizer step": f"16 notes: naive 16 x batch 1, optimized 1 x batch 16; {steps} timed steps each",

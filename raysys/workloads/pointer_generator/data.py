@@ -87,14 +87,12 @@ def prepare(cfg: Any) -> Path:
     """Make (or reuse) the tokenized data folder for ``cfg.data``; return it. Idempotent and safe
     to call from several processes at once (built in a temp folder, then renamed into place)."""
     d = cfg.data
-    settings = {"path": str(Path(d.path).resolve()) if d.path else None,
-                "eval_path": str(Path(d.eval_path).resolve()) if d.eval_path else None,
+    # a user's files by what they hold, not where they lie or when they were written: a file written again
+    # with other text of the same size and time (cp -p, rsync -t, tar -x) is other data, prepared afresh
+    settings = {"files": files_digest(d.path, d.eval_path) if d.path else None,
                 "source": d.source_column, "target": d.target_column, "n_train": d.n_train, "n_eval": d.n_eval,
                 "eval_fraction": d.eval_fraction, "seed": d.seed, "vocab_size": d.vocab_size,
                 "max_src_len": d.max_src_len, "max_tgt_len": d.max_tgt_len}
-    for key in ("path", "eval_path"):  # a file edited or written again is other data: prepared afresh
-        if getattr(d, key):
-            settings[f"{key}_stat"] = _stat(getattr(d, key))
     out = Path(d.data_dir) / _digest(settings)
     if (out / "meta.json").is_file():
         return out
@@ -125,24 +123,18 @@ def prepare(cfg: Any) -> Path:
 
 
 def files_digest(*paths: Optional[str]) -> str:
-    """sha256 of the bytes of the given files (None skipped): what they hold, not where they lie."""
+    """sha256 of the bytes of the given files (None skipped): what they hold, not where they lie. A path
+    that is no file is the same one-line ValueError as reading it would be."""
     h = hashlib.sha256()
     for p in paths:
+        if p and not Path(p).is_file():
+            raise ValueError(f"{p}: {'a folder, not a table file' if Path(p).is_dir() else 'no such file'}")
         if p:
             with open(p, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     h.update(block)
         h.update(b"\0")  # train-only and train+eval files never hash alike
     return h.hexdigest()[:16]
-
-
-def _stat(path: str) -> Optional[list]:
-    """What says a file changed without reading it: its modification time (ns) and size."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [st.st_mtime_ns, st.st_size]
 
 
 def _splits(d: Any) -> tuple[list[dict], list[dict]]:
@@ -226,7 +218,11 @@ def _write_split(rows: list[dict], sp, path: Path, max_src: int, max_tgt: int) -
                       "entities": pa.array([r.get("entities", []) for r in rows], pa.list_(pa.string()))})
     pq.write_table(table, path)
     lens = [len(s) for s in src]
+    from raysys.workloads.pointer_generator.workload import RougeTokenizer  # the words ROUGE counts
+
+    words = RougeTokenizer(use_stemmer=False)
     return {"rows": len(rows), "truncated_src": cut_src, "truncated_tgt": cut_tgt,
+            "one_word_summaries": sum(len(words.tokenize(r["summary"])) < 2 for r in rows),
             "mean_src_len": float(np.mean(lens)), "mean_tgt_len": float(np.mean([len(t) for t in tgt]))}
 
 
