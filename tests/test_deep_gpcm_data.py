@@ -86,6 +86,27 @@ def test_write_round_trip_and_reuse(tmp_path):
     assert not list(out.glob("*.tmp"))
 
 
+def test_a_task_reads_the_synthetic_data_its_config_asks_for_whatever_the_folder_held(tmp_path, monkeypatch):
+    """Audit BF F5: one folder serves every generator setting; a process that regenerated it with other settings
+    between another's write and read made that one train on the other's data. The task now writes and reads
+    under one lock, and its cached sequences are keyed by the settings too (one task object, two configs)."""
+    from raysys.config import apply_overrides
+    from raysys.workloads.deep_gpcm.workload import DeepGPCMTask, quick
+
+    monkeypatch.chdir(tmp_path)
+    task = DeepGPCMTask()
+    sizes = []
+    for n in (30, 40, 30):
+        cfg = task.prepare(apply_overrides(quick(), {"data.n_questions": n, "data.data_dir": "oc"}))
+        sizes.append(task._data(cfg).n_questions)
+        write_synthetic_oc(tmp_path / "oc", **SMALL)  # another process's settings, between this one's runs
+        assert task._data(cfg).n_questions == n  # its cache holds what it asked for
+        task._cache = None  # read afresh: the folder holds another's data now
+        assert task._data(cfg).n_questions == n
+    assert sizes == [30, 40, 30]
+    assert (tmp_path / ".oc.lock").exists()
+
+
 def test_load_infers_sizes_without_meta(tmp_path):
     f = tmp_path / "seqs.parquet"
     pd.DataFrame({"questions": [[1, 7, 3], [2, 2]], "responses": [[0, 2, 1], [1, 0]]}).to_parquet(f)

@@ -125,6 +125,20 @@ def write_synthetic_oc(out_dir: PathLike, **kwargs) -> Path:
     return out
 
 
+def synthetic_sequences(out_dir: PathLike, options: Optional["ReadOptions"] = None, **kwargs) -> "SequenceData":
+    """synthetic_OC made with ``kwargs`` (``write_synthetic_oc``), read. One folder serves every generator
+    setting, so another process that makes it with other settings (a sweep's trial, another terminal)
+    could replace its files between this one's write and read: both happen under one lock, and what is read
+    is what was asked for."""
+    from filelock import FileLock
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        write_synthetic_oc(out, **kwargs)
+        return load_sequences(out, options)
+
+
 # ---- loading and validation ---------------------------------------------------------------------
 
 LONG_COLUMNS = {

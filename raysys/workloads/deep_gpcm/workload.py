@@ -220,6 +220,19 @@ def _data_source(cfg: DeepGPCMConfig) -> Path:
     return (Path(d.base_dir or Path.cwd()) / Path(d.path or d.data_dir).expanduser()).resolve()
 
 
+def _generator(d: DataConfig) -> dict:
+    """synthetic_OC's generator settings (what the data is, where no ``path`` is given)."""
+    return {"n_students": d.n_students, "n_questions": d.n_questions, "n_cats": d.n_cats, "min_len": d.min_len,
+            "max_len": d.max_len, "seed": d.seed}
+
+
+def _data_key(cfg: DeepGPCMConfig) -> tuple:
+    """What a task's cached sequences were read as: the source and how to read it (and, for synthetic_OC,
+    its settings: one folder holds whichever was made last)."""
+    d = cfg.data
+    return (str(_data_source(cfg)), _read_options(d), None if d.path else tuple(sorted(_generator(d).items())))
+
+
 def _in_ray_worker() -> bool:
     """A Ray worker (a Ray Train worker, a Tune trial) works in a folder of Ray's: it reads relative data
     paths from the ``data.base_dir`` its driver hands it. The driver sets its own, also on a resume, whose
@@ -240,9 +253,8 @@ class DeepGPCMTask:
         if not worker:  # path and data_dir stay as written: the config snapshot names no folder of this machine
             d.base_dir = str(Path.cwd())
         if d.path:
-            key = (str(_data_source(cfg)), _read_options(d))
-            seqs = data.load_sequences(*key)  # fail now, with the column named, not in a worker
-            self._cache = (key, seqs)  # read afresh (the file may have changed since), once
+            seqs = data.load_sequences(_data_source(cfg), _read_options(d))  # fail now, with the column named
+            self._cache = (_data_key(cfg), seqs)  # read afresh (the file may have changed since), once
             for note in seqs.notes:
                 line = f"[deep_gpcm] {_data_source(cfg).name}: {note}"
                 if line not in _SAID:  # prepared again in this process (the loop's own prepare): said once
@@ -255,8 +267,8 @@ class DeepGPCMTask:
                                  f"driver read (digest {d.digest}): every node needs the same data")
             d.digest = digest
         else:  # the generator settings (in the checkpoint) say what the data is
-            data.write_synthetic_oc(_data_source(cfg), n_students=d.n_students, n_questions=d.n_questions,
-                                    n_cats=d.n_cats, min_len=d.min_len, max_len=d.max_len, seed=d.seed)
+            self._cache = (_data_key(cfg), data.synthetic_sequences(_data_source(cfg), _read_options(d),
+                                                                    **_generator(d)))
             d.digest = None
         return cfg
 
@@ -264,9 +276,11 @@ class DeepGPCMTask:
         from raysys.workloads.deep_gpcm import data
 
         cache = getattr(self, "_cache", None)
-        key = (str(_data_source(cfg)), _read_options(cfg.data))
+        key = _data_key(cfg)
         if cache is None or cache[0] != key:
-            self._cache = (key, data.load_sequences(*key))
+            d = cfg.data
+            self._cache = (key, data.load_sequences(*key[:2]) if d.path else
+                           data.synthetic_sequences(_data_source(cfg), _read_options(d), **_generator(d)))
         return self._cache[1]
 
     def datasets(self, cfg: DeepGPCMConfig):
