@@ -343,6 +343,32 @@ def test_an_evaluation_file_written_again_is_prepared_again(tmp_path):
     assert data.prepare(elsewhere) == third
 
 
+def test_one_word_summaries_are_said_and_a_corpus_too_small_for_the_bench_is_one_line(tmp_path, monkeypatch, capsys):
+    """Audit BF: one-word summaries leave ROUGE-2, the quality, with no word pair to score (said when the data
+    is prepared), and give no entity_copy figure when nothing is there to copy; the bench's timed steps take
+    48 notes, which a small corpus lacks (it was an IndexError)."""
+    from raysys.config import ConfigError
+    from raysys.workloads.pointer_generator.bench import run_bench
+    from raysys.workloads.pointer_generator.workload import SummarizationTask
+
+    words = ["alpha", "delta", "theta", "omega", "sigma", "kappa"]
+    rows = [{"note": f"Item {i}. The key word is {words[i % 6]}. Nothing else matters here.",
+             "summary": words[i % 6]} for i in range(40)]
+    _write_jsonl(tmp_path / "one.jsonl", rows)
+    monkeypatch.chdir(tmp_path)
+    cfg = SummarizationTask().prepare(apply_overrides(quick(), {"data.path": "one.jsonl", "data.vocab_size": 400}))
+    out = capsys.readouterr().out
+    assert "of 36 training summaries are one word: ROUGE-2, this workload's quality (eval/quality), has no word" in out
+    task = SummarizationTask()
+    task._cfg, task._scorer, task._lead = cfg, None, None
+    task.summarize = lambda model, b: b["summary"]  # perfect summaries
+    batch = {"summary": ["alpha", "delta"], "note": ["a", "b"], "entities": [[], []]}
+    metrics = task.evaluate(None, [batch])
+    assert metrics["rouge1"] == 1.0 and "entity_copy" not in metrics
+    with pytest.raises(ConfigError, match=r"^data.path: 36 training notes; the bench needs at least 48 "):
+        run_bench(quick=True, overrides={"data.path": "one.jsonl", "data.vocab_size": 400})
+
+
 @pytest.mark.slow  # ~1.5 min: two Ray Train workers
 def test_two_ray_train_workers_train_with_ddp(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "raysys", "train", "pointer_generator", "--preset", "quick",
