@@ -309,6 +309,24 @@ def calm_http_client() -> None:
 KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
+def check_experiment(uri: str, name: str, flag: str = "--experiment NAME") -> None:
+    """A ConfigError, before anything is created, where the experiment runs would go to is deleted (in the
+    store's trash, from the UI): MLflow refuses runs in it, and no new one of that name can be made."""
+    from raysys.config import ConfigError
+
+    if uri.startswith("sqlite:///") and not sqlite_path(uri).is_file():
+        return  # a store to be made: it has no experiment yet (and asking would make it)
+    try:
+        exp = _client(uri).get_experiment_by_name(name)
+    except Exception:  # whether the store answers is check_store's, and a trial's wait's, business
+        return
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise ConfigError(f"the MLflow experiment '{name}' (id {exp.experiment_id}) is deleted (in the trash of "
+                          f"{uri}): restore it with `MLFLOW_TRACKING_URI={uri} mlflow experiments restore "
+                          f"--experiment-id {exp.experiment_id}`, or track to another experiment ({flag}) "
+                          "(nothing was created)")
+
+
 def get_or_create_experiment(uri: str, name: str) -> str:
     client = _client(uri)
     exp = client.get_experiment_by_name(name)
@@ -392,8 +410,33 @@ def run_tags(uri: str, run_id: str) -> Optional[dict[str, str]]:
 
 
 def start_run(uri: str, experiment: str, run_name: str, tags: Optional[Mapping[str, str]] = None,
-              parent_run_id: Optional[str] = None, resume: bool = False) -> str:
-    """Create the MLflow run (or, when resuming, find the one with this name) and return its id."""
+              parent_run_id: Optional[str] = None, resume: bool = False, own: bool = False) -> str:
+    """Create the MLflow run (or, when resuming, find the one with this name) and return its id. ``own``: a
+    command's own run, on a server ``check_store`` just found answering: one that then refuses the run (a
+    read-only or full database answers 503) is a ConfigError in a few seconds, not minutes of MLflow's
+    retries and its urllib3 chain."""
+    if not (own and is_server(uri)):
+        return _start_run(uri, experiment, run_name, tags, parent_run_id, resume)
+    from raysys.config import ConfigError
+
+    was = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "1"
+    try:
+        return _start_run(uri, experiment, run_name, tags, parent_run_id, resume)
+    except Exception as e:
+        raise ConfigError(f"the MLflow tracking server at {uri} answers, but did not take the run "
+                          f"({type(e).__name__}: {_gist(e, 160)}): its database may be read-only or full; fix it "
+                          "or pass another --tracking-uri " + ("(the run is as it was)" if resume else
+                                                               "(no run was created)")) from None
+    finally:
+        if was is None:
+            os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES", None)
+        else:
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = was
+
+
+def _start_run(uri: str, experiment: str, run_name: str, tags: Optional[Mapping[str, str]],
+               parent_run_id: Optional[str], resume: bool) -> str:
     if resume:
         run_id = find_run(uri, experiment, run_name)
         if run_id is not None:
@@ -519,8 +562,9 @@ def _gist(e: BaseException, width: int = 200) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     # SQLAlchemy puts its advice first and the database's own words (a full disk) after it
     line = next((ln for ln in lines if not ln.startswith("(raised as a result of Query-invoked autoflush")), "")
-    if " failed with exception " in line and "Max retries exceeded" in line and "ResponseError" not in line:
-        line = line.split(" failed with exception ")[0] + " failed: no answer"
+    if " failed with exception " in line and "Max retries exceeded" in line:
+        said = re.search(r"ResponseError\('([^']*)'\)", line)  # the server answered: what (too many 503s)
+        line = line.split(" failed with exception ")[0] + f" failed: {said.group(1) if said else 'no answer'}"
     return line if len(line) <= width else line[:width].rsplit(" ", 1)[0] + " …"
 
 
@@ -558,6 +602,7 @@ class MLflowLogger:
         self._step, self._logged_at_step = None, set()
         self._recorded: Optional[dict[str, int]] = None  # each metric's last step in MLflow before this process
         self._latest: dict[str, int] = {}  # each metric's last step this process logged
+        self.failure = ""  # the last call's failure, in a few words: what the run's end says of records left
         if self.buffer is not None:
             quick_failures()
 
@@ -618,7 +663,8 @@ class MLflowLogger:
                 except ArtifactRefused as e:  # must not hold back the metrics and the end behind it
                     self._park(line, e)
                 sent += 1
-        except Exception:
+        except Exception as e:
+            self.failure = f"{type(e).__name__}: {_gist(e, 120)}"
             self._write_rest(lines[sent:])
             return False
         from raysys import storage
@@ -653,6 +699,7 @@ class MLflowLogger:
             self._park(json.dumps(rec, default=str), e)
         except Exception as e:
             reason = _gist(e)
+            self.failure = f"{type(e).__name__}: {_gist(e, 120)}"
             log.warning("tracking call failed (%s%s); buffering in %s", type(e).__name__,
                         f": {reason}" if reason else "", self.buffer)
             self._append(rec, now)

@@ -7,9 +7,10 @@ small watcher process, in a session of its own, that waits on a pipe only the co
 command says "done" once it has closed its runs itself, whatever their end; a pipe that ends without
 it means the command died. The watcher then closes the run, and its children still RUNNING (a
 sweep's trials, a cross-validation's folds), as KILLED, with why in the tag ``raysys.error`` and in
-``events.log`` -- unless a ``--resume`` already holds the run (its lock) or records wait in its
-tracking buffer (the resume sends them and ends the run itself). A store that does not answer then
-(the command died in an outage) is tried again for up to ``$RAYSYS_TRACKING_WAIT_S`` (600 s).
+``events.log`` -- unless a ``--resume`` already holds the run (its lock). Records that wait in the
+run's tracking buffer (the command died in an outage) are sent first, in order. A store that does not
+answer then is tried again for up to ``$RAYSYS_TRACKING_WAIT_S`` (600 s); past it, the run stays
+RUNNING until a ``--resume`` sends them and ends it.
 
 The watcher costs a Python start and then sleeps in ``read``; it imports MLflow only after a death.
 """
@@ -88,10 +89,8 @@ WHY = ("the process ended without closing its run: killed (SIGKILL, out of memor
 
 
 def _close(spec: dict) -> bool:
-    """Close the dead command's run and its RUNNING children KILLED; whether it did."""
-    buffer = spec.get("buffer")
-    if buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
-        return False  # records wait to be sent in order: the run's --resume sends them and ends it
+    """Close the dead command's run and its RUNNING children KILLED, after sending in order what waits in
+    its tracking buffer (the command died in an outage); whether it closed them."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a store that is away: leave it to --resume
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
@@ -117,6 +116,17 @@ def _close(spec: dict) -> bool:
     try:
         if client.get_run(spec["run_id"]).info.status != "RUNNING":
             return False
+        buffer, sent = spec.get("buffer"), 0
+        if buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
+            # records the command could not send: they go first, in order (held by the lock, as a --resume
+            # would send them); a store that refuses them raises, and the wait goes on
+            from raysys.tracking import MLflowLogger
+
+            sent = sum(1 for line in open(buffer) if line.strip())
+            if not MLflowLogger.send_buffer(spec["uri"], spec["run_id"], buffer):
+                raise RuntimeError(f"the records in {buffer} could not be sent")
+            if client.get_run(spec["run_id"]).info.status != "RUNNING":
+                return False  # they held its end
         why = WHY + (f"; resume it with: {spec['resume']}" if spec.get("resume") else "")
         children = client.search_runs([run.info.experiment_id], filter_string=(
             f"tags.`mlflow.parentRunId` = '{spec['run_id']}' and attributes.status = 'RUNNING'"))
@@ -130,7 +140,8 @@ def _close(spec: dict) -> bool:
 
             with open(spec["events"], "a") as f:
                 f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} the run's watcher closed its MLflow run KILLED"
-                        f"{f' (and {len(children)} children)' if children else ''}: {WHY}\n")
+                        f"{f' (and {len(children)} children)' if children else ''}"
+                        f"{f', after sending the {sent} record(s) of its tracking buffer' if sent else ''}: {WHY}\n")
         return True
     finally:
         if fd is not None:

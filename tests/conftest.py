@@ -70,8 +70,9 @@ class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 (sqlite backend, served artifacts) that a test can stop and
     start again on the same port and store, as an outage does."""
 
-    def __init__(self, store: Path, artifacts: Optional[str] = None):
-        self.store, self.port, self.proc = store, free_port(), None
+    def __init__(self, store: Path, artifacts: Optional[str] = None, read_only: bool = False):
+        """``read_only``: its database opened read-only (made first): it answers reads, and 503 to writes."""
+        self.store, self.port, self.proc, self.read_only = store, free_port(), None, read_only
         self.artifacts = artifacts or str(store / "art")  # where it stores artifacts; may change between starts
         store.mkdir(parents=True, exist_ok=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -82,9 +83,15 @@ class MlflowServer:
         import time
         import urllib.request
 
+        backend = f"sqlite:///{self.store / 'm.db'}"
+        if self.read_only:
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(backend).search_experiments()  # the database made, as the server would
+            backend = f"sqlite:///file:{self.store / 'm.db'}?mode=ro&uri=true"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.store / 'm.db'}", "--artifacts-destination", self.artifacts],
+             "--backend-store-uri", backend, "--artifacts-destination", self.artifacts],
             stdout=open(self.store / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 120
         while True:

@@ -204,6 +204,49 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, needle):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "notes.txt"]
 
 
+def test_a_deleted_experiment_is_one_line_and_creates_nothing(tmp_path):
+    """Audit BE F2: an experiment deleted in the UI (in the store's trash) made every new run fail after its
+    folder existed, with MLflow's words and a --resume that could not work; a sweep left a folder."""
+    from raysys import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp = tracking.get_or_create_experiment(uri, "raysys-deep_gpcm")
+    _client(uri).delete_experiment(exp)
+    (tmp_path / "space.yaml").write_text("workload: deep_gpcm\npreset: quick\nspace: {optim.lr: {choice: [0.001, 0.002]}}\n")
+    expected = (f"the MLflow experiment 'raysys-deep_gpcm' (id {exp}) is deleted (in the trash of {uri}): restore it "
+                f"with `MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id {exp}`, or track to "
+                "another experiment")
+    for cmd in (["train", *QUICK], ["train", *QUICK, "--cv", "--set", "data.n_folds=2"]):
+        proc = subprocess.run([sys.executable, "-m", "raysys", *cmd], cwd=tmp_path, env=_env(), capture_output=True,
+                              text=True, timeout=300)
+        _one_line_error(proc, 2, expected, "(--experiment NAME) (nothing was created)")
+    proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "2"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.db.lock", "space.yaml"]  # the store's
+
+
+def test_a_server_that_refuses_writes_is_one_line_in_seconds(tmp_path):
+    """Audit BE F4: a server whose database is read-only answers reads (the start-up check) and 503 to writes:
+    `train` was silent for ~4 minutes of MLflow's retries, then one urllib3 chain, exit 1, and a --resume
+    advice for a run that never existed; a sweep left its folder."""
+    server = MlflowServer(tmp_path / "server", read_only=True).start()
+    try:
+        (tmp_path / "space.yaml").write_text("workload: deep_gpcm\npreset: quick\nspace: {optim.lr: {choice: [0.001, 0.002]}}\n")
+        expected = (f"the MLflow tracking server at {server.url} answers, but did not take the run (MlflowException: "
+                    f"API request to {server.url}/api/2.0/mlflow/experiments/create failed: too many 503 error "
+                    "responses): its database may be read-only or full")
+        proc = _train(tmp_path, *QUICK, "--tracking-uri", server.url, timeout=120)  # a hang guard, not a timing
+        _one_line_error(proc, 2, expected, "(no run was created)")
+        proc = subprocess.run([sys.executable, "-m", "raysys.tune", "--space", "space.yaml", "--num-samples", "2",
+                               "--tracking-uri", server.url], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not list((tmp_path / "raysys_runs").rglob("*-sweep-*"))  # its folder, only just made, is gone
+    finally:
+        server.stop()
+
+
 def test_an_address_of_another_grpc_service_is_one_line_and_creates_nothing(tmp_path):
     """A gRPC server that is not a Ray GCS (another service's port) passed the HTTP/2 check, and ray.init then
     retried it for minutes, silent but for a warning every few seconds."""
@@ -523,8 +566,9 @@ def test_a_watcher_waits_out_a_tracking_outage(tmp_path):
 
 
 def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
-    """The watcher acts only on a death: not after "done", not while a --resume holds the run (its lock),
-    not while records wait in the run's tracking buffer; after one, the run's RUNNING children close too."""
+    """The watcher acts only on a death: not after "done", not while a --resume holds the run (its lock);
+    after one, the run's RUNNING children close too, and records that wait in the run's tracking buffer
+    (the command died in an outage) are sent first (audit BE F1: the run had stayed RUNNING, unsaid)."""
     import fcntl
 
     from raysys import tracking, watcher
@@ -536,7 +580,8 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
     def case(done=False, locked=False, buffered=False) -> tuple[str, str]:
         parent = tracking.start_run(uri, "w", f"p{time.monotonic_ns()}")
         child = tracking.start_run(uri, "w", f"c{time.monotonic_ns()}", parent_run_id=parent)
-        (run_dir / tracking.BUFFER_FILE).write_text('{"kind": "metrics"}\n' if buffered else "")
+        (run_dir / tracking.BUFFER_FILE).write_text('{"kind": "metrics", "data": {"train/loss": 0.5}, "step": 7}\n'
+                                                    if buffered else "")
         held = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT)
         if locked:
             fcntl.flock(held, fcntl.LOCK_EX)
@@ -549,6 +594,7 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
         os.close(held)
         c = _client(uri)
         case.child_tags = c.get_run(child).data.tags
+        case.history = [(m.step, m.value) for m in c.get_metric_history(parent, "train/loss")]
         return c.get_run(parent).info.status, c.get_run(child).info.status
 
     # a resume that comes while a watcher holds the run's lock (its MLflow calls) waits for it, not refused
@@ -574,8 +620,10 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
 
     assert case(done=True) == ("RUNNING", "RUNNING")
     assert case(locked=True) == ("RUNNING", "RUNNING")
-    assert case(buffered=True) == ("RUNNING", "RUNNING")
-    assert case() == ("KILLED", "KILLED")
+    assert case() == ("KILLED", "KILLED") and case.history == []
+    assert case(buffered=True) == ("KILLED", "KILLED") and case.history == [(7, 0.5)]
+    assert not (run_dir / tracking.BUFFER_FILE).exists()
+    assert "after sending the 1 record(s) of its tracking buffer" in (run_dir / "events.log").read_text()
     # the child (a fold, a trial) says why and how to go on too, as its parent does (audit AW F3)
     assert "the process ended without closing its run" in case.child_tags["raysys.error"]
     assert case.child_tags["raysys.error"].endswith("resume it with: resume me")

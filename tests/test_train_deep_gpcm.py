@@ -236,11 +236,16 @@ def test_a_runs_placement_group_is_removed_only_under_a_controller_ray_says_is_d
         def ping(self):
             return 1
 
+    # Ray's cleaner asks the State API of whichever Ray it finds: with another Ray on the machine (another
+    # job's) it finds several and fails instead; pointed at this cluster, it shows what it does with "not found"
+    here = {"env_vars": {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}}
+
     def watched(cleaner_cls, controller_id):
         pg = placement_group([{"CPU": 0.01}])
         ray.get(pg.ready())
-        cleaner = ray.remote(num_cpus=0)(cleaner_cls).remote(controller_actor_id=controller_id, check_interval_s=0.2,
-                                                              get_actor_timeout_s=10, stop_timeout=None)
+        options = {"runtime_env": here} if cleaner_cls is PlacementGroupCleaner else {}
+        cleaner = ray.remote(num_cpus=0)(cleaner_cls).options(**options).remote(
+            controller_actor_id=controller_id, check_interval_s=0.2, get_actor_timeout_s=10, stop_timeout=None)
         ray.get(cleaner.register_placement_group.remote(pg))
         ray.get(cleaner.start_monitoring.remote())
         return pg, cleaner

@@ -39,6 +39,7 @@ def run_cross_validation(wl, cfg: Any, tags: Optional[dict] = None) -> RunResult
         from raysys.train.launcher import _prepare, prepare_of
 
         tracking.check_store(uri)
+        tracking.check_experiment(uri, cfg.launch.experiment or f"raysys-{wl.name}")
         _prepare(prepare_of(wl), cfg)  # (each fold's run prepares it again: made once, then checked)
     claimed = not cfg.launch.resume and not cfg.launch.name
     base = _resumed(wl, cfg.launch) if cfg.launch.resume else cfg.launch.name or _claim_base(wl, cfg.launch)

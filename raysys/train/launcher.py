@@ -270,7 +270,8 @@ class OpenRun:
                         "run ends it", self.name, status, e)
             return
         if not ended:
-            console.Sink().message(f"[raysys] the tracking store did not answer (a server away, a full disk): "
+            why = self.logger.failure or "it did not answer: a server away, a full disk"
+            console.Sink().message(f"[raysys] the tracking store did not take this run's last records ({why}): "
                                    f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
                                    f"{self.logger.buffer.name}; they are sent on --resume of this run: "
                                    f"{_resume_command(self.wl, self.cfg.launch, self.name)}")
@@ -580,6 +581,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
               "own MLflow store unless --tracking-uri moves it", flush=True)
     if parent_run_id is None:
         tracking.check_store(uri)  # a command's own store: bad input, one line before anything
+        tracking.check_experiment(uri, launch.experiment or f"raysys-{wl.name}")
     else:
         tracking.wait_for_store(uri)  # a sweep's trial: its server answered when the sweep began
     if getattr(launch, "workers", 0) > 0 or wl.extra.get("needs_ray", False):
@@ -663,7 +665,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
         run_id = tracking.start_run(uri, experiment, name, tags={"raysys.workload": wl.name, "raysys.kind": "run",
                                                                  "raysys.code": code_checks.code_id(code), **plugin,
                                                                  **(tags or {})},
-                                    parent_run_id=parent_run_id, resume=launch.resume)
+                                    parent_run_id=parent_run_id, resume=launch.resume, own=parent_run_id is None)
         watcher = None
         if parent_run_id is None and not os.environ.get(BENCH_ENV):  # a command's own run (see raysys.watcher)
             from raysys import watcher as watching

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import threading
 import time
@@ -501,6 +502,8 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
         opts.max_concurrent = stored.get("max_concurrent")
     uri = stored["tracking_uri"] if stored else tracking.resolve_tracking_uri(opts.tracking_uri)
     tracking.check_store(uri)
+    tracking.check_experiment(uri, (stored or {}).get("experiment") or sp.base_config().launch.experiment
+                              or f"raysys-{wl.name}", "launch.experiment in the space's fixed:")
     _check_local_cluster(sp, opts)
     if stored and storage.is_remote(opts.storage_path):  # a Ctrl-C kills trials without their leases' release
         storage.settle_leases(storage.Remote(storage.join(opts.storage_path, name, "runs")), "[raysys.tune] --resume")
@@ -522,8 +525,15 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     concurrent = max_concurrent(ray.cluster_resources(), need_cpu, need_gpu, opts.max_concurrent)
 
     name, sweep_dir = _claim_sweep(opts, wl.name, name, sweep_dir, stored)
-    parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored,
-                                     {"raysys.preset": sp.preset, "raysys.command": opts.command[:5000]})
+    try:
+        parent, parent_log = _parent_run(uri, experiment, name, wl.name, stored,
+                                         {"raysys.preset": sp.preset, "raysys.command": opts.command[:5000]})
+    except ConfigError:  # a store that refused the sweep's run: its folder, only just made, holds nothing
+        if not stored:
+            lifecycle.RunLock.release_dir(sweep_dir)
+            _LOCKED.discard(sweep_dir)
+            shutil.rmtree(sweep_dir, ignore_errors=True)
+        raise
     from raysys import watcher as watching
 
     held = lifecycle.RunLock.of(sweep_dir)  # a killed driver's parent and trials are closed KILLED (raysys.watcher)
@@ -725,7 +735,7 @@ def _parent_run(uri: str, experiment: str, name: str, workload: str, stored: Opt
         MlflowClient(tracking_uri=uri).update_run(parent, status="RUNNING")
     else:
         parent = tracking.start_run(uri, experiment, name, tags={"raysys.workload": workload, "raysys.kind": "sweep",
-                                                                 "raysys.sweep": name, **tags})
+                                                                 "raysys.sweep": name, **tags}, own=True)
     return parent, tracking.MLflowLogger(uri, parent)
 
 
