@@ -10,7 +10,9 @@ sweep's trials, a cross-validation's folds), as KILLED, with why in the tag ``ra
 ``events.log`` -- unless a ``--resume`` already holds the run (its lock). Records that wait in the
 run's tracking buffer (the command died in an outage) are sent first, in order. A store that does not
 answer then is tried again for up to ``$RAYSYS_TRACKING_WAIT_S`` (600 s); past it, the run stays
-RUNNING until a ``--resume`` sends them and ends it.
+RUNNING until a ``--resume`` sends them and ends it. A command that ended its run while the store was away
+(its close waits in the buffer) says so ("hand off"): the watcher sends the records, the close among
+them, once the store answers, and says nothing of a death.
 
 The watcher costs a Python start and then sleeps in ``read``; it imports MLflow only after a death.
 """
@@ -25,6 +27,9 @@ from pathlib import Path
 from typing import Optional
 
 DONE = b"d"
+HAND_OFF = b"h"
+"""The command ended, but its run's last records (its close among them) wait in its tracking buffer: the
+watcher sends them once the store answers, and closes nothing itself."""
 
 
 class Watcher:
@@ -35,10 +40,18 @@ class Watcher:
 
     def done(self) -> None:
         """The command closed its runs itself: the watcher leaves them as they are."""
+        self._tell(DONE)
+
+    def hand_off(self) -> None:
+        """The command ended with records (the run's close among them) waiting in its tracking buffer, the
+        store away: the watcher sends them once it answers (a --resume meanwhile takes them over)."""
+        self._tell(HAND_OFF)
+
+    def _tell(self, what: bytes) -> None:
         if self.fd is None:
             return
         try:
-            os.write(self.fd, DONE)
+            os.write(self.fd, what)
         except OSError:
             pass
         os.close(self.fd)
@@ -88,7 +101,7 @@ WHY = ("the process ended without closing its run: killed (SIGKILL, out of memor
        "raylet or GCS died")
 
 
-def _close(spec: dict) -> bool:
+def _close(spec: dict, hand_off: bool = False) -> bool:
     """Close the dead command's run and its RUNNING children KILLED, after sending in order what waits in
     its tracking buffer (the command died in an outage); whether it closed them."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a store that is away: leave it to --resume
@@ -126,7 +139,15 @@ def _close(spec: dict) -> bool:
             if not MLflowLogger.send_buffer(spec["uri"], spec["run_id"], buffer):
                 raise RuntimeError(f"the records in {buffer} could not be sent")
             if client.get_run(spec["run_id"]).info.status != "RUNNING":
+                if hand_off and spec.get("events") and os.path.isdir(os.path.dirname(spec["events"])):
+                    import time
+
+                    with open(spec["events"], "a") as f:
+                        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} the run's watcher sent the {sent} record(s) "
+                                "its command left in the tracking buffer (the store answered again)\n")
                 return False  # they held its end
+        if hand_off:  # the command ended the run itself: nothing of it is a death
+            return False
         why = WHY + (f"; resume it with: {spec['resume']}" if spec.get("resume") else "")
         children = client.search_runs([run.info.experiment_id], filter_string=(
             f"tags.`mlflow.parentRunId` = '{spec['run_id']}' and attributes.status = 'RUNNING'"))
@@ -175,6 +196,10 @@ def main(argv: list[str]) -> int:
         pass
     if DONE in said:
         return 0
+    hand_off = HAND_OFF in said
+    if hand_off and say >= 0:  # the command said it all: its stderr (a `| tee`) is let go of at once
+        os.close(say)
+        say = -1
     import time
 
     # a tracking server that is away (an outage the command died in) is waited for, as a sweep waits
@@ -183,7 +208,7 @@ def main(argv: list[str]) -> int:
     deadline, delay = time.monotonic() + wait_s, 2.0
     while True:
         try:
-            if _close(spec) and say >= 0:
+            if _close(spec, hand_off) and say >= 0:
                 _say(say, spec)
             return 0
         except Exception:  # past the wait: the run stays RUNNING until a --resume

@@ -1042,16 +1042,23 @@ def test_tracking_outage_mid_run_loses_nothing(tmp_path):
         assert run.returncode == 0, err  # training never stopped for tracking
         buffer = tmp_path / "raysys_runs" / "outage" / "tracking-buffer.jsonl"
         assert buffer.is_file() and "records wait in" in out
+        assert "a watcher process sends them once the store answers again" in out
         # said once by raysys, not by urllib3 per failed request or by MLflow per run
         assert "Retrying (Retry(" not in out + err and "View run" not in out + err
         final = json.loads((tmp_path / "raysys_runs" / "outage" / "final_metrics.json").read_text())
 
-        server.start()  # back; resuming the finished run sends what waited
-        again = _train(tmp_path, "deep_gpcm", "--name", "outage", "--resume", "--tracking-uri", server.url)
-        assert again.returncode == 0 and not buffer.exists()
+        server.start()  # back: the command's watcher sends what waited, the run's end with it (audit BE F6: the
+        deadline = time.time() + 300  # run stayed RUNNING, its metrics cut, until someone ran --resume)
+        while buffer.exists():
+            assert time.time() < deadline, "the watcher never sent the buffered records"
+            time.sleep(0.5)
         (r,) = _mlflow_runs(server.url, "raysys-deep_gpcm")
         assert r.info.status == "FINISHED"
         assert sorted(_losses(server.url, r.info.run_id)) == list(range(1, final["step"] + 1))  # every step arrived
+        assert "the run's watcher sent the" in (tmp_path / "raysys_runs" / "outage" / "events.log").read_text()
+        again = _train(tmp_path, "deep_gpcm", "--name", "outage", "--resume", "--tracking-uri", server.url)
+        assert again.returncode == 0 and "nothing left to train" in again.stdout
+        assert _mlflow_runs(server.url, "raysys-deep_gpcm")[0].info.status == "FINISHED"
     finally:
         server.stop()
 

@@ -247,13 +247,15 @@ class OpenRun:
                                local_keys=self.wl.extra.get("local_keys", ()), holder=self.holder, config=self.cfg_dict)
 
     def finish(self, status: str) -> None:
+        waiting = False
         try:
-            self._finish(status)
+            waiting = self._finish(status)
         finally:
-            if self.watcher is not None:
-                self.watcher.done()
+            if self.watcher is not None:  # records left in the buffer: the watcher sends them once the store is back
+                self.watcher.hand_off() if waiting else self.watcher.done()
 
-    def _finish(self, status: str) -> None:
+    def _finish(self, status: str) -> bool:
+        """Close the run; True where its close (and what came before it) waits in the tracking buffer."""
         lifecycle.RunLock.release_dir(self.run_dir)
         if self.cfg.launch.resume and self.snapshot is not None and self.snapshot.is_file():
             try:  # kept: this session trained with it (one that trained nothing removed it in ``tracked``)
@@ -268,17 +270,22 @@ class OpenRun:
         except Exception as e:  # nowhere to keep the close (a full disk): never in place of the run's own error
             log.warning("could not close the MLflow run of %s as %s (%s): it stays RUNNING until a --resume of the "
                         "run ends it", self.name, status, e)
-            return
+            return False
         if not ended:
             why = self.logger.failure or "it did not answer: a server away, a full disk"
+            handed = self.watcher is not None and self.watcher.proc.poll() is None
             console.Sink().message(f"[raysys] the tracking store did not take this run's last records ({why}): "
                                    f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
-                                   f"{self.logger.buffer.name}; they are sent on --resume of this run: "
-                                   f"{_resume_command(self.wl, self.cfg.launch, self.name)}")
+                                   f"{self.logger.buffer.name}; "
+                                   + ("a watcher process sends them once the store answers again (for up to "
+                                      "$RAYSYS_TRACKING_WAIT_S, 600 s), else " if handed else "")
+                                   + f"--resume of this run sends them: {_resume_command(self.wl, self.cfg.launch, self.name)}")
+            return True
         elif self.logger.parked.is_file():
             console.Sink().message(f"[raysys] the tracking server did not store some artifacts of this run; they "
                                    f"wait in {storage.where(self.run_dir)}/{self.logger.parked.name} and are sent on "
                                    f"--resume of this run: {_resume_command(self.wl, self.cfg.launch, self.name)}")
+        return False
 
     def _retire_error_file(self) -> None:
         """A finished run has no error.txt: the traceback of the session that failed before this resume
