@@ -337,8 +337,10 @@ def test_triton_kernels_compile_for_an_h100_without_spills():
     import sys
 
     pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernel is unchecked")
+    # n=1024: a memory of more rows than one warp's registers hold a tile of (audit BC F8: it spilled)
     code = ("import json; from raysys.workloads.deep_gpcm.memory_kernel import compile_for; "
-            "print(json.dumps({k: ['.local' in v, len(v)] for k, v in compile_for(90).items()}))")
+            "print(json.dumps({f'{k} n={n}': ['.local' in v, len(v)] for n in (50, 1024) "
+            "for k, v in compile_for(90, n=n).items()}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

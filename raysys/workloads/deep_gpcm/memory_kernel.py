@@ -148,7 +148,11 @@ def configs(n: int, d: int) -> list[tuple[int, int]]:
     block_n = triton.next_power_of_2(n)
     out = [(bd, nw) for bd in (16, 32, 64, 128) for nw in (1, 2, 4, 8)
            if bd <= max(16, triton.next_power_of_2(d)) and block_n * bd // (32 * nw) in (16, 32)]
-    return out or [(16, 1)]
+    if out:
+        return out
+    # a memory of more than 512 rows: the narrowest tile over more warps (up to 1,024 threads), the fewest
+    # elements a thread holds; one warp would hold 512 and spill them to local memory
+    return [(16, nw) for nw in (16, 32) if block_n * 16 // (32 * nw) in (16, 32)] or [(16, 32)]
 
 
 def compile_for(arch: int = 90, chunk: int = 8, n: int = 50, d: int = 200) -> dict:
