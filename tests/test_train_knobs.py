@@ -82,6 +82,9 @@ def test_cross_validation_runs_each_fold_under_one_parent(workdir, capsys):
     assert parent.data.metrics["cv_std/qwk"] == pytest.approx(statistics.stdev(qwk), abs=1e-9)
     # the held-out fold is each child's; the parent has the fold count instead
     assert "data.fold" not in parent.data.params and parent.data.params["cv.folds"] == "2"
+    # a Description as a run's has (audit BE F8): what it is, how to run it again and resume it
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("deep_gpcm, 2-fold cross-validation, preset `quick`") and "--cv" in note and "--resume" in note
     assert sorted(c.data.params["data.fold"] for c in children) == ["0", "1"]
 
 

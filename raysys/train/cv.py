@@ -78,6 +78,13 @@ def _folds(wl, cfg: Any, tags: Optional[dict], base: str, uri: str, parent: str,
     # the parent stands for every fold: the held-out one is each child's param, k is the parent's
     logger.log_params({key: v for key, v in flatten(to_dict(cfg)).items() if not key.startswith("launch.") and key != fold_key}
                       | {"cv.folds": k})
+    if not cfg.launch.resume and "raysys.command" in (tags or {}):  # the Description a run's parent has, as a run's
+        from raysys.train.launcher import _run_again
+
+        logger.set_note(f"{wl.name}, {k}-fold cross-validation, preset `{tags.get('raysys.preset', 'default')}`: one "
+                        f"child run per fold, their mean and spread here.\n\nRun again: "
+                        f"`{_run_again(tags['raysys.command'])}`\n\nResume if interrupted: "
+                        f"`{_resume_line(wl, cfg, tags, base)}`\n")
     results = []
     try:
         for fold in range(k):
