@@ -50,6 +50,19 @@ def test_recommendation_is_fastest_within_tolerance():
     assert r in pareto_front(pts)
 
 
+def test_a_trial_exactly_the_tolerance_away_is_within_it_whatever_the_float_rounding():
+    """Audit BG F1: 0.2 - 0.02 is 0.18000000000000002, so a trial at 0.18 was left out (and one at 0.78 from 0.8
+    taken): the boundary was decided by rounding. Every decimal pair here is inclusive, in both modes."""
+    for best, tol in [(0.2, 0.02), (0.8, 0.02), (0.1, 0.01), (0.4, 0.05), (0.3, 0.03), (12.7, 0.1), (0.0, 0.0)]:
+        for higher in (True, False):
+            other = round(best - tol if higher else best + tol, 10)
+            pts = [TrialRecord("slow", {}, OK, 10.0, best, higher_is_better=higher),
+                   TrialRecord("fast", {}, OK, 100.0, other, higher_is_better=higher)]
+            assert recommend(pts, tol).trial_id == "fast", (best, tol, higher)
+    pts = [rec("slow", 10.0, 0.2), rec("fast", 100.0, 0.1799)]  # beyond it: out
+    assert recommend(pts, 0.02).trial_id == "slow"
+
+
 def test_recommendation_tie_prefers_quality_then_earlier_trial():
     assert recommend([rec("a", 100, 0.60), rec("b", 100, 0.61)], 0.1).trial_id == "b"
     assert recommend([rec("b", 100, 0.6), rec("a", 100, 0.6)], 0.1).trial_id == "a"

@@ -87,6 +87,29 @@ def test_a_diverged_trial_does_not_set_the_plots_scale_and_prints_readably(tmp_p
     assert fmt_value(1.206e20) == "1.206e+20" and fmt_value(5_540_000.0) == "5,540,000"
 
 
+def test_the_plot_draws_the_attainment_staircase_and_says_where_no_quality_was(tmp_path, monkeypatch):
+    """Audit BG F2: the front's staircase had corners at (faster point's speed, slower point's quality), which
+    no trial reached; F3: an unstable trial that never reported a quality was drawn at an invented one."""
+    import matplotlib.pyplot as plt
+
+    recs = [TrialRecord("a", {}, OK, 100.0, 0.9), TrialRecord("b", {}, OK, 200.0, 0.8),
+            TrialRecord("c", {}, OK, 300.0, 0.6), TrialRecord("d", {}, UNSTABLE, 250.0, None, reason="nan loss")]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    front_ids = {r.trial_id for r in pareto_front(recs)}
+    plot(ordered(recs, front_ids), front_ids, "a", tmp_path / "p.png", "perf/tokens_per_s", "eval/qwk", "t")
+    ax = figures[0].axes[0]
+    from matplotlib.cbook import STEP_LOOKUP_MAP
+
+    (line,) = ax.get_lines()
+    xs, ys = STEP_LOOKUP_MAP[line.get_drawstyle()](*line.get_data())  # the path as matplotlib draws it
+    corners = {(float(x), float(y)) for x, y in zip(xs, ys)} - {(100.0, 0.9), (200.0, 0.8), (300.0, 0.6)}
+    assert corners == {(100.0, 0.8), (200.0, 0.6)}  # each below a slower trial, none beyond what was reached
+    labels = {t.get_text() for t in ax.texts}
+    assert any(t.endswith("(no quality)") for t in labels), labels
+    assert "no quality: drawn at the worse edge" in figures[0].axes[1].texts[0].get_text()
+
+
 def test_every_report_is_kept_on_disk_and_becomes_one_point_per_step(tmp_path):
     """ObjectiveLog appends each report as it arrives (a killed driver loses nothing written before
     it), a resumed trial appends to the same file, and the history MLflow gets has one point per

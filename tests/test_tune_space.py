@@ -206,6 +206,15 @@ def test_stability_rules_and_tracker():
     t.update({"x": 1.0, "train/loss": 0.5, "eval/qwk": 0.4})
     assert UNWATCHED not in t.update({"train/loss": 0.4})
     assert t.update({"done": 1})[UNWATCHED] == "train/los: never reported; this run reports train/loss"
+    # audit BG F4: a non-finite speed at the end (a timing window of no length) replaced the last one measured,
+    # and the trial stayed "ok" yet off the front; it keeps the last finite one, and one never finite is said
+    t = ObjectiveTracker("perf/x_per_s", "eval/q", StabilityRules())
+    t.update({"perf/x_per_s": 10.0, "eval/q": 0.5})
+    out = t.update({"perf/x_per_s": math.nan, "eval/q": 0.6, "done": 1})
+    assert out[UNSTABLE] == 0.0 and out[THROUGHPUT] == 10.0
+    t = ObjectiveTracker("perf/x_per_s", "eval/q", StabilityRules())
+    out = t.update({"perf/x_per_s": math.inf, "eval/q": 0.6, "done": 1})
+    assert out[UNSTABLE] == 1.0 and out[REASON] == "no finite throughput (perf/x_per_s = inf)"
     for bad in ({"eval/mse": {"drop": 1, "mode": "lowest"}}, {"eval/mse": {"mode": "min"}}, {"eval/mse": 0}):
         with pytest.raises(ValueError, match="collapse"):
             StabilityRules.from_dict({"collapse": bad})

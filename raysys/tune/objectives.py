@@ -169,7 +169,9 @@ class ObjectiveTracker:
         out = {k: v for k, v in metrics.items() if k != "done"}  # Tune reserves 'done'
         final = bool(metrics.get("done"))
         if _num(metrics.get(self.throughput_metric)):
-            self.throughput = float(metrics[self.throughput_metric])
+            # a speed that is not finite (a timing window of no length) measures nothing: the last one stands
+            if math.isfinite(metrics[self.throughput_metric]) or self.throughput is None:
+                self.throughput = float(metrics[self.throughput_metric])
         if _num(metrics.get(self.quality_metric)):
             self.quality = float(metrics[self.quality_metric])
         if self.reason is None:
@@ -182,6 +184,8 @@ class ObjectiveTracker:
                 self.reason = f"{' and '.join(missing)} never reported (an objective of the space); {self._reported(missing)}"
             elif not math.isfinite(self.quality):
                 self.reason = f"no finite quality at the end ({self.quality_metric} = {self.quality})"
+            elif not math.isfinite(self.throughput):
+                self.reason = f"no finite throughput ({self.throughput_metric} = {self.throughput})"
         for metric in self.rules.collapse:
             v = metrics.get(metric)
             if _num(v) and math.isfinite(v):

@@ -61,7 +61,10 @@ def recommend(records: Sequence[TrialRecord], tolerance: float) -> Optional[Tria
     if not pool:
         return None
     best = best_of(pool).score
-    within = [r for r in pool if r.score >= best - tolerance]
+    # "within" includes a trial exactly `tolerance` away: 0.2 - 0.02 is 0.18000000000000002 in floats,
+    # which would leave out a trial at 0.18 (and take one at 0.78 from 0.8): a hair of slack decides it
+    slack = 1e-9 * max(1.0, abs(best), tolerance)
+    within = [r for r in pool if r.score >= best - tolerance - slack]
     return max(within, key=lambda r: (r.throughput, r.score, _neg_id(r.trial_id)))
 
 

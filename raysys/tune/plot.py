@@ -57,11 +57,15 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
     def off_scale(r: TrialRecord) -> bool:
         return r.quality is not None and math.isfinite(r.quality) and y(r) != r.quality
 
+    def no_quality(r: TrialRecord) -> bool:
+        return r.quality is None or not math.isfinite(r.quality)
+
     handles = [ax.scatter([r.throughput for r in stable], [r.quality for r in stable], c="#8a96a3", s=30, zorder=2,
-                          label="finished trial")]
-    if front:
+                          label="finished trial")] if stable else []
+    if front:  # the attainment staircase: between two front points the better quality is the slower one's,
+        # so the step down comes at the slower point (corners at (x_i, q_i+1): no corner reads as a trial)
         handles += ax.plot([r.throughput for r in front], [r.quality for r in front], "-o", c="#1f77b4", ms=7,
-                           drawstyle="steps-post", zorder=3, label="Pareto front")
+                           drawstyle="steps-pre", zorder=3, label="Pareto front")
     if shaky:
         handles.append(ax.scatter([r.throughput for r in shaky], [y(r) for r in shaky], marker="x", c="#d62728", s=44, zorder=3,
                                   label="unstable (stopped)"))
@@ -70,7 +74,7 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
         handles.append(ax.scatter([rec.throughput], [rec.quality], s=260, facecolors="none", edgecolors="#2ca02c",
                                   linewidths=2.2, zorder=4, label="recommended"))
     for r in stable + shaky:
-        label = f"{number[r.trial_id]}{' (off scale)' if off_scale(r) else ''}"
+        label = f"{number[r.trial_id]}{' (off scale)' if off_scale(r) else ' (no quality)' if no_quality(r) else ''}"
         ax.annotate(label, (r.throughput, y(r)), textcoords="offset points", xytext=(5, 5), fontsize=8,
                     fontweight="bold" if r.trial_id in front_ids else "normal", zorder=5)
     ax.margins(x=0.12, y=0.15)  # room for the labels and the ring inside the frame
@@ -93,6 +97,8 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
     rows += ["", "* on the front   > recommended", f"speed: {throughput_metric}", f"quality: {quality_metric}"]
     if any(off_scale(r) for r in shaky):
         rows.append("off scale: drawn at the axis edge")
+    if any(no_quality(r) for r in shaky):
+        rows.append("no quality: drawn at the worse edge")
     listing.text(0.0, 1.0, "\n".join(rows), va="top", ha="left", family="monospace", fontsize=8,
                  transform=listing.transAxes)
     fig.savefig(path)
