@@ -87,6 +87,24 @@ def test_a_diverged_trial_does_not_set_the_plots_scale_and_prints_readably(tmp_p
     assert fmt_value(1.206e20) == "1.206e+20" and fmt_value(5_540_000.0) == "5,540,000"
 
 
+def test_a_trials_last_objective_throughput_in_mlflow_is_the_one_the_front_judged(tmp_path):
+    """Audit BG F5: trials of one program are ranked by their program's pooled speed, yet MLflow's
+    objective/throughput (the sweep view's column) kept each trial's own last measurement."""
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from raysys.tune import objectives as obj
+    from raysys.tune.report import log_objective_history
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("raysys-w")).info.run_id
+    df = pd.DataFrame([{"step": s, "training_iteration": i, obj.THROUGHPUT: t, obj.MEASURED_THROUGHPUT: t}
+                       for i, (s, t) in enumerate([(5, 2_000_000.0), (10, 2_034_000.0)], 1)])
+    log_objective_history(client, run, df, throughput=298_900.0)
+    assert [(m.step, m.value) for m in client.get_metric_history(run, obj.THROUGHPUT)] == [(5, 2e6), (10, 298_900.0)]
+    assert client.get_run(run).data.metrics[obj.MEASURED_THROUGHPUT] == 2_034_000.0  # its own, kept beside
+
+
 def test_the_plot_draws_the_attainment_staircase_and_says_where_no_quality_was(tmp_path, monkeypatch):
     """Audit BG F2: the front's staircase had corners at (faster point's speed, slower point's quality), which
     no trial reached; F3: an unstable trial that never reported a quality was drawn at an invented one."""

@@ -206,6 +206,11 @@ def test_stability_rules_and_tracker():
     t.update({"x": 1.0, "train/loss": 0.5, "eval/qwk": 0.4})
     assert UNWATCHED not in t.update({"train/loss": 0.4})
     assert t.update({"done": 1})[UNWATCHED] == "train/los: never reported; this run reports train/loss"
+    # audit BG F1: a drop of exactly the rule's `drop` is allowed, whatever the float rounding (0.2 - 0.02 > 0.18)
+    for best, drop in [(0.2, 0.02), (0.1, 0.01), (0.4, 0.05), (0.9, 0.3)]:
+        t = ObjectiveTracker("x", "eval/qwk", StabilityRules.from_dict({"collapse": {"eval/qwk": drop}}))
+        t.update({"eval/qwk": best})
+        assert t.update({"eval/qwk": round(best - drop, 10)})[UNSTABLE] == 0.0, (best, drop)
     # audit BG F4: a non-finite speed at the end (a timing window of no length) replaced the last one measured,
     # and the trial stayed "ok" yet off the front; it keeps the last finite one, and one never finite is said
     t = ObjectiveTracker("perf/x_per_s", "eval/q", StabilityRules())

@@ -121,9 +121,10 @@ class StabilityRules:
             v = m.get(metric)
             if not (_num(v) and metric in best):
                 continue
-            if metric in lower and v > best[metric] + drop:
+            slack = 1e-9 * max(1.0, abs(best[metric]), drop)  # a change of exactly `drop` is allowed, whatever
+            if metric in lower and v > best[metric] + drop + slack:  # the float rounding (pareto.recommend too)
                 return f"{metric} rose to {v:.4g} from its best (lowest) {best[metric]:.4g} (allowed rise {drop:.4g})"
-            if metric not in lower and v < best[metric] - drop:
+            if metric not in lower and v < best[metric] - drop - slack:
                 return f"{metric} collapsed to {v:.4g} from its best {best[metric]:.4g} (allowed drop {drop:.4g})"
         return None
 

@@ -74,5 +74,5 @@ def best_of(records: Sequence[TrialRecord]) -> TrialRecord:
 
 
 def _neg_id(trial_id: str) -> tuple:
-    # deterministic last tie-break: the earlier trial id wins under max()
+    # deterministic last tie-break: the alphabetically smaller trial id wins under max()
     return tuple(-ord(c) for c in trial_id)

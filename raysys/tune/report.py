@@ -309,7 +309,8 @@ def finalize_children(uri: str, experiment: str, setup, records: Sequence[TrialR
         tags[tracking.NOTE_TAG] = trial_note(r, setup, verdict)
         for k, v in tags.items():
             client.set_tag(run_id, k, v)
-        log_objective_history(client, run_id, histories.get(r.trial_id))
+        log_objective_history(client, run_id, histories.get(r.trial_id),
+                              r.throughput if "measured_throughput" in r.extra else None)
         status = client.get_run(run_id).info.status
         if (end := _end_status(r, status)) != status:
             client.set_terminated(run_id, status=end)
@@ -411,10 +412,12 @@ def trial_note(r: TrialRecord, setup, verdict: Optional[Verdict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def log_objective_history(client, run_id: str, df) -> None:
+def log_objective_history(client, run_id: str, df, throughput: Optional[float] = None) -> None:
     """objective/* of a trial's reports on its run, each (key, step) once: a sweep summarised again
-    (after an interruption, on its resume) adds the steps that are new and keeps the ones logged."""
-    points = _objective_history(df)
+    (after an interruption, on its resume) adds the steps that are new and keeps the ones logged.
+    ``throughput``: the one the front judged it by, where not its own last (a program's members share
+    one measured speed, population.pool_throughput): its last objective/throughput point."""
+    points = _objective_history(df, throughput)
     if not points:
         return
     logged = {(m.key, m.step) for key in {p.key for p in points} for m in client.get_metric_history(run_id, key)}
@@ -423,7 +426,7 @@ def log_objective_history(client, run_id: str, df) -> None:
         client.log_batch(run_id, metrics=points[i:i + 1000])
 
 
-def _objective_history(df) -> list:
+def _objective_history(df, throughput: Optional[float] = None) -> list:
     """objective/* at every report, one value per step (the last report of a step wins; step = the
     run's optimizer step where it has one), rounded to 4 significant digits for the runs table."""
     from mlflow.entities import Metric
@@ -444,6 +447,10 @@ def _objective_history(df) -> list:
             v = row.get(key)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 by_step[(step, key)] = Metric(key, sig(float(v)), ts, step)
+    last = max((k for k in by_step if k[1] == obj.THROUGHPUT), default=None)
+    if last is not None and throughput is not None and math.isfinite(throughput):
+        m = by_step[last]
+        by_step[last] = Metric(m.key, sig(float(throughput)), m.timestamp, m.step)
     return list(by_step.values())
 
 

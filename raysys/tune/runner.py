@@ -578,7 +578,7 @@ def _run_sweep(opts: SweepOptions) -> SweepOutcome:
     trainable = tune.with_resources(winds_down(tune.with_parameters(fn, setup=setup)),
                                     functools.partial(trial_resources, launch))
     print(f"[raysys.tune] sweep '{name}': {wl.name} preset '{sp.preset}', {len(sp.knobs)} knobs, "
-          f"{opts.num_samples} trials{f' (up to {opts.vectorize} per program)' if opts.vectorize > 1 else ''}, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
+          f"{opts.num_samples} trial{'s' * (opts.num_samples != 1)}{f' (up to {opts.vectorize} per program)' if opts.vectorize > 1 else ''}, up to {concurrent} at once ({need_cpu:g} CPU each) -> {storage.where(sweep_dir)}\n"
           + tracking.ui_lines(uri, link, prefix="[raysys.tune]"), flush=True)
     apart = [k for k in sp.knobs if k not in wl.population.member_knobs] if opts.vectorize > 1 else []
     if apart:  # each value of these is a program of its own: K per program only where the others are alike
