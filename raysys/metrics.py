@@ -228,6 +228,10 @@ class Throughput:
         self.total_tokens += tokens
         self.total_time += seconds
 
+    def window_sums(self) -> tuple[int, float]:
+        """(samples, seconds) of the window: a loop of its own (env steps per chunk) takes its rate from them."""
+        return sum(w[1] for w in self.window), sum(w[0] for w in self.window)
+
     def rates(self, world_size: int = 1) -> dict[str, float]:
         t = sum(w[0] for w in self.window) or 1e-9
         return {

@@ -104,6 +104,7 @@ def test_throughput_window():
     t.update(1.0, 30, 300)
     r = t.rates(world_size=2)
     assert r["perf/samples_per_s"] == 60 and r["perf/tokens_per_s"] == 600 and t.total_samples == 70
+    assert t.window_sums() == (60, 2.0)  # what a loop of its own (hackmatrix_ppo's chunks) takes its rate from
 
 
 def test_shard_sampler_partitions_and_resumes():

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from raysys.metrics import Throughput
 from raysys.train import pbt as pbt_rounds
 from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.train.population import Batched, InTurn, population_mode, time_alone
@@ -61,6 +62,7 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
     so_far = [lone.seconds_so_far(s, int(e)) for s, e in zip(sessions, env_steps)]  # as lone's: the whole run's
     t_train, counted_from = np.array([t for t, _ in so_far]), np.array([c for _, c in so_far])
     saved_at = env_steps.copy()
+    speeds = [Throughput(window=lone.SPEED_WINDOW) for _ in cfgs]  # each member's, over its last chunks, as lone's
 
     def save(members):
         for i in members:
@@ -82,7 +84,8 @@ def train_population(cfgs: list, sessions: list) -> list[dict]:
             env_steps[i] += per_chunk
             updates[i] += lead.train.updates_per_chunk
             t_train[i] += seconds
-            m = lone._chunk_metrics(stats, program.rate(per_chunk, seconds), program.compile_s) | \
+            speeds[i].update(seconds, per_chunk, 0)
+            m = lone._chunk_metrics(stats, program.rate(*speeds[i].window_sums()), program.compile_s) | \
                 {lone.TRAIN_SECONDS: float(t_train[i])}
             if m["charts/episodes"]:
                 best[i] = m[lone.BEST] = max(best[i], m["charts/episode_return"])

@@ -15,6 +15,7 @@ from typing import Literal
 
 from raysys import lifecycle
 from raysys.config import ConfigError, at_least, require
+from raysys.metrics import Throughput
 from raysys.train.config import JaxLaunchConfig
 from raysys.train.jax_host import enable_compilation_cache, to_host
 from raysys.workload import Population, Workload
@@ -299,6 +300,11 @@ def seconds_so_far(session, env_steps: int) -> tuple[float, int]:
     return (float(prior), 0) if prior is not None else (0.0, env_steps)
 
 
+SPEED_WINDOW = 10
+"""perf/env_steps_per_s is the rate over the last chunks (at most this many), as a task's loop's is over its
+last steps: a sweep judges a trial by its last report, and one chunk's time is noisy."""
+
+
 def _chunk_metrics(stats: dict, env_steps_per_s: float, compile_s: float) -> dict:
     eps = max(stats["episodes"], 1.0)
     return {
@@ -350,7 +356,7 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
     # the quality is the last chunk's return that finished episodes: a short last chunk may finish none
     recent = session.last_metrics.get("charts/episode_return", float("nan"))
     final: dict = {"perf/compile_s": compile_s}
-    last_dt = None
+    last_dt, speed = None, Throughput(window=SPEED_WINDOW)
     for _ in range(n_chunks):
         t = time.perf_counter()
         with lifecycle.uncut(last_dt):  # one compiled program: a second signal waits for its end (and says so)
@@ -360,7 +366,9 @@ def train(cfg: HackMatrixPPOConfig, session) -> dict:
         t_train += dt
         env_steps += per_chunk
         updates += cfg.train.updates_per_chunk
-        m = _chunk_metrics(stats, per_chunk / dt, compile_s) | {TRAIN_SECONDS: t_train}
+        speed.update(dt, per_chunk, 0)
+        steps_in, seconds_in = speed.window_sums()
+        m = _chunk_metrics(stats, steps_in / seconds_in, compile_s) | {TRAIN_SECONDS: t_train}
         if stats["episodes"]:
             best = m[BEST] = max(best, m["charts/episode_return"])
             recent = m["charts/episode_return"]
