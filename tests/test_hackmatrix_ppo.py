@@ -108,6 +108,21 @@ def test_compilation_cache_skips_compilation_on_a_second_start(tmp_path):
     assert compile_s[1] < 0.5 * compile_s[0], compile_s
 
 
+def test_the_compilation_cache_is_bounded(tmp_path):
+    """Audit BH F3: every program shape a sweep tries added to the cache, and JAX evicts nothing unless given a
+    size: 2 GiB by default, $RAYSYS_JAX_CACHE_MAX_MB otherwise (-1: no bound)."""
+    code = ("import jax, sys; from raysys.train.jax_host import enable_compilation_cache; "
+            "enable_compilation_cache(sys.argv[1]); print(jax.config.jax_compilation_cache_max_size)")
+    sizes = []
+    for limit in (None, "10", "-1"):
+        env = {k: v for k, v in os.environ.items() if k != "RAYSYS_JAX_CACHE_MAX_MB"}
+        env |= {"RAYSYS_JAX_CACHE_MAX_MB": limit} if limit else {}
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True,
+                             text=True, timeout=120, check=True)
+        sizes.append(int(out.stdout.split()[-1]))
+    assert sizes == [2048 * 2**20, 10 * 2**20, -1]
+
+
 FOUR_DEVICES = textwrap.dedent("""
     import dataclasses, jax, numpy as np
     from raysys.workloads.hackmatrix_ppo import ppo

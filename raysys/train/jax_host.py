@@ -16,6 +16,10 @@ def enable_compilation_cache(path: str) -> None:
     # cache every program, however fast it compiled (the defaults skip sub-second compiles)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # every program shape a sweep tries adds entries, and JAX evicts none unless bounded: the least recently
+    # used go past $RAYSYS_JAX_CACHE_MAX_MB (2 GiB; -1: no bound)
+    limit = int(os.environ.get("RAYSYS_JAX_CACHE_MAX_MB", "2048"))
+    jax.config.update("jax_compilation_cache_max_size", limit * 2**20 if limit >= 0 else -1)
 
 
 def wait(tree):

@@ -73,15 +73,21 @@ def _curves_population(cfgs, goals):
 
 
 def run_bench(quick: bool = False) -> dict:
+    import tempfile
+
+    # a fresh compilation cache, as a first sweep has: the first lone program compiles, the other
+    # settings (same shapes; hyper-parameters and seeds are arguments) load it, as separate trials do;
+    # removed when the bench ends
+    with tempfile.TemporaryDirectory(prefix="raysys-ad-source-bench-") as cache:
+        return _run_bench(quick, cache)
+
+
+def _run_bench(quick: bool, cache: str) -> dict:
     from raysys.workloads.ad_transformer.source_workload import _final, _setup, _steps_per_update, learn
     from raysys.workloads.ad_transformer.source_workload import quick as quick_preset
 
-    import tempfile
-
     base = quick_preset() if quick else learn()
-    # a fresh compilation cache, as a first sweep has: the first lone program compiles, the other
-    # settings (same shapes; hyper-parameters and seeds are arguments) load it, as separate trials do
-    base.train.compilation_cache_dir = tempfile.mkdtemp(prefix="raysys-ad-source-bench-")
+    base.train.compilation_cache_dir = cache
     _setup(base)
     import numpy as np
 
