@@ -188,8 +188,9 @@ PRESETS = {"default": default, "original": original, "small": small, "learn": le
 
 # ---- the task ---------------------------------------------------------------------------------------
 
-# Scripts written without spaces between words: each character is a word (as ROUGE for Chinese counts them)
-_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
+# Scripts written without spaces between words (Chinese, Japanese): each character is a word, as ROUGE for
+# them counts; Korean puts spaces between words, so its words stay whole
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _WORD = re.compile(f"[{_CJK}]|[^\\W_{_CJK}]+")
 
 
