@@ -425,7 +425,8 @@ def start_run(uri: str, experiment: str, run_name: str, tags: Optional[Mapping[s
         return _start_run(uri, experiment, run_name, tags, parent_run_id, resume)
     except Exception as e:
         raise ConfigError(f"the MLflow tracking server at {uri} answers, but did not take the run "
-                          f"({type(e).__name__}: {_gist(e, 160)}): its database may be read-only or full; fix it "
+                          f"({type(e).__name__}: {_gist(e, 160)}): its database may be read-only or full, or it may refuse this "
+                          "client's writes; fix it "
                           "or pass another --tracking-uri " + ("(the run is as it was)" if resume else
                                                                "(no run was created)")) from None
     finally:
@@ -690,7 +691,7 @@ class MLflowLogger:
             waiting = self.pending
             if now < self._retry_at or not self._back() or not self.flush():
                 return self._append(rec, now)
-            self._backoff = 30.0
+            self._backoff, self.failure = 30.0, ""
             if waiting:
                 log.warning("tracking store answers again: the %d records buffered meanwhile are sent", waiting)
         try:

@@ -59,15 +59,17 @@ class Watcher:
 
 
 def watch(uri: str, run_id: str, run_dir: Optional[Path] = None, lock: Optional[Path] = None,
-          resume: str = "") -> Optional[Watcher]:
+          resume: str = "", remote: bool = False) -> Optional[Watcher]:
     """Start the watcher of MLflow run ``run_id`` (and its children) in store ``uri``. ``run_dir``: where
     its ``events.log`` and tracking buffer are; ``lock``: the lock file a resume of it holds; ``resume``:
-    the command that continues it. None where no process can be started (the run is then as before)."""
+    the command that continues it; ``remote``: the run lives on remote storage, ``run_dir`` being the
+    command's copy (its buffer is the storage's to keep: a --resume sends it). None where no process can be started (the run is then as before)."""
     from raysys.tracking import BUFFER_FILE
 
     spec = {"uri": uri, "run_id": run_id, "resume": resume,
             "events": str(Path(run_dir) / "events.log") if run_dir else None,
-            "buffer": str(Path(run_dir) / BUFFER_FILE) if run_dir else None, "lock": str(lock) if lock else None}
+            "buffer": str(Path(run_dir) / BUFFER_FILE) if run_dir else None, "lock": str(lock) if lock else None,
+            "remote": remote}
     here = str(Path(__file__).resolve().parents[1])  # this raysys, wherever the command found it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     r, w = os.pipe()  # not inheritable: no process this command starts holds the pipe open after it
@@ -130,6 +132,8 @@ def _close(spec: dict, hand_off: bool = False) -> bool:
         if client.get_run(spec["run_id"]).info.status != "RUNNING":
             return False
         buffer, sent = spec.get("buffer"), 0
+        if spec.get("remote") and buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
+            return False  # a remote run's buffer is also on its storage: sent here, it would be sent again there
         if buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
             # records the command could not send: they go first, in order (held by the lock, as a --resume
             # would send them); a store that refuses them raises, and the wait goes on

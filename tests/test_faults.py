@@ -577,7 +577,7 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
 
-    def case(done=False, locked=False, buffered=False) -> tuple[str, str]:
+    def case(done=False, locked=False, buffered=False, remote=False) -> tuple[str, str]:
         parent = tracking.start_run(uri, "w", f"p{time.monotonic_ns()}")
         child = tracking.start_run(uri, "w", f"c{time.monotonic_ns()}", parent_run_id=parent)
         (run_dir / tracking.BUFFER_FILE).write_text('{"kind": "metrics", "data": {"train/loss": 0.5}, "step": 7}\n'
@@ -585,7 +585,7 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
         held = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT)
         if locked:
             fcntl.flock(held, fcntl.LOCK_EX)
-        w = watcher.watch(uri, parent, run_dir, run_dir / "lock", "resume me")
+        w = watcher.watch(uri, parent, run_dir, run_dir / "lock", "resume me", remote=remote)
         if done:
             w.done()
         else:
@@ -621,6 +621,8 @@ def test_a_watcher_leaves_alone_what_is_not_its_to_close(tmp_path):
     assert case(done=True) == ("RUNNING", "RUNNING")
     assert case(locked=True) == ("RUNNING", "RUNNING")
     assert case() == ("KILLED", "KILLED") and case.history == []
+    # a run on remote storage: its buffer is also on the storage, which a --resume sends (audit BI F4)
+    assert case(buffered=True, remote=True) == ("RUNNING", "RUNNING") and case.history == []
     assert case(buffered=True) == ("KILLED", "KILLED") and case.history == [(7, 0.5)]
     assert not (run_dir / tracking.BUFFER_FILE).exists()
     assert "after sending the 1 record(s) of its tracking buffer" in (run_dir / "events.log").read_text()

@@ -186,6 +186,12 @@ def test_the_shape_check_waits_for_the_members_that_tell_the_knob_and_reads_any_
     assert msg.startswith("members of one program have states of different shapes: model.width (8, 16) differs "
                           "between them: remove it from Population.member_knobs"), msg
     assert "opt.lr" not in msg
+    # audit BI F2: a mismatch that waits is said once every member has saved, wherever the last one saved
+    shapes = SameShapes(cfgs[:3], ("opt.lr", "model.width"))
+    shapes.saw(0, state(8), 10)
+    shapes.saw(1, state(16), 10)
+    with pytest.raises(ConfigError, match=r"one of opt.lr \(0.1, 0.2\), model.width \(8, 16\) differs between them"):
+        shapes.saw(2, state(8), 20)
 
 
 def test_a_member_knob_that_is_no_config_key_is_a_config_error_before_anything(workdir, capsys):

@@ -54,6 +54,7 @@ def test_rouge_scores_every_script_and_english_as_rouge_score_does():
     assert ours.tokenize("Η Αθήνα έχει 25 βαθμούς") == ["η", "αθήνα", "έχει", "25", "βαθμούς"]
     assert ours.tokenize("東京は晴れ") == ["東", "京", "は", "晴", "れ"]
     assert ours.tokenize("서울의 날씨는 맑음") == ["서울의", "날씨는", "맑음"]  # Korean spaces its words
+    assert ours.tokenize("हिंदी भाषा") == ["हिंदी", "भाषा"]  # vowel signs (combining marks) stay in their words
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2"], tokenizer=ours)
     for same in ("Η θερμοκρασία στην Αθήνα", "Погода в Москве хорошая", "東京の天気は晴れです"):
         assert scorer.score(same, same)["rouge2"].fmeasure == 1.0, same

@@ -119,6 +119,8 @@ def test_other_space_errors():
         spaces.from_dict(_space(knobs={}))
     with pytest.raises(ConfigError, match="stability"):
         spaces.from_dict(_space(stability={"bounds": {"train/loss": {"ceiling": 3}}}))
+    with pytest.raises(ConfigError, match=r"^s.yaml: stability.bounds: 1 is not a metric name"):
+        spaces.from_dict(_space(stability={"bounds": {1: {"max": 3}}}), "s.yaml")
     with pytest.raises(ConfigError, match=r"^s.yaml: stability.collapse: deep_gpcm never reports train/los: did you mean train/loss\?$"):
         spaces.from_dict(_space(stability={"collapse": {"train/los": 0.5}}), "s.yaml")
     with pytest.raises(ConfigError, match="not found"):

@@ -252,7 +252,8 @@ class OpenRun:
             waiting = self._finish(status)
         finally:
             if self.watcher is not None:  # records left in the buffer: the watcher sends them once the store is back
-                self.watcher.hand_off() if waiting else self.watcher.done()
+                handed = waiting and storage.remote_of(self.run_dir) is None
+                self.watcher.hand_off() if handed else self.watcher.done()
 
     def _finish(self, status: str) -> bool:
         """Close the run; True where its close (and what came before it) waits in the tracking buffer."""
@@ -273,12 +274,15 @@ class OpenRun:
             return False
         if not ended:
             why = self.logger.failure or "it did not answer: a server away, a full disk"
-            handed = self.watcher is not None and self.watcher.proc.poll() is None
+            # a run on remote storage keeps its buffer there (this folder is a copy the command removes): a
+            # --resume sends it; a local one the watcher can send
+            handed = (self.watcher is not None and self.watcher.proc.poll() is None
+                      and storage.remote_of(self.run_dir) is None)
             console.Sink().message(f"[raysys] the tracking store did not take this run's last records ({why}): "
                                    f"{self.logger.pending} records wait in {storage.where(self.run_dir)}/"
                                    f"{self.logger.buffer.name}; "
-                                   + ("a watcher process sends them once the store answers again (for up to "
-                                      "$RAYSYS_TRACKING_WAIT_S, 600 s), else " if handed else "")
+                                   + ("a watcher process sends them once the store answers again (it keeps "
+                                      "trying for a while), else " if handed else "")
                                    + f"--resume of this run sends them: {_resume_command(self.wl, self.cfg.launch, self.name)}")
             return True
         elif self.logger.parked.is_file():
@@ -679,7 +683,7 @@ def open_run(wl: registry.Workload, cfg: Any, prepare=None, parent_run_id: Optio
 
             held = lifecycle.RunLock.of(run_dir)
             watcher = watching.watch(uri, run_id, run_dir, held.path if held else None,
-                                     _resume_command(wl, launch, name))
+                                     _resume_command(wl, launch, name), remote=storage.remote_of(run_dir) is not None)
     except BaseException:
         if created:  # nothing of this run exists elsewhere yet: do not let a half-made folder block the name
             lifecycle.RunLock.release_dir(run_dir)

@@ -51,6 +51,7 @@ class SameShapes:
     def __init__(self, cfgs: list, member_knobs: Sequence[str]):
         self.cfgs, self.knobs = list(cfgs), tuple(member_knobs)
         self.first: dict[int, tuple[int, dict]] = {}  # member -> (step, leaf shapes)
+        self.waiting: set[int] = set()  # steps whose members' shapes differ, the knob at fault not yet told
 
     @contextlib.contextmanager
     def active(self):
@@ -64,11 +65,17 @@ class SameShapes:
         if i in self.first:
             return
         self.first[i] = (step, leaf_shapes(state))
-        peers = [j for j, (at, _) in self.first.items() if at == step]
-        sigs, cfgs = [self.first[j][1] for j in peers], [self.cfgs[j] for j in peers]
-        if len(peers) < len(self.cfgs) and len(_knobs_at_fault(sigs, cfgs, self.knobs)) > 1:
-            return  # several knobs split the members saved so far as their shapes do: the others tell which
-        check_signatures(sigs, cfgs, self.knobs)
+        # a mismatch that several knobs explain waits for members still to come (they tell which knob follows
+        # the shapes); once every member has saved, it is said whatever they told
+        for at in sorted({step} | {a for a in self.waiting}):
+            peers = [j for j, (a, _) in self.first.items() if a == at]
+            sigs, cfgs = [self.first[j][1] for j in peers], [self.cfgs[j] for j in peers]
+            if len(self.first) < len(self.cfgs) and len(_knobs_at_fault(sigs, cfgs, self.knobs)) > 1 \
+                    and any(s != sigs[0] for s in sigs):
+                self.waiting.add(at)
+                continue
+            self.waiting.discard(at)
+            check_signatures(sigs, cfgs, self.knobs)
 
 
 def leaf_shapes(state: Any) -> dict[str, tuple]:

@@ -250,6 +250,8 @@ def _check_metric_names(source: str, wl: Any, objectives: Mapping[str, Any], sta
     named += [(f"stability.{section}", metric) for section in ("bounds", "collapse")
               for metric in (stability.get(section) or {})]
     for where, metric in named:
+        if not isinstance(metric, str):  # a YAML key such as 1: or true:
+            raise ConfigError(f"{source}: {where}: {metric!r} is not a metric name (e.g. train/loss)")
         if not metric.startswith("eval/") and metric not in TASK_LOOP_METRICS:
             import difflib
 
