@@ -8,7 +8,6 @@ checkpoints and restores through the :class:`Session`, and never imports Ray or 
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from typing import Any, Mapping, Optional
 

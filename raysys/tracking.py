@@ -393,14 +393,6 @@ def find_run(uri: str, experiment: str, run_name: str) -> Optional[str]:
     return runs[0].info.run_id if runs else None
 
 
-def run_tag(uri: str, run_id: str, key: str) -> Optional[str]:
-    """A tag of a run, or None (not set, or the store did not answer)."""
-    try:
-        return _client(uri).get_run(run_id).data.tags.get(key)
-    except Exception:
-        return None
-
-
 def run_tags(uri: str, run_id: str) -> Optional[dict[str, str]]:
     """A run's tags, or None where the store did not answer."""
     try:

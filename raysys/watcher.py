@@ -132,23 +132,21 @@ def _close(spec: dict, hand_off: bool = False) -> bool:
         if client.get_run(spec["run_id"]).info.status != "RUNNING":
             return False
         buffer, sent = spec.get("buffer"), 0
-        if spec.get("remote") and buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
-            return False  # a remote run's buffer is also on its storage: sent here, it would be sent again there
         if buffer and os.path.isfile(buffer) and os.path.getsize(buffer):
+            if spec.get("remote"):  # a remote run's buffer is also on its storage: sent here, a --resume
+                return False        # would send it again
             # records the command could not send: they go first, in order (held by the lock, as a --resume
             # would send them); a store that refuses them raises, and the wait goes on
             from raysys.tracking import MLflowLogger
 
-            sent = sum(1 for line in open(buffer) if line.strip())
+            with open(buffer) as f:
+                sent = sum(1 for line in f if line.strip())
             if not MLflowLogger.send_buffer(spec["uri"], spec["run_id"], buffer):
                 raise RuntimeError(f"the records in {buffer} could not be sent")
             if client.get_run(spec["run_id"]).info.status != "RUNNING":
-                if hand_off and spec.get("events") and os.path.isdir(os.path.dirname(spec["events"])):
-                    import time
-
-                    with open(spec["events"], "a") as f:
-                        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} the run's watcher sent the {sent} record(s) "
-                                "its command left in the tracking buffer (the store answered again)\n")
+                if hand_off:
+                    _event(spec, f"the run's watcher sent the {sent} record(s) its command left in the tracking "
+                                 "buffer (the store answered again)")
                 return False  # they held its end
         if hand_off:  # the command ended the run itself: nothing of it is a death
             return False
@@ -160,17 +158,22 @@ def _close(spec: dict, hand_off: bool = False) -> bool:
             client.set_terminated(child.info.run_id, "KILLED")
         client.set_tag(spec["run_id"], "raysys.error", why[:5000])
         client.set_terminated(spec["run_id"], "KILLED")
-        if spec.get("events") and os.path.isdir(os.path.dirname(spec["events"])):
-            import time
-
-            with open(spec["events"], "a") as f:
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} the run's watcher closed its MLflow run KILLED"
-                        f"{f' (and {len(children)} children)' if children else ''}"
-                        f"{f', after sending the {sent} record(s) of its tracking buffer' if sent else ''}: {WHY}\n")
+        _event(spec, f"the run's watcher closed its MLflow run KILLED"
+                     f"{f' (and {len(children)} children)' if children else ''}"
+                     f"{f', after sending the {sent} record(s) of its tracking buffer' if sent else ''}: {WHY}")
         return True
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _event(spec: dict, text: str) -> None:
+    """One line in the run's events.log, where it has one."""
+    if spec.get("events") and os.path.isdir(os.path.dirname(spec["events"])):
+        import time
+
+        with open(spec["events"], "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {text}\n")
 
 
 def _say(fd: int, spec: dict, closed: bool = True) -> None:

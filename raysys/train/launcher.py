@@ -247,16 +247,16 @@ class OpenRun:
                                local_keys=self.wl.extra.get("local_keys", ()), holder=self.holder, config=self.cfg_dict)
 
     def finish(self, status: str) -> None:
-        waiting = False
+        handed = False
         try:
-            waiting = self._finish(status)
+            handed = self._finish(status)
         finally:
             if self.watcher is not None:  # records left in the buffer: the watcher sends them once the store is back
-                handed = waiting and storage.remote_of(self.run_dir) is None
                 self.watcher.hand_off() if handed else self.watcher.done()
 
     def _finish(self, status: str) -> bool:
-        """Close the run; True where its close (and what came before it) waits in the tracking buffer."""
+        """Close the run; True where its close (and what came before it) waits in the tracking buffer, for the
+        watcher to send."""
         lifecycle.RunLock.release_dir(self.run_dir)
         if self.cfg.launch.resume and self.snapshot is not None and self.snapshot.is_file():
             try:  # kept: this session trained with it (one that trained nothing removed it in ``tracked``)
@@ -284,7 +284,7 @@ class OpenRun:
                                    + ("a watcher process sends them once the store answers again (it keeps "
                                       "trying for a while), else " if handed else "")
                                    + f"--resume of this run sends them: {_resume_command(self.wl, self.cfg.launch, self.name)}")
-            return True
+            return handed
         elif self.logger.parked.is_file():
             console.Sink().message(f"[raysys] the tracking server did not store some artifacts of this run; they "
                                    f"wait in {storage.where(self.run_dir)}/{self.logger.parked.name} and are sent on "

@@ -67,11 +67,11 @@ class SameShapes:
         self.first[i] = (step, leaf_shapes(state))
         # a mismatch that several knobs explain waits for members still to come (they tell which knob follows
         # the shapes); once every member has saved, it is said whatever they told
-        for at in sorted({step} | {a for a in self.waiting}):
+        for at in sorted({step} | self.waiting):
             peers = [j for j, (a, _) in self.first.items() if a == at]
             sigs, cfgs = [self.first[j][1] for j in peers], [self.cfgs[j] for j in peers]
-            if len(self.first) < len(self.cfgs) and len(_knobs_at_fault(sigs, cfgs, self.knobs)) > 1 \
-                    and any(s != sigs[0] for s in sigs):
+            if (len(self.first) < len(self.cfgs) and any(s != sigs[0] for s in sigs)
+                    and len(_knobs_at_fault(sigs, cfgs, self.knobs)) > 1):
                 self.waiting.add(at)
                 continue
             self.waiting.discard(at)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from raysys.metrics import is_loss
+from raysys.tune.pareto import rounding
 
 THROUGHPUT = "objective/throughput"
 QUALITY = "objective/quality"
@@ -121,8 +122,8 @@ class StabilityRules:
             v = m.get(metric)
             if not (_num(v) and metric in best):
                 continue
-            slack = 1e-9 * max(1.0, abs(best[metric]), drop)  # a change of exactly `drop` is allowed, whatever
-            if metric in lower and v > best[metric] + drop + slack:  # the float rounding (pareto.recommend too)
+            slack = rounding(best[metric], drop)  # a change of exactly `drop` is allowed
+            if metric in lower and v > best[metric] + drop + slack:
                 return f"{metric} rose to {v:.4g} from its best (lowest) {best[metric]:.4g} (allowed rise {drop:.4g})"
             if metric not in lower and v < best[metric] - drop - slack:
                 return f"{metric} collapsed to {v:.4g} from its best {best[metric]:.4g} (allowed drop {drop:.4g})"

@@ -61,11 +61,14 @@ def recommend(records: Sequence[TrialRecord], tolerance: float) -> Optional[Tria
     if not pool:
         return None
     best = best_of(pool).score
-    # "within" includes a trial exactly `tolerance` away: 0.2 - 0.02 is 0.18000000000000002 in floats,
-    # which would leave out a trial at 0.18 (and take one at 0.78 from 0.8): a hair of slack decides it
-    slack = 1e-9 * max(1.0, abs(best), tolerance)
-    within = [r for r in pool if r.score >= best - tolerance - slack]
+    within = [r for r in pool if r.score >= best - tolerance - rounding(best, tolerance)]
     return max(within, key=lambda r: (r.throughput, r.score, _neg_id(r.trial_id)))
+
+
+def rounding(value: float, tolerance: float) -> float:
+    """The slack that makes a difference of exactly ``tolerance`` from ``value`` count as within it: 0.2 - 0.02
+    is 0.18000000000000002 in floats, which would leave out a trial at 0.18 (and take one at 0.78 from 0.8)."""
+    return 1e-9 * max(1.0, abs(value), tolerance)
 
 
 def best_of(records: Sequence[TrialRecord]) -> TrialRecord:

@@ -31,6 +31,7 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
 
     matplotlib.use("Agg")  # files only; no display on servers
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig = plt.figure(figsize=(11.5, 5.2), dpi=110)
     ax = fig.add_axes((0.08, 0.2, 0.54, 0.72))
@@ -78,8 +79,6 @@ def plot(records: Sequence[TrialRecord], front_ids: set[str], recommended: Optio
         ax.annotate(label, (r.throughput, y(r)), textcoords="offset points", xytext=(5, 5), fontsize=8,
                     fontweight="bold" if r.trial_id in front_ids else "normal", zorder=5)
     ax.margins(x=0.12, y=0.15)  # room for the labels and the ring inside the frame
-    from matplotlib.ticker import FuncFormatter
-
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_value(v)))  # 1,200,000: not 1.2 and a "1e6" aside
     ax.set_xlabel(axis_label(throughput_metric, "faster"), fontsize=9)
     ax.set_ylabel(axis_label(quality_metric, "better", higher=not lower), fontsize=9)

@@ -252,9 +252,9 @@ class DeepGPCMTask:
         worker = d.base_dir is not None and _in_ray_worker()
         if not worker:  # path and data_dir stay as written: the config snapshot names no folder of this machine
             d.base_dir = str(Path.cwd())
+        # read afresh (a file may have changed since), once: a user's file fails now, with the column named
+        seqs = self._read(cfg)
         if d.path:
-            seqs = data.load_sequences(_data_source(cfg), _read_options(d))  # fail now, with the column named
-            self._cache = (_data_key(cfg), seqs)  # read afresh (the file may have changed since), once
             for note in seqs.notes:
                 line = f"[deep_gpcm] {_data_source(cfg).name}: {note}"
                 if line not in _SAID:  # prepared again in this process (the loop's own prepare): said once
@@ -267,21 +267,22 @@ class DeepGPCMTask:
                                  f"driver read (digest {d.digest}): every node needs the same data")
             d.digest = digest
         else:  # the generator settings (in the checkpoint) say what the data is
-            self._cache = (_data_key(cfg), data.synthetic_sequences(_data_source(cfg), _read_options(d),
-                                                                    **_generator(d)))
             d.digest = None
         return cfg
 
-    def _data(self, cfg: DeepGPCMConfig):
+    def _read(self, cfg: DeepGPCMConfig):
+        """The user's sequences, or synthetic_OC made with the config's settings; cached by what was read."""
         from raysys.workloads.deep_gpcm import data
 
+        d = cfg.data
+        seqs = (data.load_sequences(_data_source(cfg), _read_options(d)) if d.path else
+                data.synthetic_sequences(_data_source(cfg), _read_options(d), **_generator(d)))
+        self._cache = (_data_key(cfg), seqs)
+        return seqs
+
+    def _data(self, cfg: DeepGPCMConfig):
         cache = getattr(self, "_cache", None)
-        key = _data_key(cfg)
-        if cache is None or cache[0] != key:
-            d = cfg.data
-            self._cache = (key, data.load_sequences(*key[:2]) if d.path else
-                           data.synthetic_sequences(_data_source(cfg), _read_options(d), **_generator(d)))
-        return self._cache[1]
+        return cache[1] if cache is not None and cache[0] == _data_key(cfg) else self._read(cfg)
 
     def datasets(self, cfg: DeepGPCMConfig):
         from raysys.workloads.deep_gpcm import data

@@ -81,6 +81,45 @@ def guess_entities(note: str, summary: str) -> list[str]:
     return sorted(w for w in words if any(ch.isdigit() for ch in w) and w in note)
 
 
+# ---- the words ROUGE counts ----------------------------------------------------------------------------
+
+# Scripts written without spaces between words (Chinese, Japanese): each character is a word, as ROUGE for
+# them counts; Korean puts spaces between words, so its words stay whole
+_CJK = ((0x3040, 0x30FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF))
+
+
+class RougeTokenizer:
+    """rouge_score's own tokenizer on English (lower case; runs of a-z and 0-9; Porter stems of words of more
+    than 3 characters), for the world's scripts: rouge_score's keeps a-z and 0-9 only, so Greek, Cyrillic or
+    Chinese summaries had no words and scored 0 however good they were. A word is a run of letters and digits
+    with their combining marks (Devanagari's vowel signs, accents written apart); Chinese and Japanese count
+    by character. On ASCII text it gives rouge_score's tokens."""
+
+    def __init__(self, use_stemmer: bool = True):
+        from nltk.stem import porter
+
+        self.stemmer = porter.PorterStemmer() if use_stemmer else None
+
+    def tokenize(self, text: str) -> list[str]:
+        import unicodedata
+
+        words, word = [], []
+        for ch in text.lower():
+            if any(lo <= ord(ch) <= hi for lo, hi in _CJK):
+                words += ["".join(word), ch] if word else [ch]
+                word = []
+            elif ch.isalnum() or (word and unicodedata.category(ch).startswith("M")):
+                word.append(ch)
+            elif word:
+                words.append("".join(word))
+                word = []
+        if word:
+            words.append("".join(word))
+        if self.stemmer is None:
+            return words
+        return [self.stemmer.stem(w) if len(w) > 3 and w.isascii() else w for w in words]
+
+
 # ---- preparing ----------------------------------------------------------------------------------------
 
 def prepare(cfg: Any) -> Path:
@@ -218,9 +257,7 @@ def _write_split(rows: list[dict], sp, path: Path, max_src: int, max_tgt: int) -
                       "entities": pa.array([r.get("entities", []) for r in rows], pa.list_(pa.string()))})
     pq.write_table(table, path)
     lens = [len(s) for s in src]
-    from raysys.workloads.pointer_generator.workload import RougeTokenizer  # the words ROUGE counts
-
-    words = RougeTokenizer(use_stemmer=False)
+    words = RougeTokenizer(use_stemmer=False)  # the words ROUGE counts
     return {"rows": len(rows), "truncated_src": cut_src, "truncated_tgt": cut_tgt,
             "one_word_summaries": sum(len(words.tokenize(r["summary"])) < 2 for r in rows),
             "mean_src_len": float(np.mean(lens)), "mean_tgt_len": float(np.mean([len(t) for t in tgt]))}

@@ -19,6 +19,7 @@ import torch
 
 from raysys.config import at_least, require
 from raysys.train.config import LaunchConfig, LoaderConfig, OptimConfig, TrainConfig
+from raysys.workloads.pointer_generator.data import RougeTokenizer
 from raysys.workload import Workload
 
 
@@ -187,43 +188,6 @@ PRESETS = {"default": default, "original": original, "small": small, "learn": le
 
 
 # ---- the task ---------------------------------------------------------------------------------------
-
-# Scripts written without spaces between words (Chinese, Japanese): each character is a word, as ROUGE for
-# them counts; Korean puts spaces between words, so its words stay whole
-_CJK = ((0x3040, 0x30FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF))
-
-
-class RougeTokenizer:
-    """rouge_score's own tokenizer on English (lower case; runs of a-z and 0-9; Porter stems of words of more
-    than 3 characters), for the world's scripts: rouge_score's keeps a-z and 0-9 only, so Greek, Cyrillic or
-    Chinese summaries had no words and scored 0 however good they were. A word is a run of letters and digits
-    with their combining marks (Devanagari's vowel signs, accents written apart); Chinese and Japanese count
-    by character. On ASCII text it gives rouge_score's tokens."""
-
-    def __init__(self, use_stemmer: bool = True):
-        from nltk.stem import porter
-
-        self.stemmer = porter.PorterStemmer() if use_stemmer else None
-
-    def tokenize(self, text: str) -> list[str]:
-        import unicodedata
-
-        words, word = [], []
-        for ch in text.lower():
-            if any(lo <= ord(ch) <= hi for lo, hi in _CJK):
-                words += ["".join(word), ch] if word else [ch]
-                word = []
-            elif ch.isalnum() or (word and unicodedata.category(ch).startswith("M")):
-                word.append(ch)
-            elif word:
-                words.append("".join(word))
-                word = []
-        if word:
-            words.append("".join(word))
-        if self.stemmer is None:
-            return words
-        return [self.stemmer.stem(w) if len(w) > 3 and w.isascii() else w for w in words]
-
 
 def _sentences(text: str) -> str:
     """One sentence per line (ROUGE-Lsum's convention)."""
